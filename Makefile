@@ -1,0 +1,41 @@
+# The two quick-start commands (`make demo`, `make test`) each set up a local virtual
+# environment from nothing. torch is installed first, pinned, only when the environment
+# has none: on the project's build machines `torch==2.13.0` is a local CPU wheel, while
+# an unpinned spelling would pull a multi-GB CUDA build. Override with TORCH_SPEC=...
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint typecheck unit bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+# Main job. Until the multi-node training demo exists (issue 6), this runs the codec
+# benchmark on 10M and 50M heavy-tailed fp32 updates.
+demo: $(STAMP)
+	$(PY) bench/codec.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check ciuic_p2p tests bench
+	$(VENV)/bin/ruff format --check ciuic_p2p tests bench
+
+typecheck: $(STAMP)
+	$(VENV)/bin/mypy
+
+unit: $(STAMP)
+	$(VENV)/bin/pytest -q
+
+# The whole test suite: lint, types, then the tests.
+test: lint typecheck unit
+
+bench: $(STAMP)
+	$(PY) bench/codec.py --json
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis

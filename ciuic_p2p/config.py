@@ -1,0 +1,230 @@
+"""The node's configuration: one frozen dataclass with documented defaults.
+
+``Config`` groups its settings in sections (``node``, ``codec``, ``log``); each section
+is itself frozen. Two presets exist: :meth:`Config.lan` for nodes in one data centre
+and :meth:`Config.wan` (the default) for nodes continents apart. A TOML file may
+name a preset and then override single keys::
+
+    preset = "wan"
+
+    [node]
+    name = "tokyo-1"
+    region = "aws:ap-northeast-1"
+
+    [codec]
+    density = 0.001
+
+Unknown keys, wrong types and out-of-range values raise :class:`ConfigError` naming
+the key and the reason. The loader is a pure function of the TOML text.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, get_args, get_origin
+
+from ciuic_p2p.errors import ConfigError
+
+ValueMode = Literal["int8", "fp16"]
+DenseDtype = Literal["fp32", "fp16", "bf16"]
+Selection = Literal["approx", "exact"]
+LogFormat = Literal["auto", "json", "console"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+
+#: Hard limit of the wire format on one chunk's payload (see core.wire).
+MAX_CHUNK_PAYLOAD_BYTES = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSection:
+    """Who this node is and where it listens."""
+
+    name: str = "node"
+    """Human-readable node name, unique within the mesh; shown in logs and status."""
+    region: str = ""
+    """Free-form region label (e.g. ``aws:eu-central-1``); routing may use it as a hint."""
+    listen_host: str = "127.0.0.1"
+    """Address the QUIC endpoint binds to. Loopback by default: opening up is explicit."""
+    listen_port: int = 7946
+    """UDP port of the QUIC endpoint."""
+    state_dir: str = "/var/lib/ciuic"
+    """Directory for the key, checkpoints and the audit log (systemd StateDirectory)."""
+
+
+@dataclass(frozen=True, slots=True)
+class CodecSection:
+    """How updates are compressed before they leave the node (see core.codec)."""
+
+    density: float = 0.01
+    """Fraction of a sparse bucket's entries sent each step (top-k by magnitude).
+    At 1% the INT8 payload costs about 16.3 bits per sent value, about 190x less than
+    dense fp32."""
+    value_mode: ValueMode = "int8"
+    """Encoding of the selected values: INT8 with one fp16 scale per block, or fp16."""
+    block_size: int = 64
+    """Selected values per INT8 scale. 64 costs 0.25 bits per value for the fp16 scale
+    and keeps a block's largest value, which sets the step size, from flattening the
+    rest of a heavy-tailed block; see bench/codec.py's block-size rows."""
+    selection: Selection = "approx"
+    """``approx``: estimate the k-th magnitude from a random sample, select by mask and
+    trim to k (fast); ``exact``: ``torch.topk`` (slow on large tensors, for tests)."""
+    exact_below_numel: int = 65_536
+    """Buckets smaller than this use exact selection: sampling buys nothing there."""
+    dense_below_numel: int = 16_384
+    """Tensors smaller than this (biases, norms) go to a dense bucket: the index costs
+    more than it saves."""
+    dense_dtype: DenseDtype = "fp16"
+    """Wire type of dense buckets."""
+    sample_size: int = 65_536
+    """Random entries inspected to estimate the threshold of approximate selection."""
+    chunk_payload_bytes: int = MAX_CHUNK_PAYLOAD_BYTES
+    """Upper bound on one chunk's payload; chunks travel, relay and get lost
+    independently. At most the wire limit of 1 MiB."""
+    residual_max_ratio: float = 0.0
+    """When > 0, the error-feedback residual's L2 norm is kept at most this many times
+    the running mean norm of recent updates (scaled down when it grows past). 0
+    disables the bound: the residual is then exactly what has not been sent."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogSection:
+    """Logging (see ciuic_p2p.logsetup)."""
+
+    format: LogFormat = "auto"
+    """``auto``: JSON lines under systemd/journald or when stderr is not a terminal,
+    readable console output in a terminal."""
+    level: LogLevel = "info"
+    """Lowest level that is emitted."""
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    """Everything a node can be configured with. Build with :meth:`wan`, :meth:`lan`
+    or :func:`load_config`; change with :func:`dataclasses.replace`."""
+
+    preset: Literal["lan", "wan"] = "wan"
+    """Which preset the values started from (informational once built)."""
+    node: NodeSection = field(default_factory=NodeSection)
+    codec: CodecSection = field(default_factory=CodecSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    @classmethod
+    def wan(cls) -> Config:
+        """Nodes continents apart: 256 KiB chunks, so that a relay can forward the first
+        chunk of a step while the next is still arriving (pipelining over a tree)."""
+        return cls(preset="wan", codec=CodecSection(chunk_payload_bytes=256 * 1024))
+
+    @classmethod
+    def lan(cls) -> Config:
+        """Nodes in one data centre: bandwidth is plentiful, so send 5% of entries and
+        use whole 1 MiB chunks."""
+        return cls(preset="lan", codec=CodecSection(density=0.05))
+
+
+def _validate(cfg: Config) -> None:
+    c = cfg.codec
+    checks: list[tuple[bool, str, str]] = [
+        (0.0 < c.density <= 1.0, "codec.density", "must be in (0, 1]"),
+        (1 <= c.block_size <= 4096, "codec.block_size", "must be in [1, 4096]"),
+        (c.exact_below_numel >= 0, "codec.exact_below_numel", "must be >= 0"),
+        (c.dense_below_numel >= 0, "codec.dense_below_numel", "must be >= 0"),
+        (c.sample_size >= 1024, "codec.sample_size", "must be >= 1024"),
+        (
+            4096 <= c.chunk_payload_bytes <= MAX_CHUNK_PAYLOAD_BYTES,
+            "codec.chunk_payload_bytes",
+            f"must be in [4096, {MAX_CHUNK_PAYLOAD_BYTES}]",
+        ),
+        (c.residual_max_ratio >= 0.0, "codec.residual_max_ratio", "must be >= 0"),
+        (0 <= cfg.node.listen_port <= 65535, "node.listen_port", "must be in [0, 65535]"),
+        (bool(cfg.node.name.strip()), "node.name", "must not be empty"),
+    ]
+    for ok, key, why in checks:
+        if not ok:
+            raise ConfigError(f"{key}: {why}")
+
+
+_PRESETS = {"lan": Config.lan, "wan": Config.wan}
+
+
+def load_config(path: str | Path) -> Config:
+    """Read a TOML file into a :class:`Config` (see the module docstring)."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from exc
+    return config_from_toml(text, source=str(p))
+
+
+def config_from_toml(text: str, source: str = "<string>") -> Config:
+    """Parse TOML text into a :class:`Config`, starting from the preset it names."""
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
+    return config_from_mapping(data, source=source)
+
+
+def config_from_mapping(data: dict[str, Any], source: str = "<mapping>") -> Config:
+    """Build a :class:`Config` from nested dicts as TOML yields them."""
+    preset = data.get("preset", "wan")
+    if preset not in _PRESETS:
+        raise ConfigError(f"{source}: preset: must be one of {sorted(_PRESETS)}, got {preset!r}")
+    base = _PRESETS[preset]()
+    changes: dict[str, Any] = {}
+    hints = typing.get_type_hints(Config)
+    for key, value in data.items():
+        if key == "preset":
+            continue
+        if key not in hints or not dataclasses.is_dataclass(hints[key]):
+            raise ConfigError(f"{source}: {key}: unknown section")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: {key}: must be a table")
+        changes[key] = _replace_section(getattr(base, key), value, f"{source}: {key}")
+    try:
+        return dataclasses.replace(base, **changes)
+    except ConfigError as exc:
+        raise ConfigError(f"{source}: {exc}") from exc
+
+
+def _replace_section(section: Any, values: dict[str, Any], where: str) -> Any:
+    hints = typing.get_type_hints(type(section))
+    updates: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in hints:
+            raise ConfigError(f"{where}.{key}: unknown key")
+        updates[key] = _coerce(value, hints[key], f"{where}.{key}")
+    return dataclasses.replace(section, **updates)
+
+
+def _coerce(value: Any, typ: Any, where: str) -> Any:
+    origin = get_origin(typ)
+    if origin is Literal:
+        allowed = get_args(typ)
+        if value not in allowed:
+            raise ConfigError(f"{where}: must be one of {list(allowed)}, got {value!r}")
+        return value
+    if typ is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: must be true or false, got {value!r}")
+        return value
+    if typ is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: must be an integer, got {value!r}")
+        return value
+    if typ is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{where}: must be a number, got {value!r}")
+        return float(value)
+    if typ is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {typ!r}")  # pragma: no cover

@@ -1,0 +1,61 @@
+"""One exception hierarchy for the whole project.
+
+Every error that a caller may want to handle derives from :class:`CiuicError`, so an
+I/O edge can map "anything of ours" to a log line, a refused peer or a clean exit
+without catching programming errors (``TypeError`` and friends) by accident.
+"""
+
+from __future__ import annotations
+
+
+class CiuicError(Exception):
+    """Base class of every error raised on purpose by ciuic-p2p."""
+
+
+class ConfigError(CiuicError):
+    """A configuration value or file is invalid; the message names the key and why."""
+
+
+# --- codec and wire format -------------------------------------------------------------
+
+
+class CodecError(CiuicError):
+    """Encoding or decoding an update chunk failed."""
+
+
+class NonFiniteUpdateError(CodecError):
+    """An update handed to the encoder holds NaN or Inf; nothing was sent or changed."""
+
+
+class ChunkDecodeError(CodecError):
+    """Bytes received as a chunk are not a valid chunk. Never raised for valid input."""
+
+
+class TruncatedChunkError(ChunkDecodeError):
+    """The bytes end before the header or the payload the header announces."""
+
+
+class OversizeChunkError(ChunkDecodeError):
+    """A size in the chunk (total, payload, count or range) exceeds a hard limit."""
+
+
+class BadMagicError(ChunkDecodeError):
+    """The bytes do not start with the chunk magic: not a chunk at all."""
+
+
+class UnsupportedVersionError(ChunkDecodeError):
+    """The chunk was written by an incompatible wire-format version."""
+
+
+class ChecksumMismatchError(ChunkDecodeError):
+    """The integrity check over header and payload does not match: corrupted bytes."""
+
+
+class InconsistentChunkError(ChunkDecodeError):
+    """Fields disagree with each other or with the payload: wrong lengths, indices out of
+    range or not increasing, k > n, an unknown codec, a non-finite scale or value."""
+
+
+class ChunkMismatchError(CodecError):
+    """A valid chunk does not fit the receiver's model: another run, another parameter
+    layout, or a range outside the bucket."""
