@@ -32,7 +32,7 @@ import torch
 
 from ciuic_p2p.config import CodecSection
 from ciuic_p2p.core import indexcode
-from ciuic_p2p.core.quant import dequantize_int8, quantize_int8, to_fp16
+from ciuic_p2p.core.quant import INT8_LEVELS, dequantize_int8, quantize_int8, to_fp16
 from ciuic_p2p.core.select import ApproxTopK, exact_topk
 from ciuic_p2p.core.wire import (
     HEADER_V1_LEN,
@@ -62,6 +62,8 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is
 #: A gap whose unary code would exceed this many bits starts a new chunk instead
 #: (a header costs 184 bytes = 1472 bits).
 GAP_BREAK_BITS = 2048
+
+_MAX_SCALE = torch.finfo(torch.float32).max / INT8_LEVELS
 
 _DENSE_DTYPES = {
     Codec.DENSE_FP32: torch.float32,
@@ -193,12 +195,15 @@ class BucketEncoder:
     # -- encoding ------------------------------------------------------------------------
 
     def encode(self, update: torch.Tensor, step: int) -> list[bytearray]:
-        """Fold ``update`` (1-D, ``numel`` fp32 values on this encoder's device) into
-        the residual and return the chunks to send for ``step``."""
+        """Fold ``update`` (1-D, ``numel`` values on this encoder's device; other float
+        dtypes are converted to fp32) into the residual and return the chunks to send
+        for ``step``."""
         if update.dim() != 1 or update.numel() != self.numel:
             raise ValueError(f"update must be 1-D with {self.numel} elements")
-        if update.dtype != torch.float32:
-            raise ValueError("update must be float32")
+        if not update.is_floating_point():
+            raise ValueError(f"update must be a floating-point tensor, not {update.dtype}")
+        if update.dtype != torch.float32:  # fp16/bf16/fp64 models: the residual is fp32
+            update = update.to(torch.float32)
         _check_finite(update)
         if self.residual is None:  # dense fp32: lossless, nothing carries over
             chunks = self._dense_chunks(update, step)
@@ -410,8 +415,9 @@ def decode_chunk(
     codec = header.codec
     scales = raw[:scale_len].view(torch.float32)
     value_bytes = raw[scale_len : scale_len + value_len]
-    if codec.has_scales and not bool(torch.isfinite(scales).all() and (scales >= 0).all()):
-        raise InconsistentChunkError("non-finite or negative scale")
+    # A scale above FLT_MAX / 127 would turn a finite code into Inf.
+    if codec.has_scales and not bool(((scales >= 0) & (scales <= _MAX_SCALE)).all()):
+        raise InconsistentChunkError("scale negative, non-finite or too large")
     if codec is Codec.SPARSE_INT8 or codec is Codec.DENSE_INT8:
         values = dequantize_int8(value_bytes.view(torch.int8), scales, header.block_size)
     elif codec is Codec.SPARSE_FP16:

@@ -123,7 +123,8 @@ class BucketLayout:
             src = tensors[name]
             if tuple(src.shape) != tuple(view.shape):
                 raise ValueError(f"{name}: shape {tuple(src.shape)}, layout has {view.shape}")
-            view.copy_(src)
+            with torch.no_grad():
+                view.copy_(src)
 
     def _check(self, buckets: Sequence[torch.Tensor]) -> None:
         if len(buckets) != len(self.buckets):

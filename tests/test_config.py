@@ -1,0 +1,63 @@
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from ciuic_p2p.config import Config, config_from_toml, load_config
+from ciuic_p2p.errors import ConfigError
+
+
+def test_presets_differ_where_documented() -> None:
+    assert Config.wan().preset == "wan" and Config.lan().preset == "lan"
+    assert Config.wan().codec.chunk_payload_bytes < Config.lan().codec.chunk_payload_bytes
+    assert Config.lan().codec.density > Config.wan().codec.density
+
+
+def test_config_is_frozen() -> None:
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        Config().codec.density = 0.5  # type: ignore[misc]
+
+
+def test_toml_overrides_keys_of_the_named_preset(tmp_path: Path) -> None:
+    path = tmp_path / "node.toml"
+    path.write_text(
+        'preset = "lan"\n[node]\nname = "tokyo-1"\nlisten_port = 9000\n'
+        '[codec]\ndensity = 0.001\nblock_size = 128\n[log]\nformat = "json"\n'
+    )
+    cfg = load_config(path)
+    assert cfg.preset == "lan" and cfg.node.name == "tokyo-1" and cfg.node.listen_port == 9000
+    assert cfg.codec.density == 0.001 and cfg.codec.block_size == 128
+    assert cfg.codec.chunk_payload_bytes == Config.lan().codec.chunk_payload_bytes
+    assert cfg.log.format == "json"
+
+
+def test_integer_is_accepted_where_a_float_is_expected() -> None:
+    assert config_from_toml("[codec]\ndensity = 1\n").codec.density == 1.0
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("[codec]\ndensty = 0.1\n", "codec.densty: unknown key"),
+        ("[nodes]\nname = 'a'\n", "nodes: unknown section"),
+        ("[codec]\ndensity = 'high'\n", "codec.density: must be a number"),
+        ("[codec]\ndensity = 2.0\n", "codec.density: must be in (0, 1]"),
+        ("[codec]\nvalue_mode = 'int4'\n", "codec.value_mode: must be one of"),
+        ("[node]\nlisten_port = 70000\n", "node.listen_port"),
+        ("[node]\nlisten_port = true\n", "node.listen_port: must be an integer"),
+        ("preset = 'moon'\n", "preset: must be one of"),
+        ("[codec\n", "not valid TOML"),
+        ("codec = 3\n", "codec: must be a table"),
+    ],
+)
+def test_bad_config_names_the_key_and_why(text: str, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_toml(text, source="x.toml")
+    assert message in str(info.value) and str(info.value).startswith("x.toml")
+
+
+def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "absent.toml")
