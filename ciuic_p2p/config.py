@@ -79,7 +79,7 @@ class CodecSection:
     more than it saves."""
     dense_dtype: DenseDtype = "fp16"
     """Wire type of dense buckets."""
-    sample_size: int = 65_536
+    sample_size: int = 32_768
     """Random entries inspected to estimate the threshold of approximate selection."""
     chunk_payload_bytes: int = MAX_CHUNK_PAYLOAD_BYTES
     """Upper bound on one chunk's payload; chunks travel, relay and get lost

@@ -111,24 +111,46 @@ def rice_encode(gaps: torch.Tensor, r: int) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def _remainders_np(gaps: np.ndarray, r: int) -> np.ndarray:
-    """The low ``r`` bits of each gap, packed MSB first: through big-endian bytes and
-    numpy's bit (un)packing, which beats per-bit shifts several times on a CPU."""
+    """The low ``r`` bits of each gap, packed MSB first. Eight values make exactly
+    ``r`` bytes, so each output byte column is an OR of shifted value columns: about
+    ``r + 8`` vector operations on k/8 rows, several times faster than bit arrays."""
     k = gaps.size
     if r == 0 or k == 0:
         return np.empty(0, dtype=np.uint8)
-    width = (r + 7) // 8
-    low = (gaps & ((1 << r) - 1)).astype(">u8").view(np.uint8).reshape(k, 8)[:, 8 - width :]
-    bits = np.unpackbits(low, axis=1)[:, width * 8 - r :]
-    return np.packbits(bits.reshape(-1))
+    groups = -(-k // 8)
+    values = np.zeros(groups * 8, dtype=np.uint64)
+    values[:k] = gaps & ((1 << r) - 1)
+    values = values.reshape(groups, 8)
+    out = np.zeros((groups, r), dtype=np.uint8)
+    for j, b, shift in _fixed_width_plan(r):
+        col = values[:, j] << np.uint64(shift) if shift >= 0 else values[:, j] >> np.uint64(-shift)
+        out[:, b] |= (col & np.uint64(0xFF)).astype(np.uint8)
+    return out.reshape(-1)[: -(-k * r // 8)]
 
 
 def _remainders_from_np(rem: np.ndarray, count: int, r: int) -> np.ndarray:
-    width = (r + 7) // 8
-    bits = np.zeros((count, width * 8), dtype=np.uint8)
-    bits[:, width * 8 - r :] = np.unpackbits(rem, count=count * r).reshape(count, r)
-    wide = np.zeros((count, 8), dtype=np.uint8)
-    wide[:, 8 - width :] = np.packbits(bits, axis=1)
-    return wide.view(">u8").reshape(count).astype(np.int64)
+    groups = -(-count // 8)
+    padded = np.zeros(groups * r, dtype=np.uint8)
+    padded[: rem.size] = rem
+    data = padded.reshape(groups, r)
+    values = np.zeros((groups, 8), dtype=np.uint64)
+    mask = np.uint64((1 << r) - 1)
+    for j, b, shift in _fixed_width_plan(r):
+        col = data[:, b].astype(np.uint64)
+        values[:, j] |= col >> np.uint64(shift) if shift >= 0 else col << np.uint64(-shift)
+    values &= mask
+    return values.reshape(-1)[:count].astype(np.int64)
+
+
+def _fixed_width_plan(r: int) -> list[tuple[int, int, int]]:
+    """(value j, byte b, left shift) for every byte that value j of a group of eight
+    r-bit values overlaps, MSB first; a negative shift is a right shift."""
+    plan = []
+    for j in range(8):
+        first_bit, last_bit = j * r, (j + 1) * r - 1
+        for b in range(first_bit // 8, last_bit // 8 + 1):
+            plan.append((j, b, (8 * b + 7) - last_bit))
+    return plan
 
 
 def rice_decode(
