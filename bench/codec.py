@@ -21,6 +21,7 @@ measured in one run with one thread count, each figure the median of --reps:
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -61,6 +62,10 @@ def median_ms(fn: Callable[[], object], reps: int) -> float:
         fn()
         times.append(time.perf_counter() - t0)
     return statistics.median(times) * 1e3
+
+
+def topk_abs(x: torch.Tensor, k: int) -> object:
+    return torch.topk(x.abs(), k, sorted=False)
 
 
 def index_bound_bits(n: int, k: int) -> float:
@@ -146,8 +151,8 @@ def index_rows(n: int, density: float, reps: int, gen: torch.Generator) -> list[
                 "density": density,
                 "bits_per_index": len(data) * 8 / k,
                 "bound_bits": index_bound_bits(n, k),
-                "encode_ms": median_ms(lambda e=encode: e(positions), reps),
-                "decode_ms": median_ms(lambda d=decode, b=data: d(b, k), reps),
+                "encode_ms": median_ms(functools.partial(encode, positions), reps),
+                "decode_ms": median_ms(functools.partial(decode, data, k), reps),
             }
         )
     return rows
@@ -208,9 +213,7 @@ def main() -> int:
         for density in densities:
             x = heavy_tailed(n, gen)
             k = int(n * density)
-            topk[(n, density)] = median_ms(
-                lambda x=x, k=k: torch.topk(x.abs(), k, sorted=False), reps
-            )
+            topk[(n, density)] = median_ms(functools.partial(topk_abs, x, k), reps)
             del x
             row = codec_row(n, Codec.SPARSE_INT8, density, reps, gen)
             row["topk_ms"] = topk[(n, density)]

@@ -118,9 +118,9 @@ def _remainders_np(gaps: np.ndarray, r: int) -> np.ndarray:
     if r == 0 or k == 0:
         return np.empty(0, dtype=np.uint8)
     groups = -(-k // 8)
-    values = np.zeros(groups * 8, dtype=np.uint64)
-    values[:k] = gaps & ((1 << r) - 1)
-    values = values.reshape(groups, 8)
+    flat = np.zeros(groups * 8, dtype=np.uint64)
+    flat[:k] = gaps & ((1 << r) - 1)
+    values = flat.reshape(groups, 8)
     out = np.zeros((groups, r), dtype=np.uint8)
     for j, b, shift in _fixed_width_plan(r):
         col = values[:, j] << np.uint64(shift) if shift >= 0 else values[:, j] >> np.uint64(-shift)
