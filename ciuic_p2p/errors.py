@@ -59,3 +59,23 @@ class InconsistentChunkError(ChunkDecodeError):
 class ChunkMismatchError(CodecError):
     """A valid chunk does not fit the receiver's model: another run, another parameter
     layout, or a range outside the bucket."""
+
+
+# --- identity, admission and transport ---------------------------------------------------
+
+
+class IdentityError(CiuicError):
+    """A node key cannot be created, read or used; the message says which file and why."""
+
+
+class AdmissionError(CiuicError):
+    """A peer's credential does not admit it to this cluster (wrong CA, expired,
+    revoked, another cluster, bad proof of possession)."""
+
+
+class SignatureError(CodecError):
+    """A chunk's origin signature is missing or does not verify."""
+
+
+class ReplayedChunkError(CodecError):
+    """A chunk already received from its origin arrived again."""
