@@ -1,0 +1,95 @@
+from __future__ import annotations
+
+import pytest
+
+from ciuic_p2p.core.codec import BucketEncoder, BucketSpec, ChunkSource
+from ciuic_p2p.core.origin import ReplayWindow, sign_chunk, verify_chunk
+from ciuic_p2p.core.wire import ChunkHeader, Codec, IndexCode, parse_chunk
+from ciuic_p2p.errors import CodecError, ReplayedChunkError, SignatureError
+from ciuic_p2p.identity import NodeKey
+from tests.core.helpers import heavy_tailed, reseal
+
+
+def signed_chunks(key: NodeKey, step: int = 1) -> list[bytearray]:
+    source = ChunkSource(b"r" * 16, key.public_key, incarnation=1, layout_id=5)
+    spec = BucketSpec(codec=Codec.SPARSE_INT8, density=0.05, chunk_payload_bytes=4096)
+    chunks = BucketEncoder(0, 100_000, spec, source).encode(heavy_tailed(100_000, step), step)
+    for c in chunks:
+        sign_chunk(c, key)
+    return chunks
+
+
+def test_signed_chunk_verifies_and_any_alteration_is_caught() -> None:
+    key = NodeKey.generate()
+    chunk = signed_chunks(key)[0]
+    assert verify_chunk(chunk).origin == key.public_key
+    for pos in (0, 20, 40, 70, 100, 119, 184, len(chunk) - 1):
+        altered = bytearray(chunk)
+        altered[pos] ^= 0x01
+        with pytest.raises(CodecError):  # framing, checksum or signature: all typed
+            verify_chunk(altered)
+
+
+def test_relay_cannot_forge_a_chunk_with_a_valid_checksum() -> None:
+    key = NodeKey.generate()
+    chunk = signed_chunks(key)[0]
+    forged = bytearray(chunk)
+    forged[-1] ^= 0xFF  # change the payload, then fix the checksum like a relay could
+    reseal(forged)
+    parse_chunk(forged)  # framing is valid...
+    with pytest.raises(SignatureError):
+        verify_chunk(forged)  # ...but the origin's signature is not
+
+
+def test_unsigned_chunk_and_foreign_origin_are_refused() -> None:
+    key = NodeKey.generate()
+    chunk = signed_chunks(key)[0]
+    with pytest.raises(SignatureError):
+        sign_chunk(chunk, NodeKey.generate())
+    unsigned = bytearray(chunk)
+    unsigned[5] = 0
+    with pytest.raises(SignatureError, match="not signed"):
+        verify_chunk(unsigned)
+
+
+def header(
+    step: int, start: int = 0, incarnation: int = 1, origin: bytes = b"o" * 32
+) -> ChunkHeader:
+    return ChunkHeader(
+        codec=Codec.DENSE_FP32,
+        index_code=IndexCode.NONE,
+        rice_bits=0,
+        block_size=0,
+        run_id=b"r" * 16,
+        origin=origin,
+        incarnation=incarnation,
+        step=step,
+        layout_id=0,
+        bucket=0,
+        range_start=start,
+        range_len=1,
+        count=1,
+    )
+
+
+def test_replay_window_drops_duplicates_and_stale_chunks() -> None:
+    window = ReplayWindow(window_steps=10)
+    window.check_and_record(header(5))
+    window.check_and_record(header(5, start=100))
+    with pytest.raises(ReplayedChunkError, match="already"):
+        window.check_and_record(header(5))
+    window.check_and_record(header(20))
+    with pytest.raises(ReplayedChunkError, match="older"):
+        window.check_and_record(header(5))
+    window.check_and_record(header(3, incarnation=2))  # restart resets the window
+    with pytest.raises(ReplayedChunkError, match="incarnation"):
+        window.check_and_record(header(25, incarnation=1))
+    window.check_and_record(header(5, origin=b"p" * 32))  # other origins are separate
+
+
+def test_replay_window_memory_is_bounded() -> None:
+    window = ReplayWindow(window_steps=1_000_000, max_entries=100)
+    for step in range(1000):
+        window.check_and_record(header(step))
+    with pytest.raises(ReplayedChunkError):
+        window.check_and_record(header(10))  # forgotten, hence refused, never accepted twice
