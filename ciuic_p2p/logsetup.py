@@ -76,5 +76,6 @@ def configure_logging(section: LogSection | None = None, stream: TextIO | None =
 
 
 def get_logger(name: str, **context: Any) -> Any:
-    """A structlog logger bound to ``name`` and any context (peer, stream, step...)."""
-    return structlog.get_logger(name).bind(**context)
+    """A structlog logger named ``name`` with initial context (peer, stream, step...).
+    Lazy: it follows the configuration in force when it logs, not when it was made."""
+    return structlog.get_logger(name, logger_name=name, **context)

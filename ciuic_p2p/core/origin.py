@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ciuic_p2p.core.wire import ChunkHeader, parse_chunk, set_signature, signed_region
-from ciuic_p2p.errors import ReplayedChunkError, SignatureError
+from ciuic_p2p.errors import CodecError, ReplayedChunkError, SignatureError
 from ciuic_p2p.identity import NodeKey, verify_signature
 
 
@@ -92,3 +92,33 @@ class ReplayWindow:
 
     def forget(self, origin: bytes) -> None:
         self._origins.pop(origin, None)
+
+
+@dataclass
+class ChunkFilter:
+    """What a receiver does with every chunk before using it: verify the origin's
+    signature, then drop replays. Counts each outcome for metrics and tests."""
+
+    window: ReplayWindow = field(default_factory=ReplayWindow)
+    accepted: int = 0
+    bad_signature: int = 0
+    replayed: int = 0
+    malformed: int = 0
+
+    def admit(self, chunk: bytes | bytearray | memoryview) -> ChunkHeader | None:
+        """The chunk's header when it is new and authentic, else None (counted)."""
+        try:
+            header = verify_chunk(chunk)
+        except SignatureError:
+            self.bad_signature += 1
+            return None
+        except CodecError:
+            self.malformed += 1
+            return None
+        try:
+            self.window.check_and_record(header)
+        except ReplayedChunkError:
+            self.replayed += 1
+            return None
+        self.accepted += 1
+        return header

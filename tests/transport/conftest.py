@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import pytest
 import pytest_asyncio
+from cryptography import x509
 
 from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import TransportSection
@@ -23,7 +24,7 @@ class Cluster:
     ca: ClusterCA
     trust: Trust
 
-    def node_credentials(self) -> tuple[NodeKey, object]:
+    def node_credentials(self) -> tuple[NodeKey, x509.Certificate]:
         key = NodeKey.generate()
         return key, self.ca.issue(key.public_key, NOW)
 
@@ -42,10 +43,12 @@ async def make_node(cluster: Cluster) -> AsyncIterator[NodeFactory]:
     nodes: list[QuicTransport] = []
 
     async def factory(
-        trust: Trust | None = None, settings: TransportSection = FAST, **kw: object
+        trust: Trust | None = None,
+        settings: TransportSection = FAST,
+        credentials: tuple[NodeKey, x509.Certificate] | None = None,
     ) -> QuicTransport:
-        key, cert = kw.pop("credentials", None) or cluster.node_credentials()  # type: ignore[misc]
-        node = QuicTransport(key, cert, trust or cluster.trust, settings=settings)  # type: ignore[arg-type]
+        key, cert = credentials or cluster.node_credentials()
+        node = QuicTransport(key, cert, trust or cluster.trust, settings=settings)
         await node.start()
         nodes.append(node)
         return node

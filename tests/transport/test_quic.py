@@ -2,19 +2,19 @@ from __future__ import annotations
 
 import asyncio
 
-import pytest
-
 from ciuic_p2p.core.frames import FrameType
 from ciuic_p2p.transport.base import FrameReceived, PeerConnected, TransportEvent
 from ciuic_p2p.transport.quic import QuicTransport
 from tests.transport.conftest import NodeFactory
 
 
-async def next_of(node: QuicTransport, kind: type, timeout: float = 5.0) -> TransportEvent:
+async def next_of(
+    node: QuicTransport, kind: type, timeout: float = 5.0, peer: bytes | None = None
+) -> TransportEvent:
     async def wait() -> TransportEvent:
         while True:
             event = await node.next_event()
-            if isinstance(event, kind):
+            if isinstance(event, kind) and (peer is None or getattr(event, "peer", None) == peer):
                 return event
 
     return await asyncio.wait_for(wait(), timeout)
