@@ -7,12 +7,16 @@ User mistakes end in one clear line on stderr and a non-zero exit, never a trace
 from __future__ import annotations
 
 import argparse
+import datetime as dt
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from ciuic_p2p import __version__
+from ciuic_p2p.admission import ClusterCA, load_certificate, load_crl, write_pem
 from ciuic_p2p.config import Config, load_config
-from ciuic_p2p.errors import CiuicError
+from ciuic_p2p.errors import AdmissionError, CiuicError, IdentityError
+from ciuic_p2p.identity import NodeKey, peer_id_of
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -25,6 +29,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--version", action="version", version=f"ciuic-node {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    keygen = sub.add_parser("keygen", help="create a node key and print its peer ID")
+    keygen.add_argument("--out", required=True, help="key file to create (mode 0600)")
+    keygen.add_argument("--force", action="store_true", help="overwrite an existing file")
+
+    ca = sub.add_parser("ca", help="cluster CA: admit and remove nodes")
+    ca_sub = ca.add_subparsers(dest="ca_command", metavar="ACTION", required=True)
+    ca_init = ca_sub.add_parser("init", help="create a cluster CA (ca.key, ca.pem) in DIR")
+    ca_init.add_argument("--dir", required=True, help="directory for the CA (keep it offline)")
+    ca_init.add_argument("--cluster", required=True, help="cluster name")
+    ca_issue = ca_sub.add_parser("issue", help="issue a node certificate for a node key")
+    ca_issue.add_argument("--dir", required=True, help="the CA directory")
+    ca_issue.add_argument(
+        "--key", required=True, help="the node's key file, or its public key in hex"
+    )
+    ca_issue.add_argument("--out", required=True, help="certificate file to write (PEM)")
+    ca_issue.add_argument("--days", type=int, default=365, help="validity in days (365)")
+    ca_revoke = ca_sub.add_parser("revoke", help="add node certificates to the revocation list")
+    ca_revoke.add_argument("--dir", required=True, help="the CA directory")
+    ca_revoke.add_argument("certs", nargs="+", help="certificate files of the nodes to remove")
+    ca_revoke.add_argument("--out", required=True, help="revocation list to write (PEM CRL)")
 
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
@@ -43,12 +68,59 @@ def _config_check(path: str) -> int:
     return 0
 
 
+def _keygen(args: argparse.Namespace) -> int:
+    key = NodeKey.generate()
+    key.save(args.out, overwrite=args.force)
+    print(key.peer_id)
+    return 0
+
+
+def _ca(args: argparse.Namespace) -> int:
+    now = dt.datetime.now(dt.UTC)
+    directory = Path(args.dir)
+    if args.ca_command == "init":
+        if (directory / "ca.key").exists():
+            raise AdmissionError(f"{directory}: a CA already exists there")
+        ca = ClusterCA.create(args.cluster, now)
+        ca.save(directory)
+        print(f"cluster {args.cluster!r}: CA written to {directory}/ca.key and ca.pem")
+        return 0
+    ca = ClusterCA.load(directory)
+    if args.ca_command == "issue":
+        if Path(args.key).exists():
+            public = NodeKey.load(args.key).public_key
+        else:
+            try:
+                public = bytes.fromhex(args.key)
+            except ValueError:
+                raise IdentityError(
+                    f"{args.key}: neither a key file nor a hex public key"
+                ) from None
+            if len(public) != 32:
+                raise IdentityError("a public key is 32 bytes (64 hex digits)")
+        cert = ca.issue(public, now, dt.timedelta(days=args.days))
+        write_pem(args.out, cert)
+        print(f"{peer_id_of(public)}: certificate written to {args.out}")
+        return 0
+    serials = [load_certificate(c).serial_number for c in args.certs]
+    out = Path(args.out)
+    if out.exists():
+        serials += [r.serial_number for r in load_crl(out)]
+    write_pem(out, ca.revocation_list(serials, now))
+    print(f"{len(set(serials))} node(s) revoked; distribute {out} to every node")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "config" and args.config_command == "check":
             return _config_check(args.file)
+        if args.command == "keygen":
+            return _keygen(args)
+        if args.command == "ca":
+            return _ca(args)
     except CiuicError as exc:
         print(f"ciuic-node: error: {exc}", file=sys.stderr)
         return 2

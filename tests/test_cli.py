@@ -49,3 +49,50 @@ def test_config_check_reports_a_bad_file_in_one_line(tmp_path: Path) -> None:
     assert result.stderr.strip().count("\n") == 0
     assert "codec.density: must be in (0, 1]" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_keygen_ca_issue_and_revoke_flow(tmp_path: Path) -> None:
+    key = tmp_path / "node.key"
+    out = run_cli("keygen", "--out", str(key))
+    assert out.returncode == 0 and out.stdout.strip().startswith("ciuic")
+    assert (key.stat().st_mode & 0o777) == 0o600
+    assert run_cli("keygen", "--out", str(key)).returncode == 2  # never overwrites silently
+    ca = tmp_path / "ca"
+    assert run_cli("ca", "init", "--dir", str(ca), "--cluster", "alpha").returncode == 0
+    cert = tmp_path / "node.pem"
+    issued = run_cli("ca", "issue", "--dir", str(ca), "--key", str(key), "--out", str(cert))
+    assert issued.returncode == 0 and out.stdout.strip() in issued.stdout
+    crl = tmp_path / "revoked.pem"
+    revoked = run_cli("ca", "revoke", "--dir", str(ca), str(cert), "--out", str(crl))
+    assert revoked.returncode == 0 and "1 node(s) revoked" in revoked.stdout
+
+    import datetime as dt  # noqa: PLC0415
+
+    from ciuic_p2p.admission import Trust, load_certificate, load_crl  # noqa: PLC0415
+
+    trust = Trust(load_certificate(ca / "ca.pem"), load_crl(crl))
+    try:
+        trust.verify(load_certificate(cert), dt.datetime.now(dt.UTC))
+    except Exception as exc:
+        assert "revoked" in str(exc)
+    else:
+        raise AssertionError("revoked certificate accepted")
+
+
+def test_key_with_loose_permissions_is_one_clear_line(tmp_path: Path) -> None:
+    key = tmp_path / "node.key"
+    assert run_cli("keygen", "--out", str(key)).returncode == 0
+    key.chmod(0o644)
+    assert run_cli("ca", "init", "--dir", str(tmp_path / "ca"), "--cluster", "a").returncode == 0
+    result = run_cli(
+        "ca",
+        "issue",
+        "--dir",
+        str(tmp_path / "ca"),
+        "--key",
+        str(key),
+        "--out",
+        str(tmp_path / "c.pem"),
+    )
+    assert result.returncode == 2 and "chmod 600" in result.stderr
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1

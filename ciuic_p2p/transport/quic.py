@@ -428,6 +428,7 @@ class QuicTransport(Transport):
         link = self._links.get(peer)
         if link is None or link.closed:
             raise TransportError(f"no link to {peer_id_of(peer)}")
+        frame = encode_frame(frame_type, payload)  # checks the size limit before any wait
         cost = bulk_cost(frame_type, len(payload))
         while cost and not link.credit_out.try_spend(cost):
             link.credit_changed.clear()
@@ -441,7 +442,7 @@ class QuicTransport(Transport):
                 raise TransportError(f"{peer_id_of(peer)} stopped reading; dropped") from None
             if link.closed:
                 raise TransportError(f"link to {peer_id_of(peer)} closed")
-        self._send_frame(link, frame_type, payload)
+        link.quic.send_stream_data(BULK_STREAM if cost else CONTROL_STREAM, frame)
         self._transmit(link)
 
     async def next_event(self) -> TransportEvent:

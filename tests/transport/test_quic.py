@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 
+from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.core.frames import FrameType
-from ciuic_p2p.transport.base import FrameReceived, PeerConnected, TransportEvent
+from ciuic_p2p.identity import NodeKey
+from ciuic_p2p.transport.base import FrameReceived, PeerConnected, PeerDisconnected, TransportEvent
 from ciuic_p2p.transport.quic import QuicTransport
 from tests.transport.conftest import NodeFactory
 
@@ -55,3 +58,56 @@ async def test_three_nodes_form_links_pairwise(make_node: NodeFactory) -> None:
     await nodes[2].send(nodes[0].local_key, FrameType.GOSSIP, b"from 2")
     got = await next_of(nodes[0], FrameReceived)
     assert isinstance(got, FrameReceived) and got.peer == nodes[2].local_key
+
+
+async def test_simultaneous_dials_resolve_to_one_link(make_node: NodeFactory) -> None:
+    a, b = await make_node(), await make_node()
+    peer_b, peer_a = await asyncio.gather(a.connect((b.host, b.port)), b.connect((a.host, a.port)))
+    assert (peer_b, peer_a) == (b.local_key, a.local_key)
+    await asyncio.sleep(0.05)  # let the duplicate's close reach the other side
+    assert a.peers() == [b.local_key] and b.peers() == [a.local_key]
+    # Exactly one connected event per side, and the surviving link carries frames.
+    await a.send(b.local_key, FrameType.GOSSIP, b"one link")
+    got = await next_of(b, FrameReceived)
+    assert isinstance(got, FrameReceived) and got.payload == b"one link"
+
+
+async def test_clean_close_tells_the_peer_why(make_node: NodeFactory) -> None:
+    a, b = await make_node(), await make_node()
+    await a.connect((b.host, b.port))
+    await next_of(b, PeerConnected)
+    await a.disconnect(b.local_key, "maintenance")
+    gone = await next_of(b, PeerDisconnected)
+    assert isinstance(gone, PeerDisconnected) and "maintenance" in gone.reason
+    assert not a.peers() and not b.peers()
+
+
+def test_transport_runs_on_uvloop_with_its_own_clock() -> None:
+    import uvloop  # noqa: PLC0415
+
+    async def exchange() -> bytes:
+        from tests.transport.conftest import FAST  # noqa: PLC0415
+
+        ca = ClusterCA.create("uv", dt.datetime.now(dt.UTC))
+        nodes = []
+        for _ in range(2):
+            key = NodeKey.generate()
+            cert = ca.issue(key.public_key, dt.datetime.now(dt.UTC))
+            node = QuicTransport(key, cert, Trust(ca.certificate), settings=FAST)
+            await node.start()
+            nodes.append(node)
+        a, b = nodes
+        await a.connect((b.host, b.port))
+        await a.send(b.local_key, FrameType.CHUNK, b"u" * 1_000_000)
+        got = await next_of(b, FrameReceived)
+        for n in nodes:
+            await n.close()
+        assert isinstance(got, FrameReceived)
+        return got.payload
+
+    loop = uvloop.new_event_loop()
+    try:
+        payload = loop.run_until_complete(asyncio.wait_for(exchange(), 20))
+    finally:
+        loop.close()
+    assert payload == b"u" * 1_000_000
