@@ -28,6 +28,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ciuic_p2p.config import CodecSection
@@ -312,22 +313,22 @@ class BucketEncoder:
         if k == 0:
             return [(0, 0)]
         spec = self.spec
-        unary = gaps >> r
-        per_value = unary + (r + 1 + 8 * spec.codec.value_bytes)
+        fixed = r + 1 + 8 * spec.codec.value_bytes
         if spec.codec.has_scales:
-            per_value += -(-SCALE_BYTES * 8 // spec.block_size)
+            fixed += -(-SCALE_BYTES * 8 // spec.block_size)
         budget = (spec.chunk_payload_bytes - 16) * 8
-        breaks = torch.nonzero(unary > GAP_BREAK_BITS).squeeze(1).cpu().tolist()
-        if not breaks and int(per_value.sum()) <= budget:
+        unary = gaps.cpu().numpy() >> r
+        breaks = np.flatnonzero(unary > GAP_BREAK_BITS).tolist()
+        if not breaks and int(unary.sum()) + fixed * k <= budget:
             return [(0, k)]
-        cum = torch.cumsum(per_value, dim=0).cpu()
+        cum = np.cumsum(unary + fixed)
         stops = [b for b in breaks if b > 0] + [k]
         bounds: list[tuple[int, int]] = []
         a = 0
         for stop in stops:
             while a < stop:
                 base = int(cum[a - 1]) if a else 0
-                b = int(torch.searchsorted(cum[a:stop], base + budget, right=True)) + a
+                b = int(np.searchsorted(cum[a:stop], base + budget, side="right")) + a
                 b = max(b, a + 1)
                 bounds.append((a, b))
                 a = b

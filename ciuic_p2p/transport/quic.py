@@ -512,7 +512,7 @@ class QuicTransport(Transport):
             link.ping_task.cancel()
         link.credit_changed.set()
         if not link.ready.done():
-            link.ready.set_exception(TransportError(reason))
+            link.ready.set_exception(TransportError(f"refused: {reason}"))
         for cid in [c for c, lk in self._by_cid.items() if lk is link]:
             del self._by_cid[cid]
         if link.peer is not None and self._links.get(link.peer) is link:
