@@ -116,6 +116,7 @@ class _Link:
         self.ping_ids = itertools.count(1)
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.transmit_pending = False
 
 
 class _Endpoint(asyncio.DatagramProtocol):
@@ -267,6 +268,18 @@ class QuicTransport(Transport):
                 self._refuse_or_drop(link, str(exc))
             if link.closed:
                 break
+        self._schedule_transmit(link)
+
+    def _schedule_transmit(self, link: _Link) -> None:
+        """Send once per loop iteration, not once per datagram received: datagrams
+        that arrive together are acknowledged together, and each call of aioquic's
+        ``datagrams_to_send`` fills whole packets (measured: fewer, fuller packets)."""
+        if not link.transmit_pending:
+            link.transmit_pending = True
+            asyncio.get_running_loop().call_soon(self._flush, link)
+
+    def _flush(self, link: _Link) -> None:
+        link.transmit_pending = False
         self._transmit(link)
 
     def _handle_event(self, link: _Link, event: qe.QuicEvent) -> None:
