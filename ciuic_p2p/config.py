@@ -111,6 +111,10 @@ class TransportSection:
     and IPv4; aioquic's default of 1200 costs about 20% of goodput."""
     connect_timeout_s: float = 5.0
     """Handshake plus authentication time allowed for an outgoing connection."""
+    reconnect_base_s: float = 0.5
+    """First reconnect delay bound; doubles per failed attempt (full jitter)."""
+    reconnect_max_s: float = 30.0
+    """Cap on the reconnect delay bound."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +176,12 @@ def _validate(cfg: Config) -> None:
         (cfg.transport.idle_timeout_s > 0, "transport.idle_timeout_s", "must be > 0"),
         (cfg.transport.ping_interval_s > 0, "transport.ping_interval_s", "must be > 0"),
         (cfg.transport.stall_timeout_s > 0, "transport.stall_timeout_s", "must be > 0"),
+        (cfg.transport.reconnect_base_s > 0, "transport.reconnect_base_s", "must be > 0"),
+        (
+            cfg.transport.reconnect_max_s >= cfg.transport.reconnect_base_s,
+            "transport.reconnect_max_s",
+            "must be >= reconnect_base_s",
+        ),
         (
             cfg.transport.receive_window_bytes >= 2 * MAX_CHUNK_PAYLOAD_BYTES + 4096,
             "transport.receive_window_bytes",

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import itertools
+import random
 import ssl
 import struct
 import time
@@ -54,7 +55,7 @@ from ciuic_p2p.core.frames import (
     bulk_cost,
     encode_frame,
 )
-from ciuic_p2p.core.rtt import RttEstimator
+from ciuic_p2p.core.rtt import RttEstimator, backoff_delay_s
 from ciuic_p2p.errors import AdmissionError, CiuicError
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.logsetup import get_logger
@@ -117,6 +118,7 @@ class _Link:
         self.bytes_sent = 0
         self.bytes_received = 0
         self.transmit_pending = False
+        self.gone = asyncio.Event()
 
 
 class _Endpoint(asyncio.DatagramProtocol):
@@ -159,6 +161,9 @@ class QuicTransport(Transport):
         self._links: dict[bytes, _Link] = {}
         self._events: asyncio.Queue[TransportEvent] = asyncio.Queue()
         self.refused = 0
+        self._maintained: dict[Address, asyncio.Task[None]] = {}
+        self._rng = random.Random(int.from_bytes(self.local_key[:8], "little"))
+        self.reconnects = 0
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -499,6 +504,42 @@ class QuicTransport(Transport):
             credit_available=link.credit_out.available,
         )
 
+    def maintain(self, address: Address, expected_peer: bytes | None = None) -> None:
+        """Keep a link to ``address`` up: dial now, and again whenever it is lost,
+        after a delay with exponential backoff and full jitter (core.rtt)."""
+        if address not in self._maintained:
+            task = asyncio.get_running_loop().create_task(self._keep_up(address, expected_peer))
+            self._maintained[address] = task
+
+    async def _keep_up(self, address: Address, expected_peer: bytes | None) -> None:
+        s = self.settings
+        attempt = 0
+        while True:
+            link = next(
+                (lk for lk in self._links.values() if lk.address == address and not lk.closed),
+                None,
+            )
+            if link is None:
+                try:
+                    await self.connect(address, expected_peer)
+                    attempt = 0
+                    self.reconnects += 1
+                    continue
+                except TransportError as exc:
+                    delay = backoff_delay_s(
+                        attempt, s.reconnect_base_s, s.reconnect_max_s, self._rng
+                    )
+                    log.info(
+                        "reconnect_failed",
+                        address=f"{address[0]}:{address[1]}",
+                        reason=str(exc),
+                        retry_in_s=round(delay, 3),
+                    )
+                    attempt += 1
+                    await asyncio.sleep(delay)
+                    continue
+            await link.gone.wait()
+
     async def disconnect(self, peer: bytes, reason: str) -> None:
         link = self._links.get(peer)
         if link is not None:
@@ -518,6 +559,7 @@ class QuicTransport(Transport):
         if link.closed:
             return
         link.closed = True
+        link.gone.set()
         for handle in (link.timer, link.auth_deadline):
             if handle is not None:
                 handle.cancel()
@@ -534,6 +576,9 @@ class QuicTransport(Transport):
                 self._events.put_nowait(PeerDisconnected(link.peer, reason))
 
     async def close(self) -> None:
+        for task in self._maintained.values():
+            task.cancel()
+        self._maintained.clear()
         for link in list(self._by_cid.values()) + list(self._links.values()):
             self._close_link(link, "node shutting down")
         if self._udp is not None:

@@ -4,11 +4,12 @@ import asyncio
 import datetime as dt
 
 from ciuic_p2p.admission import ClusterCA, Trust
+from ciuic_p2p.config import TransportSection
 from ciuic_p2p.core.frames import FrameType
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.transport.base import FrameReceived, PeerConnected, PeerDisconnected, TransportEvent
 from ciuic_p2p.transport.quic import QuicTransport
-from tests.transport.conftest import NodeFactory
+from tests.transport.conftest import FAST, Cluster, NodeFactory
 
 
 async def next_of(
@@ -111,3 +112,39 @@ def test_transport_runs_on_uvloop_with_its_own_clock() -> None:
     finally:
         loop.close()
     assert payload == b"u" * 1_000_000
+
+
+async def test_maintained_link_comes_back_after_the_peer_restarts(
+    make_node: NodeFactory, cluster: Cluster
+) -> None:
+    creds = cluster.node_credentials()
+    b = await make_node(credentials=creds)
+    port = b.port
+    a = await make_node()
+    a.maintain((b.host, port), expected_peer=b.local_key)
+    await next_of(a, PeerConnected)
+    await b.close()  # the peer goes away (a restart): a's link drops
+    await next_of(a, PeerDisconnected)
+    b2 = QuicTransport(
+        creds[0], creds[1], cluster.trust, host="127.0.0.1", port=port, settings=FAST
+    )
+    await b2.start()
+    try:
+        back = await next_of(a, PeerConnected, timeout=10)
+        assert isinstance(back, PeerConnected) and back.peer == b2.local_key
+        assert a.reconnects >= 2
+    finally:
+        await b2.close()
+
+
+async def test_peer_that_vanishes_silently_is_dropped_by_the_idle_timeout(
+    make_node: NodeFactory, cluster: Cluster
+) -> None:
+    from tests.transport.test_hostile import authenticated_raw  # noqa: PLC0415
+
+    server = await make_node(settings=TransportSection(idle_timeout_s=0.5, ping_interval_s=0.1))
+    client = await authenticated_raw(server, cluster)
+    await next_of(server, PeerConnected)
+    client.close()  # gone without a word: no CONNECTION_CLOSE, no more packets
+    gone = await next_of(server, PeerDisconnected, timeout=5)
+    assert isinstance(gone, PeerDisconnected) and not server.peers()
