@@ -41,7 +41,7 @@ from ciuic_p2p.core.select import exact_topk
 from ciuic_p2p.core.wire import Codec
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from index_coders import CODERS
+from support.index_coders import CODERS
 
 SOURCE = ChunkSource(run_id=b"bench-run-000001", origin=bytes(32), incarnation=1, layout_id=1)
 

@@ -35,7 +35,8 @@ from ciuic_p2p.core.origin import ChunkFilter, sign_chunk, verify_chunk
 from ciuic_p2p.core.wire import ChunkHeader, Codec, IndexCode, build_chunk
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.transport.base import FrameReceived
-from ciuic_p2p.transport.quic import QuicTransport, new_event_loop
+from ciuic_p2p.transport.loop import new_event_loop
+from ciuic_p2p.transport.quic import QuicTransport
 
 CHUNK_PAYLOAD = 1 << 20
 SETTINGS = TransportSection(max_datagram_size=1452)
@@ -84,6 +85,20 @@ def receiver_main(cred: Any, ca_pem: bytes, loop_kind: str, conn: Any) -> None:
     loop.run_until_complete(run())
 
 
+async def _send_signed_chunks(node: QuicTransport, peer: bytes, n_chunks: int) -> None:
+    """Sign and send ``n_chunks`` distinct 1 MiB chunks, then wait for the receiver's
+    "done" (it has verified every one)."""
+    payload = os.urandom(CHUNK_PAYLOAD)
+    for step in range(n_chunks):
+        chunk = build_chunk(_header(node.local_key, step), [payload])
+        sign_chunk(chunk, node.key)
+        await node.send(peer, FrameType.CHUNK, bytes(chunk))
+    while True:
+        event = await node.next_event()
+        if isinstance(event, FrameReceived) and event.payload == b"done":
+            return
+
+
 def run_ciuic(ca: ClusterCA, loop_kind: str, n_chunks: int) -> dict[str, float]:
     ca_pem = ca.certificate.public_bytes(serialization.Encoding.PEM)
     parent, child = mp.Pipe()
@@ -101,17 +116,9 @@ def run_ciuic(ca: ClusterCA, loop_kind: str, n_chunks: int) -> dict[str, float]:
         t0 = time.perf_counter()
         peer = await node.connect((host, port))
         handshake_ms = (time.perf_counter() - t0) * 1e3
-        payload = os.urandom(CHUNK_PAYLOAD)
         cpu0 = time.process_time()
         t0 = time.perf_counter()
-        for step in range(n_chunks):
-            chunk = build_chunk(_header(node.local_key, step), [payload])
-            sign_chunk(chunk, node.key)
-            await node.send(peer, FrameType.CHUNK, bytes(chunk))
-        while True:
-            event = await node.next_event()
-            if isinstance(event, FrameReceived) and event.payload == b"done":
-                break
+        await _send_signed_chunks(node, peer, n_chunks)
         elapsed = time.perf_counter() - t0
         sender_cpu = time.process_time() - cpu0
         await node.close()
@@ -156,17 +163,9 @@ def sender_main(cred: Any, ca_pem: bytes, address: Any, n_chunks: int, conn: Any
         node = _node(cred, ca_pem)
         await node.start()
         peer = await node.connect(address)
-        payload = os.urandom(CHUNK_PAYLOAD)
         conn.send("ready")
         conn.recv()
-        for step in range(n_chunks):
-            chunk = build_chunk(_header(node.local_key, step), [payload])
-            sign_chunk(chunk, node.key)
-            await node.send(peer, FrameType.CHUNK, bytes(chunk))
-        while True:
-            event = await node.next_event()
-            if isinstance(event, FrameReceived) and event.payload == b"done":
-                break
+        await _send_signed_chunks(node, peer, n_chunks)
         conn.send("done")
         await node.close()
 

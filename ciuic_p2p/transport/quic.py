@@ -26,13 +26,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import itertools
 import random
 import ssl
 import struct
 import time
 from collections.abc import Callable
-from typing import Any, cast
+from typing import Any
 
 from aioquic.buffer import Buffer  # type: ignore[attr-defined]
 from aioquic.quic import events as qe
@@ -47,15 +46,12 @@ from ciuic_p2p.config import TransportSection
 from ciuic_p2p.core.auth import build_auth, check_auth
 from ciuic_p2p.core.frames import (
     BULK_TYPES,
-    CreditReceiver,
-    CreditSender,
-    FrameReader,
     FrameType,
     FramingError,
     bulk_cost,
     encode_frame,
 )
-from ciuic_p2p.core.rtt import RttEstimator, backoff_delay_s
+from ciuic_p2p.core.rtt import backoff_delay_s
 from ciuic_p2p.errors import AdmissionError, CiuicError
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.logsetup import get_logger
@@ -69,10 +65,11 @@ from ciuic_p2p.transport.base import (
     Transport,
     TransportEvent,
 )
+from ciuic_p2p.transport.link import BULK_STREAM, CONTROL_STREAM, QuicLink
 
 ALPN = "ciuic/1"
-CONTROL_STREAM = 0
-BULK_STREAM = 4
+
+
 CID_LENGTH = 8
 MIN_INITIAL_DATAGRAM = 1200
 _PING = struct.Struct("<Qd")
@@ -90,35 +87,6 @@ def _now() -> float:
 
 def _utcnow() -> dt.datetime:
     return dt.datetime.now(dt.UTC)
-
-
-class _Link:
-    """One QUIC connection and what we know of its peer."""
-
-    def __init__(self, quic: QuicConnection, address: Address, dialed: bool, window: int) -> None:
-        self.quic = quic
-        self.address = address
-        self.dialed = dialed
-        self.peer: bytes | None = None
-        self.claimed = "?"
-        self.authenticated = False
-        self.closed = False
-        self.readers = {CONTROL_STREAM: FrameReader(), BULK_STREAM: FrameReader()}
-        self.credit_out = CreditSender(0)
-        self.peer_window = 0
-        self.credit_in = CreditReceiver(window)
-        self.credit_changed = asyncio.Event()
-        self.ready: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        self.timer: asyncio.TimerHandle | None = None
-        self.timer_at: float | None = None
-        self.auth_deadline: asyncio.TimerHandle | None = None
-        self.ping_task: asyncio.Task[None] | None = None
-        self.rtt = RttEstimator()
-        self.ping_ids = itertools.count(1)
-        self.bytes_sent = 0
-        self.bytes_received = 0
-        self.transmit_pending = False
-        self.gone = asyncio.Event()
 
 
 class _Endpoint(asyncio.DatagramProtocol):
@@ -157,8 +125,8 @@ class QuicTransport(Transport):
         self.clock = clock
         self.wallclock = wallclock
         self._udp: asyncio.DatagramTransport | None = None
-        self._by_cid: dict[bytes, _Link] = {}
-        self._links: dict[bytes, _Link] = {}
+        self._by_cid: dict[bytes, QuicLink] = {}
+        self._links: dict[bytes, QuicLink] = {}
         self._events: asyncio.Queue[TransportEvent] = asyncio.Queue()
         self.refused = 0
         self._maintained: dict[Address, asyncio.Task[None]] = {}
@@ -198,7 +166,7 @@ class QuicTransport(Transport):
         if self._udp is None:
             raise TransportError("transport not started")
         quic = QuicConnection(configuration=self._configuration(is_client=True))
-        link = _Link(quic, address, dialed=True, window=self.settings.receive_window_bytes)
+        link = QuicLink(quic, address, dialed=True, window=self.settings.receive_window_bytes)
         link.claimed = peer_id_of(expected_peer) if expected_peer else "?"
         self._register(link, quic.host_cid)
         quic.connect(address, now=self.clock())
@@ -217,7 +185,7 @@ class QuicTransport(Transport):
 
     # -- datagrams, timers, events --------------------------------------------------------
 
-    def _register(self, link: _Link, cid: bytes) -> None:
+    def _register(self, link: QuicLink, cid: bytes) -> None:
         self._by_cid[cid] = link
 
     def _datagram_received(self, data: bytes, addr: Address) -> None:
@@ -233,7 +201,7 @@ class QuicTransport(Transport):
                 configuration=self._configuration(is_client=False),
                 original_destination_connection_id=header.destination_cid,
             )
-            link = _Link(quic, addr, dialed=False, window=self.settings.receive_window_bytes)
+            link = QuicLink(quic, addr, dialed=False, window=self.settings.receive_window_bytes)
             self._register(link, header.destination_cid)
             self._register(link, quic.host_cid)
             link.auth_deadline = asyncio.get_running_loop().call_later(
@@ -243,7 +211,7 @@ class QuicTransport(Transport):
         link.quic.receive_datagram(data, addr, now=self.clock())
         self._process(link)
 
-    def _transmit(self, link: _Link) -> None:
+    def _transmit(self, link: QuicLink) -> None:
         udp = self._udp
         if udp is None:
             return
@@ -259,13 +227,13 @@ class QuicTransport(Transport):
             if timer_at is not None:
                 link.timer = asyncio.get_running_loop().call_at(timer_at, self._on_timer, link)
 
-    def _on_timer(self, link: _Link) -> None:
+    def _on_timer(self, link: QuicLink) -> None:
         link.timer = None
         link.timer_at = None
         link.quic.handle_timer(now=self.clock())
         self._process(link)
 
-    def _process(self, link: _Link) -> None:
+    def _process(self, link: QuicLink) -> None:
         while (event := link.quic.next_event()) is not None:
             try:
                 self._handle_event(link, event)
@@ -275,7 +243,7 @@ class QuicTransport(Transport):
                 break
         self._schedule_transmit(link)
 
-    def _schedule_transmit(self, link: _Link) -> None:
+    def _schedule_transmit(self, link: QuicLink) -> None:
         """Send once per loop iteration, not once per datagram received: datagrams
         that arrive together are acknowledged together, and each call of aioquic's
         ``datagrams_to_send`` fills whole packets (measured: fewer, fuller packets)."""
@@ -283,11 +251,11 @@ class QuicTransport(Transport):
             link.transmit_pending = True
             asyncio.get_running_loop().call_soon(self._flush, link)
 
-    def _flush(self, link: _Link) -> None:
+    def _flush(self, link: QuicLink) -> None:
         link.transmit_pending = False
         self._transmit(link)
 
-    def _handle_event(self, link: _Link, event: qe.QuicEvent) -> None:
+    def _handle_event(self, link: QuicLink, event: qe.QuicEvent) -> None:
         if isinstance(event, qe.ConnectionIdIssued):
             self._register(link, event.connection_id)
         elif isinstance(event, qe.ConnectionIdRetired):
@@ -312,7 +280,7 @@ class QuicTransport(Transport):
 
     # -- authentication -------------------------------------------------------------------
 
-    def _client_prove(self, link: _Link) -> None:
+    def _client_prove(self, link: QuicLink) -> None:
         cert = link.quic.tls._peer_certificate
         if cert is None:
             raise AdmissionError("server sent no certificate")
@@ -329,7 +297,7 @@ class QuicTransport(Transport):
         )
         self._send_frame(link, FrameType.AUTH, proof)
 
-    def _server_check(self, link: _Link, payload: bytes) -> None:
+    def _server_check(self, link: QuicLink, payload: bytes) -> None:
         with contextlib.suppress(ValueError, IndexError):
             cert = x509.load_der_x509_certificate(payload[3:-64])
             link.claimed = cert.subject.rfc4514_string()
@@ -346,7 +314,7 @@ class QuicTransport(Transport):
         self._send_frame(link, FrameType.AUTH_OK, b"")
         self._authenticated(link)
 
-    def _authenticated(self, link: _Link) -> None:
+    def _authenticated(self, link: QuicLink) -> None:
         assert link.peer is not None
         if link.auth_deadline is not None:
             link.auth_deadline.cancel()
@@ -371,16 +339,16 @@ class QuicTransport(Transport):
             self._events.put_nowait(PeerConnected(link.peer, link.address, link.dialed))
         link.ping_task = asyncio.get_running_loop().create_task(self._ping_loop(link))
 
-    def _dialer(self, link: _Link) -> bytes:
+    def _dialer(self, link: QuicLink) -> bytes:
         assert link.peer is not None
         return self.local_key if link.dialed else link.peer
 
-    def _auth_timeout(self, link: _Link) -> None:
+    def _auth_timeout(self, link: QuicLink) -> None:
         if not link.authenticated and not link.closed:
             self._refuse_or_drop(link, "not authenticated in time")
             self._transmit(link)
 
-    def _refuse_or_drop(self, link: _Link, reason: str) -> None:
+    def _refuse_or_drop(self, link: QuicLink, reason: str) -> None:
         if not link.authenticated:
             self.refused += 1
             log.warning(
@@ -397,7 +365,7 @@ class QuicTransport(Transport):
 
     # -- frames ---------------------------------------------------------------------------
 
-    def _handle_frame(self, link: _Link, stream: int, ftype: FrameType, payload: bytes) -> None:
+    def _handle_frame(self, link: QuicLink, stream: int, ftype: FrameType, payload: bytes) -> None:
         if not link.authenticated:
             if link.dialed and ftype is FrameType.AUTH_OK:
                 self._authenticated(link)
@@ -430,11 +398,11 @@ class QuicTransport(Transport):
             link.credit_in.received(bulk_cost(ftype, len(payload)))
             self._events.put_nowait(FrameReceived(link.peer, ftype, payload))
 
-    def _send_frame(self, link: _Link, ftype: FrameType, payload: bytes) -> None:
+    def _send_frame(self, link: QuicLink, ftype: FrameType, payload: bytes) -> None:
         stream = BULK_STREAM if ftype in BULK_TYPES else CONTROL_STREAM
         link.quic.send_stream_data(stream, encode_frame(ftype, payload))
 
-    async def _ping_loop(self, link: _Link) -> None:
+    async def _ping_loop(self, link: QuicLink) -> None:
         while not link.closed:
             self._send_frame(link, FrameType.PING, _PING.pack(next(link.ping_ids), self.clock()))
             self._transmit(link)
@@ -545,7 +513,7 @@ class QuicTransport(Transport):
         if link is not None:
             self._close_link(link, reason)
 
-    def _close_link(self, link: _Link, reason: str, quiet: bool = False) -> None:
+    def _close_link(self, link: QuicLink, reason: str, quiet: bool = False) -> None:
         if link.closed:
             return
         if link.authenticated and not quiet:
@@ -555,7 +523,7 @@ class QuicTransport(Transport):
         self._transmit(link)
         self._link_gone(link, reason, quiet=quiet)
 
-    def _link_gone(self, link: _Link, reason: str, quiet: bool = False) -> None:
+    def _link_gone(self, link: QuicLink, reason: str, quiet: bool = False) -> None:
         if link.closed:
             return
         link.closed = True
@@ -587,13 +555,4 @@ class QuicTransport(Transport):
         await asyncio.sleep(0)
 
 
-def new_event_loop() -> asyncio.AbstractEventLoop:
-    """uvloop where available (it is on Linux), else asyncio's default loop."""
-    try:
-        import uvloop  # noqa: PLC0415
-    except ImportError:  # pragma: no cover
-        return asyncio.new_event_loop()
-    return cast(asyncio.AbstractEventLoop, uvloop.new_event_loop())
-
-
-__all__ = ["ALPN", "QuicTransport", "TransportError", "new_event_loop"]
+__all__ = ["ALPN", "BULK_STREAM", "CONTROL_STREAM", "QuicTransport", "TransportError"]
