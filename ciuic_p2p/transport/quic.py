@@ -114,6 +114,7 @@ class QuicTransport(Transport):
         settings: TransportSection | None = None,
         clock: Callable[[], float] = _now,
         wallclock: Callable[[], dt.datetime] = _utcnow,
+        wrap_udp: Callable[[asyncio.DatagramTransport], asyncio.DatagramTransport] | None = None,
     ) -> None:
         self.key = key
         self.local_key = key.public_key
@@ -124,6 +125,7 @@ class QuicTransport(Transport):
         self.settings = settings or TransportSection()
         self.clock = clock
         self.wallclock = wallclock
+        self.wrap_udp = wrap_udp
         self._udp: asyncio.DatagramTransport | None = None
         self._by_cid: dict[bytes, QuicLink] = {}
         self._links: dict[bytes, QuicLink] = {}
@@ -157,7 +159,7 @@ class QuicTransport(Transport):
         transport, _ = await loop.create_datagram_endpoint(
             lambda: _Endpoint(self), local_addr=(self.host, self.port)
         )
-        self._udp = transport
+        self._udp = transport if self.wrap_udp is None else self.wrap_udp(transport)
         sock = self._udp.get_extra_info("sockname")
         self.host, self.port = sock[0], sock[1]
         return (self.host, self.port)

@@ -1,0 +1,17 @@
+"""Data shipped with the package: measured WAN matrices (wan/, with their provenance
+in wan/README.md) and emulator scenarios built from them (scenarios/)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+DATA_DIR = Path(__file__).parent
+WAN_DIR = DATA_DIR / "wan"
+SCENARIO_DIR = DATA_DIR / "scenarios"
+
+
+def scenario_path(name: str) -> Path:
+    """A shipped scenario by name (``cities11``, ``multicloud8``, ``harsh``,
+    ``partition``), or any path given as is."""
+    shipped = SCENARIO_DIR / f"{name}.toml"
+    return shipped if shipped.exists() else Path(name)

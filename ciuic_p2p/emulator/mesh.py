@@ -1,0 +1,135 @@
+"""Several nodes in one process on the real clock, their datagrams shaped by one
+emulated network, and a UDP ping for measuring what the emulator does.
+
+    mesh = EmulatedMesh(load_scenario(scenario_path("cities11")))
+    node = QuicTransport(key, cert, trust, wrap_udp=mesh.wrapper("Tokyo"))
+    mesh.register("Tokyo", await node.start())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import itertools
+import statistics
+import struct
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ciuic_p2p.core.scenario import EmulatedNetwork, Scenario
+from ciuic_p2p.emulator.udp import Address, EmulatedDatagramTransport
+
+_PING = struct.Struct("<BQd")  # kind (0 ping, 1 pong), id, send time
+
+
+class EmulatedMesh:
+    """The address book and the shared network of an in-process emulated mesh."""
+
+    def __init__(self, scenario: Scenario, clock: Callable[[], float] = time.monotonic) -> None:
+        self.scenario = scenario
+        self.network = EmulatedNetwork(scenario)
+        self.clock = clock
+        self.start = clock()
+        self.addresses: dict[str, Address] = {}
+        self.book: dict[Address, str] = {}
+
+    def register(self, node: str, address: Address) -> None:
+        self.addresses[node] = address
+        self.book[(address[0], address[1])] = node
+
+    def wrapper(
+        self, node: str
+    ) -> Callable[[asyncio.DatagramTransport], asyncio.DatagramTransport]:
+        if node not in self.scenario.node_names():
+            raise KeyError(f"{node} is not in the scenario")
+
+        def wrap(inner: asyncio.DatagramTransport) -> asyncio.DatagramTransport:
+            return EmulatedDatagramTransport(
+                inner, self.network, node, self.book, self.start, self.clock
+            )
+
+        return wrap
+
+    def now(self) -> float:
+        """Seconds since the mesh started (the scenario's schedule clock)."""
+        return self.clock() - self.start
+
+
+class PingNode(asyncio.DatagramProtocol):
+    """Answers pings and times its own: the emulator's calibration instrument."""
+
+    def __init__(self, mesh: EmulatedMesh, name: str) -> None:
+        self.mesh = mesh
+        self.name = name
+        self.udp: asyncio.DatagramTransport | None = None
+        self.waiting: dict[int, asyncio.Future[float]] = {}
+        self.ids = itertools.count()
+        self.received = 0
+
+    @classmethod
+    async def start(cls, mesh: EmulatedMesh, name: str) -> PingNode:
+        node = cls(mesh, name)
+        loop = asyncio.get_running_loop()
+        raw, _ = await loop.create_datagram_endpoint(lambda: node, local_addr=("127.0.0.1", 0))
+        node.udp = mesh.wrapper(name)(raw)
+        mesh.register(name, raw.get_extra_info("sockname"))
+        return node
+
+    def datagram_received(self, data: bytes, addr: Any) -> None:
+        self.received += 1
+        if len(data) < _PING.size or self.udp is None:
+            return
+        kind, ident, sent_at = _PING.unpack_from(data)
+        if kind == 0:
+            self.udp.sendto(_PING.pack(1, ident, sent_at) + data[_PING.size :], addr)
+        elif (fut := self.waiting.pop(ident, None)) is not None and not fut.done():
+            fut.set_result(time.perf_counter() - sent_at)
+
+    async def ping(self, peer: str, timeout: float, size: int = 64) -> float | None:
+        """One round trip to ``peer`` in seconds, or None if it was lost."""
+        assert self.udp is not None
+        ident = next(self.ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.waiting[ident] = fut
+        payload = _PING.pack(0, ident, time.perf_counter())
+        self.udp.sendto(payload + bytes(max(0, size - len(payload))), self.mesh.addresses[peer])
+        try:
+            return await asyncio.wait_for(fut, timeout)
+        except TimeoutError:
+            self.waiting.pop(ident, None)
+            return None
+
+    def close(self) -> None:
+        if self.udp is not None:
+            self.udp.close()
+
+
+async def measure_rtts(
+    scenario: Scenario, pings: int = 7, spacing_s: float = 0.02
+) -> dict[tuple[str, str], float]:
+    """Median measured RTT of every unordered pair, all pairs at once."""
+    mesh = EmulatedMesh(scenario)
+    nodes = {n: await PingNode.start(mesh, n) for n in scenario.node_names()}
+
+    async def pair(a: str, b: str) -> tuple[tuple[str, str], float]:
+        timeout = 2 * scenario.rtt_s(a, b) + 1.0
+        samples = []
+        for _ in range(pings):
+            rtt = await nodes[a].ping(b, timeout)
+            if rtt is not None:
+                samples.append(rtt)
+            await asyncio.sleep(spacing_s)
+        return (a, b), statistics.median(samples) if samples else float("nan")
+
+    names = scenario.node_names()
+    # A garbage-collection pause in the middle would be measured as link delay.
+    gc.collect()
+    gc.disable()
+    try:
+        results = await asyncio.gather(*(pair(a, b) for a, b in itertools.combinations(names, 2)))
+    finally:
+        gc.enable()
+        for node in nodes.values():
+            node.close()
+    return dict(results)
