@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -50,6 +51,17 @@ def build_parser() -> argparse.ArgumentParser:
     ca_revoke.add_argument("--dir", required=True, help="the CA directory")
     ca_revoke.add_argument("certs", nargs="+", help="certificate files of the nodes to remove")
     ca_revoke.add_argument("--out", required=True, help="revocation list to write (PEM CRL)")
+
+    emulate = sub.add_parser(
+        "emulate",
+        help="start emulated nodes on a WAN scenario as processes, measure, tear down",
+    )
+    emulate.add_argument(
+        "scenario", help="shipped scenario (cities11, multicloud8, harsh, partition) or a file"
+    )
+    emulate.add_argument("--nodes", type=int, default=0, help="first N nodes (0: all)")
+    emulate.add_argument("--pings", type=int, default=5, help="pings per pair")
+    emulate.add_argument("--json", action="store_true", help="print JSON")
 
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
@@ -111,6 +123,35 @@ def _ca(args: argparse.Namespace) -> int:
     return 0
 
 
+def _emulate(args: argparse.Namespace) -> int:
+    from ciuic_p2p.core.scenario import load_scenario  # noqa: PLC0415
+    from ciuic_p2p.data import scenario_path  # noqa: PLC0415
+    from ciuic_p2p.emulator.processes import ProcessMesh  # noqa: PLC0415
+
+    path = scenario_path(args.scenario)
+    scenario = load_scenario(path)
+    with ProcessMesh(path, nodes=args.nodes or None) as mesh:
+        rtts = mesh.measure_rtts(pings=args.pings)
+    rows = [
+        {
+            "src": a,
+            "dst": b,
+            "configured_ms": scenario.rtt_s(a, b) * 1e3,
+            "measured_ms": None if rtt is None else rtt * 1e3,
+        }
+        for a, row in rtts.items()
+        for b, rtt in row.items()
+    ]
+    if args.json:
+        print(json.dumps({"scenario": str(path), "nodes": mesh.names, "pairs": rows}))
+        return 0
+    print(f"{len(mesh.names)} node processes on {path}:")
+    for r in rows:
+        measured = "lost" if r["measured_ms"] is None else f"{r['measured_ms']:8.1f} ms"
+        print(f"  {r['src']:>24} -> {r['dst']:<24} {r['configured_ms']:8.1f} ms  {measured}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -121,6 +162,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _keygen(args)
         if args.command == "ca":
             return _ca(args)
+        if args.command == "emulate":
+            return _emulate(args)
     except CiuicError as exc:
         print(f"ciuic-node: error: {exc}", file=sys.stderr)
         return 2

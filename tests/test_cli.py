@@ -96,3 +96,17 @@ def test_key_with_loose_permissions_is_one_clear_line(tmp_path: Path) -> None:
     )
     assert result.returncode == 2 and "chmod 600" in result.stderr
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_emulate_starts_measures_and_tears_down() -> None:
+    result = run_cli("emulate", "multicloud8", "--nodes", "3", "--pings", "2", "--json")
+    assert result.returncode == 0, result.stderr
+    import json  # noqa: PLC0415
+
+    data = json.loads(result.stdout)
+    assert len(data["nodes"]) == 3 and len(data["pairs"]) == 6
+    for pair in data["pairs"]:
+        assert pair["measured_ms"] is not None
+        assert abs(pair["measured_ms"] - pair["configured_ms"]) < max(
+            3, 0.05 * pair["configured_ms"]
+        )

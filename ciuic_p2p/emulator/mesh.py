@@ -26,11 +26,18 @@ _PING = struct.Struct("<BQd")  # kind (0 ping, 1 pong), id, send time
 class EmulatedMesh:
     """The address book and the shared network of an in-process emulated mesh."""
 
-    def __init__(self, scenario: Scenario, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        scenario: Scenario,
+        clock: Callable[[], float] = time.monotonic,
+        start: float | None = None,
+    ) -> None:
+        """``start``: the scenario's time zero on ``clock``; separate processes pass the
+        same value (CLOCK_MONOTONIC is system-wide) so their schedules agree."""
         self.scenario = scenario
         self.network = EmulatedNetwork(scenario)
         self.clock = clock
-        self.start = clock()
+        self.start = clock() if start is None else start
         self.addresses: dict[str, Address] = {}
         self.book: dict[Address, str] = {}
 
@@ -68,10 +75,12 @@ class PingNode(asyncio.DatagramProtocol):
         self.received = 0
 
     @classmethod
-    async def start(cls, mesh: EmulatedMesh, name: str) -> PingNode:
+    async def start(
+        cls, mesh: EmulatedMesh, name: str, address: Address = ("127.0.0.1", 0)
+    ) -> PingNode:
         node = cls(mesh, name)
         loop = asyncio.get_running_loop()
-        raw, _ = await loop.create_datagram_endpoint(lambda: node, local_addr=("127.0.0.1", 0))
+        raw, _ = await loop.create_datagram_endpoint(lambda: node, local_addr=address)
         node.udp = mesh.wrapper(name)(raw)
         mesh.register(name, raw.get_extra_info("sockname"))
         return node
