@@ -63,6 +63,15 @@ def build_parser() -> argparse.ArgumentParser:
     emulate.add_argument("--pings", type=int, default=5, help="pings per pair")
     emulate.add_argument("--json", action="store_true", help="print JSON")
 
+    netem = sub.add_parser(
+        "netem",
+        help="run a scenario's nodes in network namespaces shaped by kernel netem (root)",
+    )
+    netem.add_argument("scenario", help="shipped scenario name or a file")
+    netem.add_argument("--nodes", type=int, default=0, help="first N nodes (0: all)")
+    netem.add_argument("--pings", type=int, default=5, help="pings per pair")
+    netem.add_argument("--dry-run", action="store_true", help="print the ip/tc commands only")
+
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     check = config_sub.add_parser("check", help="validate a TOML config file and print it")
@@ -152,6 +161,37 @@ def _emulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _netem(args: argparse.Namespace) -> int:
+    from ciuic_p2p.core.scenario import load_scenario  # noqa: PLC0415
+    from ciuic_p2p.data import scenario_path  # noqa: PLC0415
+    from ciuic_p2p.emulator import netns  # noqa: PLC0415
+    from ciuic_p2p.emulator.processes import ProcessMesh  # noqa: PLC0415
+
+    path = scenario_path(args.scenario)
+    scenario = load_scenario(path)
+    if args.nodes:
+        scenario = scenario.subset(scenario.node_names()[: args.nodes])
+    if args.dry_run:
+        up, down = netns.commands(scenario, "DRY")
+        for cmd in up + down:
+            print(" ".join(cmd))
+        return 0
+    try:
+        with (
+            netns.namespaces(scenario) as spaces,
+            ProcessMesh(path, nodes=len(scenario.nodes), namespaces=spaces) as mesh,
+        ):
+            rtts = mesh.measure_rtts(pings=args.pings)
+    except netns.NetemUnavailable as exc:
+        print(f"ciuic-node: netem unavailable: {exc}", file=sys.stderr)
+        return netns.EXIT_NO_NETEM
+    for a, row in rtts.items():
+        for b, rtt in row.items():
+            shown = "lost" if rtt is None else f"{rtt * 1e3:8.1f} ms"
+            print(f"  {a:>24} -> {b:<24} {scenario.rtt_s(a, b) * 1e3:8.1f} ms  {shown}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -164,6 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _ca(args)
         if args.command == "emulate":
             return _emulate(args)
+        if args.command == "netem":
+            return _netem(args)
     except CiuicError as exc:
         print(f"ciuic-node: error: {exc}", file=sys.stderr)
         return 2

@@ -76,12 +76,17 @@ class PingNode(asyncio.DatagramProtocol):
 
     @classmethod
     async def start(
-        cls, mesh: EmulatedMesh, name: str, address: Address = ("127.0.0.1", 0)
+        cls,
+        mesh: EmulatedMesh,
+        name: str,
+        address: Address = ("127.0.0.1", 0),
+        shape: bool = True,
     ) -> PingNode:
+        """``shape=False``: send unshaped (the kernel's netem shapes instead)."""
         node = cls(mesh, name)
         loop = asyncio.get_running_loop()
         raw, _ = await loop.create_datagram_endpoint(lambda: node, local_addr=address)
-        node.udp = mesh.wrapper(name)(raw)
+        node.udp = mesh.wrapper(name)(raw) if shape else raw
         mesh.register(name, raw.get_extra_info("sockname"))
         return node
 

@@ -25,6 +25,7 @@ import time
 
 from ciuic_p2p.core.scenario import load_scenario
 from ciuic_p2p.emulator.mesh import EmulatedMesh, PingNode
+from ciuic_p2p.emulator.netns import address as netns_address
 
 
 async def serve(args: argparse.Namespace) -> int:
@@ -73,6 +74,12 @@ async def serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _address(args: argparse.Namespace, index: int) -> tuple[str, int]:
+    if args.netns:  # inside the namespaces of emulator.netns: the kernel shapes
+        return (netns_address(index), args.base_port)
+    return ("127.0.0.1", args.base_port + index)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="one emulated node (a test program)")
     ap.add_argument("--scenario", required=True)
@@ -80,6 +87,11 @@ def main() -> int:
     ap.add_argument("--base-port", type=int, required=True)
     ap.add_argument("--start", type=float, default=None, help="time zero (time.monotonic)")
     ap.add_argument("--nodes", type=int, default=0, help="use the first N nodes (0: all)")
+    ap.add_argument(
+        "--netns",
+        action="store_true",
+        help="run inside the namespaces of `ciuic-node netem`: kernel netem shapes, not us",
+    )
     args = ap.parse_args()
     if args.start is None:
         args.start = time.monotonic()

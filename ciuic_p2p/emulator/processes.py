@@ -34,19 +34,25 @@ class ProcessMesh:
         nodes: int | None = None,
         base_port: int | None = None,
         startup_timeout_s: float = 20.0,
+        namespaces: list[str] | None = None,
     ) -> None:
+        """``namespaces``: run node i inside network namespace i (emulator.netns)."""
         self.scenario_path = str(scenario)
         names = load_scenario(scenario).node_names()
         self.names = names[: nodes or len(names)]
         self.base_port = base_port or random.Random(os.getpid()).randrange(20_000, 60_000, 100)
         self.startup_timeout_s = startup_timeout_s
         self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.namespaces = namespaces
 
     def start(self) -> ProcessMesh:
         start = time.monotonic()
-        for name in self.names:
+        for i, name in enumerate(self.names):
+            prefix = ["ip", "netns", "exec", self.namespaces[i]] if self.namespaces else []
+            extra = ["--netns"] if self.namespaces else []
             self.procs[name] = subprocess.Popen(
                 [
+                    *prefix,
                     sys.executable,
                     "-m",
                     "ciuic_p2p.emulator.node",
@@ -60,6 +66,7 @@ class ProcessMesh:
                     repr(start),
                     "--nodes",
                     str(len(self.names)),
+                    *extra,
                 ],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,

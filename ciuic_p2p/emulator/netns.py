@@ -1,0 +1,258 @@
+"""The same scenario with kernel netem: network namespaces, veth pairs and tc.
+
+For hosts whose kernel has the netem queueing discipline. Each node gets a network
+namespace with one veth into a bridge (in a switch namespace of its own, so the host's
+namespace is never touched); addresses are 10.77.0.(i+1)/24, inside namespaces this
+command creates. On each node's veth, an HTB root sends each destination's traffic to
+its own class (rate) with a netem leaf (delay, jitter, loss, duplication), selected by
+a u32 filter on the destination address. The nodes then run inside their namespaces
+with user-space emulation off.
+
+Where netem is missing (this project's build machines), it says so and exits with
+status 3 before changing anything; tests skip with that reason. Everything created is
+removed again on exit, also on errors and Ctrl+C.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+from ciuic_p2p.core.netem import LinkParams
+from ciuic_p2p.core.scenario import Scenario
+from ciuic_p2p.errors import CiuicError
+
+SUBNET = "10.77.0"
+EXIT_NO_NETEM = 3
+
+
+class NetemUnavailable(CiuicError):
+    """This host cannot run the kernel netem set-up; the message says why."""
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    result = subprocess.run(cmd, capture_output=True, text=True, check=False, timeout=30)
+    if check and result.returncode != 0:
+        raise CiuicError(f"{' '.join(cmd)}: {result.stderr.strip() or result.returncode}")
+    return result
+
+
+def probe() -> None:
+    """Raise :class:`NetemUnavailable` unless namespaces and netem both work here."""
+    if os.geteuid() != 0:
+        raise NetemUnavailable("needs root (network namespaces and tc)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise NetemUnavailable(f"{tool} is not installed (Debian: iproute2)")
+    ns = f"ciuic-probe-{os.getpid()}"
+    if _run("ip", "netns", "add", ns, check=False).returncode != 0:
+        raise NetemUnavailable("cannot create a network namespace")
+    try:
+        result = _run(
+            "ip",
+            "netns",
+            "exec",
+            ns,
+            "tc",
+            "qdisc",
+            "add",
+            "dev",
+            "lo",
+            "root",
+            "netem",
+            "delay",
+            "1ms",
+            check=False,
+        )
+        if result.returncode != 0:
+            raise NetemUnavailable(
+                f"this kernel has no netem queueing discipline (tc said: {result.stderr.strip()}); "
+                "use the user-space emulator instead (ciuic-node emulate)"
+            )
+    finally:
+        _run("ip", "netns", "del", ns, check=False)
+
+
+def address(index: int) -> str:
+    return f"{SUBNET}.{index + 1}"
+
+
+def netem_args(p: LinkParams) -> list[str]:
+    args = ["delay", f"{p.delay_s * 1000:.3f}ms"]
+    if p.jitter_s > 0:
+        args += [f"{p.jitter_s * 1000:.3f}ms"]
+        if p.jitter_dist == "normal":
+            args += ["distribution", "normal"]
+    if p.ge_p > 0:
+        args += [
+            "loss",
+            "gemodel",
+            f"{p.ge_p * 100:.4f}%",
+            f"{p.ge_r * 100:.4f}%",
+            f"{p.ge_loss_bad * 100:.4f}%",
+            f"{p.ge_loss_good * 100:.4f}%",
+        ]
+    elif p.loss > 0:
+        args += ["loss", f"{p.loss * 100:.4f}%"]
+    if p.duplicate > 0:
+        args += ["duplicate", f"{p.duplicate * 100:.4f}%"]
+    if p.rate_bps is not None:
+        args += ["limit", str(max(8, p.queue_limit_bytes // 1500))]
+    return args
+
+
+def commands(scenario: Scenario, tag: str) -> tuple[list[list[str]], list[list[str]]]:
+    """The set-up and tear-down commands for ``scenario`` (pure; printed by --dry-run)."""
+    names = scenario.node_names()
+    sw = f"ciuic-{tag}-sw"
+    up: list[list[str]] = [
+        ["ip", "netns", "add", sw],
+        ["ip", "-n", sw, "link", "add", "br0", "type", "bridge"],
+        ["ip", "-n", sw, "link", "set", "br0", "up"],
+    ]
+    down: list[list[str]] = [["ip", "netns", "del", sw]]
+    for i, name in enumerate(names):
+        ns = f"ciuic-{tag}-{i}"
+        up += [
+            ["ip", "netns", "add", ns],
+            [
+                "ip",
+                "-n",
+                ns,
+                "link",
+                "add",
+                "eth0",
+                "type",
+                "veth",
+                "peer",
+                "name",
+                f"p{i}",
+                "netns",
+                sw,
+            ],
+            ["ip", "-n", sw, "link", "set", f"p{i}", "master", "br0", "up"],
+            ["ip", "-n", ns, "addr", "add", f"{address(i)}/24", "dev", "eth0"],
+            ["ip", "-n", ns, "link", "set", "eth0", "up"],
+            ["ip", "-n", ns, "link", "set", "lo", "up"],
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "qdisc",
+                "add",
+                "dev",
+                "eth0",
+                "root",
+                "handle",
+                "1:",
+                "htb",
+                "default",
+                "999",
+            ],
+            [
+                "ip",
+                "netns",
+                "exec",
+                ns,
+                "tc",
+                "class",
+                "add",
+                "dev",
+                "eth0",
+                "parent",
+                "1:",
+                "classid",
+                "1:999",
+                "htb",
+                "rate",
+                "10gbit",
+            ],
+        ]
+        for j, peer in enumerate(names):
+            if peer == name:
+                continue
+            p = scenario.params(name, peer)
+            rate = f"{int(p.rate_bps)}bit" if p.rate_bps is not None else "10gbit"
+            up += [
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "class",
+                    "add",
+                    "dev",
+                    "eth0",
+                    "parent",
+                    "1:",
+                    "classid",
+                    f"1:{j + 1}",
+                    "htb",
+                    "rate",
+                    rate,
+                ],
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "qdisc",
+                    "add",
+                    "dev",
+                    "eth0",
+                    "parent",
+                    f"1:{j + 1}",
+                    "handle",
+                    f"{j + 10}:",
+                    "netem",
+                    *netem_args(p),
+                ],
+                [
+                    "ip",
+                    "netns",
+                    "exec",
+                    ns,
+                    "tc",
+                    "filter",
+                    "add",
+                    "dev",
+                    "eth0",
+                    "protocol",
+                    "ip",
+                    "parent",
+                    "1:",
+                    "prio",
+                    "1",
+                    "u32",
+                    "match",
+                    "ip",
+                    "dst",
+                    f"{address(j)}/32",
+                    "flowid",
+                    f"1:{j + 1}",
+                ],
+            ]
+        down.append(["ip", "netns", "del", ns])
+    return up, down
+
+
+@contextmanager
+def namespaces(scenario: Scenario) -> Iterator[list[str]]:
+    """Create the namespaces and shaping; yield the node namespaces; remove all."""
+    probe()
+    tag = str(os.getpid())
+    up, down = commands(scenario, tag)
+    try:
+        for cmd in up:
+            _run(*cmd)
+        yield [f"ciuic-{tag}-{i}" for i in range(len(scenario.nodes))]
+    finally:
+        for cmd in down:
+            _run(*cmd, check=False)
