@@ -24,7 +24,12 @@ import time
 from ciuic_p2p.core.netem import LinkModel, LinkParams
 from ciuic_p2p.core.scenario import load_scenario, scenario_from_mapping
 from ciuic_p2p.data import scenario_path
-from ciuic_p2p.emulator.mesh import EmulatedMesh, PingNode, measure_rtts
+from ciuic_p2p.emulator.mesh import (
+    EmulatedMesh,
+    PingNode,
+    measure_rate_error_pct,
+    measure_rtts,
+)
 
 DATAGRAM = 1452
 
@@ -50,44 +55,6 @@ async def calibration(reps: int) -> dict[str, float]:
         "rtt_abs_err_max_ms": max(errors) * 1e3,
         "rtt_abs_err_mean_ms": sum(errors) / len(errors) * 1e3,
     }
-
-
-async def rate_accuracy(rate_bps: float, count: int) -> float:
-    scenario = scenario_from_mapping(
-        {
-            "nodes": [{"name": "a"}, {"name": "b"}],
-            "links": [
-                {
-                    "src": "a",
-                    "dst": "b",
-                    "delay_ms": 5,
-                    "rate_mbps": rate_bps / 1e6,
-                    "queue_bytes": 100_000_000,
-                }
-            ],
-        }
-    )
-    mesh = EmulatedMesh(scenario)
-    a, b = await PingNode.start(mesh, "a"), await PingNode.start(mesh, "b")
-    arrivals: list[float] = []
-    original = b.datagram_received
-
-    def record(data: bytes, addr: object) -> None:
-        arrivals.append(time.perf_counter())
-        original(data, addr)
-
-    b.datagram_received = record  # type: ignore[method-assign]
-    assert a.udp is not None
-    for _ in range(count):
-        a.udp.sendto(b"\x02" + bytes(DATAGRAM - 1), mesh.addresses["b"])
-    expected_s = count * DATAGRAM * 8 / rate_bps
-    deadline = time.perf_counter() + expected_s * 2 + 2
-    while len(arrivals) < count and time.perf_counter() < deadline:
-        await asyncio.sleep(0.01)
-    a.close()
-    b.close()
-    achieved = (len(arrivals) - 1) * DATAGRAM * 8 / (arrivals[-1] - arrivals[0])
-    return (achieved - rate_bps) / rate_bps * 100
 
 
 def cpu_per_datagram(n: int = 200_000) -> float:
@@ -145,7 +112,7 @@ def main() -> int:
     )
     args = ap.parse_args()
     cal = asyncio.run(calibration(args.reps))
-    rate_err = asyncio.run(rate_accuracy(args.rate_mbps * 1e6, 1500))
+    rate_err = asyncio.run(measure_rate_error_pct(args.rate_mbps * 1e6, 1500))
     model_us = cpu_per_datagram()
     us = asyncio.run(wrapper_cost_us())
     capacity_dps = 1e6 / us  # datagrams per second on one core

@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ciuic_p2p.core.scenario import EmulatedNetwork, Scenario
+from ciuic_p2p.core.scenario import EmulatedNetwork, Scenario, scenario_from_mapping
 from ciuic_p2p.emulator.udp import Address, EmulatedDatagramTransport
 
 _PING = struct.Struct("<BQd")  # kind (0 ping, 1 pong), id, send time
@@ -151,3 +151,44 @@ async def measure_rtts(
         for node in nodes.values():
             node.close()
     return dict(results)
+
+
+async def measure_rate_error_pct(rate_bps: float, count: int, size: int = 1452) -> float:
+    """A bulk transfer of ``count`` datagrams, offered faster than a link of
+    ``rate_bps`` carries; the rate achieved at the receiver, in percent off the
+    configured rate."""
+    scenario = scenario_from_mapping(
+        {
+            "nodes": [{"name": "a"}, {"name": "b"}],
+            "links": [
+                {
+                    "src": "a",
+                    "dst": "b",
+                    "delay_ms": 5,
+                    "rate_mbps": rate_bps / 1e6,
+                    "queue_bytes": 100_000_000,
+                }
+            ],
+        }
+    )
+    mesh = EmulatedMesh(scenario)
+    a, b = await PingNode.start(mesh, "a"), await PingNode.start(mesh, "b")
+    arrivals: list[float] = []
+    original = b.datagram_received
+
+    def record(data: bytes, addr: object) -> None:
+        arrivals.append(time.perf_counter())
+        original(data, addr)
+
+    b.datagram_received = record  # type: ignore[method-assign]
+    assert a.udp is not None
+    for _ in range(count):
+        a.udp.sendto(b"\x02" + bytes(size - 1), mesh.addresses["b"])
+    expected_s = count * size * 8 / rate_bps
+    deadline = time.perf_counter() + expected_s * 2 + 2
+    while len(arrivals) < count and time.perf_counter() < deadline:
+        await asyncio.sleep(0.01)
+    a.close()
+    b.close()
+    achieved = (len(arrivals) - 1) * size * 8 / (arrivals[-1] - arrivals[0])
+    return (achieved - rate_bps) / rate_bps * 100

@@ -3,24 +3,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
 
 from ciuic_p2p.core.scenario import load_scenario
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.processes import ProcessMesh
-
-
-@pytest.fixture
-def process_mesh() -> Iterator[ProcessMesh]:
-    mesh = ProcessMesh(scenario_path("multicloud8"), nodes=4).start()
-    try:
-        yield mesh
-    finally:
-        mesh.stop()
-    for proc in mesh.procs.values():
-        assert proc.poll() is not None, "a node process outlived the fixture"
 
 
 def test_separate_processes_see_the_scenario_rtts(process_mesh: ProcessMesh) -> None:

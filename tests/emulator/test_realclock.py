@@ -10,7 +10,7 @@ from ciuic_p2p.core.frames import FrameType
 from ciuic_p2p.core.netem import LinkParams
 from ciuic_p2p.core.scenario import load_scenario, scenario_from_mapping
 from ciuic_p2p.data import scenario_path
-from ciuic_p2p.emulator.mesh import EmulatedMesh, PingNode, measure_rtts
+from ciuic_p2p.emulator.mesh import EmulatedMesh, PingNode, measure_rate_error_pct, measure_rtts
 from ciuic_p2p.transport.base import FrameReceived
 from ciuic_p2p.transport.quic import QuicTransport
 from tests.transport.conftest import FAST, Cluster
@@ -91,3 +91,8 @@ async def test_quic_nodes_run_unchanged_over_the_emulated_wan(cluster: Cluster) 
     finally:
         for node in nodes.values():
             await node.close()
+
+
+async def test_bulk_transfer_on_a_rate_limited_link_gets_the_configured_rate() -> None:
+    error_pct = await measure_rate_error_pct(4e6, 600)  # 4 Mbit/s, 0.87 MB offered at once
+    assert abs(error_pct) < 10
