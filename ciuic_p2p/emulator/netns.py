@@ -104,74 +104,35 @@ def netem_args(p: LinkParams) -> list[str]:
     return args
 
 
+def _ip(ns: str, spec: str) -> list[str]:
+    return ["ip", "-n", ns, *spec.split()]
+
+
+def _tc(ns: str, spec: str) -> list[str]:
+    return ["ip", "netns", "exec", ns, "tc", *spec.split()]
+
+
 def commands(scenario: Scenario, tag: str) -> tuple[list[list[str]], list[list[str]]]:
     """The set-up and tear-down commands for ``scenario`` (pure; printed by --dry-run)."""
     names = scenario.node_names()
     sw = f"ciuic-{tag}-sw"
-    up: list[list[str]] = [
+    up = [
         ["ip", "netns", "add", sw],
-        ["ip", "-n", sw, "link", "add", "br0", "type", "bridge"],
-        ["ip", "-n", sw, "link", "set", "br0", "up"],
+        _ip(sw, "link add br0 type bridge"),
+        _ip(sw, "link set br0 up"),
     ]
-    down: list[list[str]] = [["ip", "netns", "del", sw]]
+    down = [["ip", "netns", "del", sw]]
     for i, name in enumerate(names):
         ns = f"ciuic-{tag}-{i}"
         up += [
             ["ip", "netns", "add", ns],
-            [
-                "ip",
-                "-n",
-                ns,
-                "link",
-                "add",
-                "eth0",
-                "type",
-                "veth",
-                "peer",
-                "name",
-                f"p{i}",
-                "netns",
-                sw,
-            ],
-            ["ip", "-n", sw, "link", "set", f"p{i}", "master", "br0", "up"],
-            ["ip", "-n", ns, "addr", "add", f"{address(i)}/24", "dev", "eth0"],
-            ["ip", "-n", ns, "link", "set", "eth0", "up"],
-            ["ip", "-n", ns, "link", "set", "lo", "up"],
-            [
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                "tc",
-                "qdisc",
-                "add",
-                "dev",
-                "eth0",
-                "root",
-                "handle",
-                "1:",
-                "htb",
-                "default",
-                "999",
-            ],
-            [
-                "ip",
-                "netns",
-                "exec",
-                ns,
-                "tc",
-                "class",
-                "add",
-                "dev",
-                "eth0",
-                "parent",
-                "1:",
-                "classid",
-                "1:999",
-                "htb",
-                "rate",
-                "10gbit",
-            ],
+            _ip(ns, f"link add eth0 type veth peer name p{i} netns {sw}"),
+            _ip(sw, f"link set p{i} master br0 up"),
+            _ip(ns, f"addr add {address(i)}/24 dev eth0"),
+            _ip(ns, "link set eth0 up"),
+            _ip(ns, "link set lo up"),
+            _tc(ns, "qdisc add dev eth0 root handle 1: htb default 999"),
+            _tc(ns, "class add dev eth0 parent 1: classid 1:999 htb rate 10gbit"),
         ]
         for j, peer in enumerate(names):
             if peer == name:
@@ -179,65 +140,14 @@ def commands(scenario: Scenario, tag: str) -> tuple[list[list[str]], list[list[s
             p = scenario.params(name, peer)
             rate = f"{int(p.rate_bps)}bit" if p.rate_bps is not None else "10gbit"
             up += [
-                [
-                    "ip",
-                    "netns",
-                    "exec",
+                _tc(ns, f"class add dev eth0 parent 1: classid 1:{j + 1} htb rate {rate}"),
+                _tc(ns, f"qdisc add dev eth0 parent 1:{j + 1} handle {j + 10}: netem")
+                + netem_args(p),
+                _tc(
                     ns,
-                    "tc",
-                    "class",
-                    "add",
-                    "dev",
-                    "eth0",
-                    "parent",
-                    "1:",
-                    "classid",
-                    f"1:{j + 1}",
-                    "htb",
-                    "rate",
-                    rate,
-                ],
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    "tc",
-                    "qdisc",
-                    "add",
-                    "dev",
-                    "eth0",
-                    "parent",
-                    f"1:{j + 1}",
-                    "handle",
-                    f"{j + 10}:",
-                    "netem",
-                    *netem_args(p),
-                ],
-                [
-                    "ip",
-                    "netns",
-                    "exec",
-                    ns,
-                    "tc",
-                    "filter",
-                    "add",
-                    "dev",
-                    "eth0",
-                    "protocol",
-                    "ip",
-                    "parent",
-                    "1:",
-                    "prio",
-                    "1",
-                    "u32",
-                    "match",
-                    "ip",
-                    "dst",
-                    f"{address(j)}/32",
-                    "flowid",
-                    f"1:{j + 1}",
-                ],
+                    f"filter add dev eth0 protocol ip parent 1: prio 1 u32 match ip dst "
+                    f"{address(j)}/32 flowid 1:{j + 1}",
+                ),
             ]
         down.append(["ip", "netns", "del", ns])
     return up, down
