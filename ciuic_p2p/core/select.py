@@ -149,17 +149,18 @@ class ApproxTopK:
         for _attempt in range(3):
             r = min(s, math.ceil(rank))
             threshold = float(torch.kthvalue(sample, s - r + 1).values)
-            candidates = self._scan(x, threshold)
+            candidates, values = self._scan(x, threshold)
             self.last_candidates = candidates.numel()
             if candidates.numel() >= k or threshold <= 0.0:
-                return self._trim(x, candidates, k)
+                return self._trim(candidates, values, k)
             rank *= 4.0
         self.fallbacks += 1
         positions = exact_topk(x, k)
         return positions, x[positions]
 
-    def _scan(self, x: torch.Tensor, threshold: float) -> torch.Tensor:
-        """Sorted positions whose magnitude is >= threshold (> 0 when threshold is 0)."""
+    def _scan(self, x: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sorted positions whose magnitude is >= threshold (> 0 when threshold is 0),
+        and ``x`` at those positions."""
         if self.device.type == "cpu":
             xs = x.numpy()
             parts = len(self._scratch)
@@ -170,25 +171,28 @@ class ApproxTopK:
             ]
             first = _scan_np(xs, 0, bounds[1], threshold, *self._scratch[0])
             results = [first, *(j.result() for j in jobs)]
-            self._scanned_values = np.concatenate([v for _, v in results])
-            return torch.from_numpy(np.concatenate([p for p, _ in results]))
+            positions = np.concatenate([p for p, _ in results])
+            return torch.from_numpy(positions), torch.from_numpy(
+                np.concatenate([v for _, v in results])
+            )
         torch.abs(x, out=self._magnitudes)
         if threshold > 0.0:
             torch.ge(self._magnitudes, threshold, out=self._mask)
         else:
             torch.gt(self._magnitudes, 0.0, out=self._mask)
-        return torch.nonzero(self._mask).squeeze(1)
+        positions_t = torch.nonzero(self._mask).squeeze(1)
+        return positions_t, x[positions_t]
 
     def _trim(
-        self, x: torch.Tensor, candidates: torch.Tensor, k: int
+        self, candidates: torch.Tensor, candidate_values: torch.Tensor, k: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Keep the k largest of the candidates, in position order. Ties at the k-th
         magnitude are cut by position so that exactly k remain."""
+        if candidates.numel() <= k:
+            return candidates, candidate_values
         if self.device.type == "cpu":
             cand = candidates.numpy()
-            values = self._scanned_values
-            if cand.size <= k:
-                return candidates, torch.from_numpy(values)
+            values = candidate_values.numpy()
             mags = np.abs(values)
             kth = np.partition(mags, cand.size - k)[cand.size - k]
             keep = mags >= kth
@@ -196,9 +200,7 @@ class ApproxTopK:
             if excess > 0:
                 keep[np.flatnonzero(mags == kth)[-excess:]] = False
             return torch.from_numpy(cand[keep]), torch.from_numpy(values[keep])
-        values_t = x[candidates]
-        if candidates.numel() <= k:
-            return candidates, values_t
+        values_t = candidate_values
         mags_t = values_t.abs()
         kth_t = torch.kthvalue(mags_t, candidates.numel() - k + 1).values
         keep_t = mags_t >= kth_t
