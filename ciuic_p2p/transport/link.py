@@ -5,15 +5,43 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import ssl
 
+from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
+from cryptography import x509
 
+from ciuic_p2p.config import TransportSection
 from ciuic_p2p.core.frames import CreditReceiver, CreditSender, FrameReader
 from ciuic_p2p.core.rtt import RttEstimator
-from ciuic_p2p.transport.base import Address
+from ciuic_p2p.identity import NodeKey
+from ciuic_p2p.transport.base import Address, LinkStats, RttStats
 
+ALPN = "ciuic/1"
 CONTROL_STREAM = 0
 BULK_STREAM = 4
+CID_LENGTH = 8
+
+
+def quic_configuration(
+    settings: TransportSection, certificate: x509.Certificate | None, key: NodeKey | None
+) -> QuicConfiguration:
+    """aioquic's configuration for one of our connections; a server passes its node
+    certificate and key (the TLS certificate is the node certificate)."""
+    conf = QuicConfiguration(
+        is_client=certificate is None,
+        alpn_protocols=[ALPN],
+        idle_timeout=settings.idle_timeout_s,
+        max_datagram_size=settings.max_datagram_size,
+        connection_id_length=CID_LENGTH,
+        max_data=8 * settings.receive_window_bytes,
+        max_stream_data=4 * settings.receive_window_bytes,
+        verify_mode=ssl.CERT_NONE,  # we verify the server's certificate ourselves
+    )
+    if certificate is not None and key is not None:
+        conf.certificate = certificate
+        conf.private_key = key.private_key
+    return conf
 
 
 class QuicLink:
@@ -43,3 +71,24 @@ class QuicLink:
         self.bytes_received = 0
         self.transmit_pending = False
         self.gone = asyncio.Event()
+
+    def rtt_stats(self) -> RttStats:
+        loss = self.quic._loss  # aioquic has no public accessor for its RTT estimate
+        have_quic = loss._rtt_min != float("inf")
+        return RttStats(
+            ping_min_s=self.rtt.min_s,
+            ping_smoothed_s=self.rtt.smoothed_s,
+            ping_var_s=self.rtt.var_s,
+            quic_min_s=loss._rtt_min if have_quic else None,
+            quic_smoothed_s=loss._rtt_smoothed if have_quic else None,
+            quic_var_s=loss._rtt_variance if have_quic else None,
+            samples=self.rtt.samples,
+        )
+
+    def stats(self) -> LinkStats:
+        return LinkStats(
+            bytes_sent=self.bytes_sent,
+            bytes_received=self.bytes_received,
+            bulk_buffered_bytes=max(0, self.peer_window - self.credit_out.available),
+            credit_available=self.credit_out.available,
+        )

@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import random
-import ssl
 import struct
 import time
 from collections.abc import Callable
@@ -65,12 +64,15 @@ from ciuic_p2p.transport.base import (
     Transport,
     TransportEvent,
 )
-from ciuic_p2p.transport.link import BULK_STREAM, CONTROL_STREAM, QuicLink
+from ciuic_p2p.transport.link import (
+    ALPN,
+    BULK_STREAM,
+    CID_LENGTH,
+    CONTROL_STREAM,
+    QuicLink,
+    quic_configuration,
+)
 
-ALPN = "ciuic/1"
-
-
-CID_LENGTH = 8
 MIN_INITIAL_DATAGRAM = 1200
 _PING = struct.Struct("<Qd")
 
@@ -138,21 +140,9 @@ class QuicTransport(Transport):
     # -- set-up -------------------------------------------------------------------------
 
     def _configuration(self, is_client: bool) -> QuicConfiguration:
-        s = self.settings
-        conf = QuicConfiguration(
-            is_client=is_client,
-            alpn_protocols=[ALPN],
-            idle_timeout=s.idle_timeout_s,
-            max_datagram_size=s.max_datagram_size,
-            connection_id_length=CID_LENGTH,
-            max_data=8 * s.receive_window_bytes,
-            max_stream_data=4 * s.receive_window_bytes,
-            verify_mode=ssl.CERT_NONE,  # we verify the server's certificate ourselves
-        )
-        if not is_client:
-            conf.certificate = self.certificate
-            conf.private_key = self.key.private_key
-        return conf
+        if is_client:
+            return quic_configuration(self.settings, None, None)
+        return quic_configuration(self.settings, self.certificate, self.key)
 
     async def start(self) -> Address:
         loop = asyncio.get_running_loop()
@@ -449,30 +439,11 @@ class QuicTransport(Transport):
 
     def rtt(self, peer: bytes) -> RttStats | None:
         link = self._links.get(peer)
-        if link is None:
-            return None
-        loss = link.quic._loss
-        have_quic = loss._rtt_min != float("inf")
-        return RttStats(
-            ping_min_s=link.rtt.min_s,
-            ping_smoothed_s=link.rtt.smoothed_s,
-            ping_var_s=link.rtt.var_s,
-            quic_min_s=loss._rtt_min if have_quic else None,
-            quic_smoothed_s=loss._rtt_smoothed if have_quic else None,
-            quic_var_s=loss._rtt_variance if have_quic else None,
-            samples=link.rtt.samples,
-        )
+        return None if link is None else link.rtt_stats()
 
     def link_stats(self, peer: bytes) -> LinkStats | None:
         link = self._links.get(peer)
-        if link is None:
-            return None
-        return LinkStats(
-            bytes_sent=link.bytes_sent,
-            bytes_received=link.bytes_received,
-            bulk_buffered_bytes=max(0, link.peer_window - link.credit_out.available),
-            credit_available=link.credit_out.available,
-        )
+        return None if link is None else link.stats()
 
     def maintain(self, address: Address, expected_peer: bytes | None = None) -> None:
         """Keep a link to ``address`` up: dial now, and again whenever it is lost,
