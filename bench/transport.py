@@ -179,9 +179,10 @@ def run_lanes(ca: ClusterCA, lanes: int, n_chunks: int) -> float:
     ca_pem = ca.certificate.public_bytes(serialization.Encoding.PEM)
     ctx = mp.get_context("spawn")
     per_lane = max(1, n_chunks // lanes)
-    procs, senders = [], []
+    procs, senders, receivers = [], [], []
     for _ in range(lanes):
         parent, child = mp.Pipe()
+        receivers.append(parent)  # kept open: the receiver reports into it
         rx = ctx.Process(target=receiver_main, args=(_credentials(ca), ca_pem, "uvloop", child))
         rx.start()
         host, port, _ = parent.recv()
@@ -201,6 +202,8 @@ def run_lanes(ca: ClusterCA, lanes: int, n_chunks: int) -> float:
     for conn in senders:
         conn.recv()
     elapsed = time.perf_counter() - t0
+    for conn in receivers:
+        conn.recv()  # the receiver's CPU figure, unused here
     for proc in procs:
         proc.join(10)
     return lanes * per_lane * (CHUNK_PAYLOAD + 184) / 1e6 / elapsed

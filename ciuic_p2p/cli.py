@@ -13,8 +13,11 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from cryptography import x509
+from cryptography.exceptions import InvalidSignature
+
 from ciuic_p2p import __version__
-from ciuic_p2p.admission import ClusterCA, load_certificate, load_crl, write_pem
+from ciuic_p2p.admission import ClusterCA, Trust, load_certificate, load_crl, write_pem
 from ciuic_p2p.config import Config, load_config
 from ciuic_p2p.errors import AdmissionError, CiuicError, IdentityError
 from ciuic_p2p.identity import NodeKey, peer_id_of
@@ -31,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"ciuic-node {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    keygen = sub.add_parser("keygen", help="create a node key and print its peer ID")
+    keygen = sub.add_parser("keygen", help="create a node key; print its peer ID and public key")
     keygen.add_argument("--out", required=True, help="key file to create (mode 0600)")
     keygen.add_argument("--force", action="store_true", help="overwrite an existing file")
 
@@ -93,6 +96,7 @@ def _keygen(args: argparse.Namespace) -> int:
     key = NodeKey.generate()
     key.save(args.out, overwrite=args.force)
     print(key.peer_id)
+    print(f"public key: {key.public_key.hex()}  (give this to `ciuic-node ca issue --key`)")
     return 0
 
 
@@ -119,25 +123,63 @@ def _ca(args: argparse.Namespace) -> int:
                 ) from None
             if len(public) != 32:
                 raise IdentityError("a public key is 32 bytes (64 hex digits)")
+        if not 1 <= args.days <= 3650:
+            raise AdmissionError("--days must be between 1 and 3650")
+        if not any(public):
+            raise IdentityError("an all-zero public key is not a key")
         cert = ca.issue(public, now, dt.timedelta(days=args.days))
         write_pem(args.out, cert)
         print(f"{peer_id_of(public)}: certificate written to {args.out}")
         return 0
-    serials = [load_certificate(c).serial_number for c in args.certs]
+    new = []
+    for path in args.certs:
+        cert = load_certificate(path)
+        if cert.issuer != ca.certificate.subject or not _issued_by(cert, ca):
+            raise AdmissionError(f"{path}: not issued by this CA")
+        new.append(cert.serial_number)
     out = Path(args.out)
+    old: list[int] = []
     if out.exists():
-        serials += [r.serial_number for r in load_crl(out)]
-    write_pem(out, ca.revocation_list(serials, now))
-    print(f"{len(set(serials))} node(s) revoked; distribute {out} to every node")
+        crl = load_crl(out)
+        Trust(ca.certificate, crl)  # refuses a list signed by another CA
+        old = [r.serial_number for r in crl]
+    added = len(set(new) - set(old))
+    write_pem(out, ca.revocation_list(old + new, now))
+    print(
+        f"{added} node(s) newly revoked, {len(set(old + new))} in all; distribute {out} "
+        "to every node (the list is valid 30 days: re-issue it before then)"
+    )
     return 0
+
+
+def _issued_by(cert: x509.Certificate, ca: ClusterCA) -> bool:
+    try:
+        ca.key.private_key.public_key().verify(cert.signature, cert.tbs_certificate_bytes)
+    except InvalidSignature:
+        return False
+    return True
+
+
+def _scenario_file(args: argparse.Namespace) -> Path:
+    from ciuic_p2p.data import scenario_path, shipped_scenarios  # noqa: PLC0415
+
+    path = scenario_path(args.scenario)
+    if not path.exists():
+        raise CiuicError(
+            f"{args.scenario}: no such scenario file; shipped: {', '.join(shipped_scenarios())}"
+        )
+    if args.nodes and args.nodes < 2:
+        raise CiuicError("--nodes must be at least 2")
+    if args.pings < 1:
+        raise CiuicError("--pings must be at least 1")
+    return path
 
 
 def _emulate(args: argparse.Namespace) -> int:
     from ciuic_p2p.core.scenario import load_scenario  # noqa: PLC0415
-    from ciuic_p2p.data import scenario_path  # noqa: PLC0415
     from ciuic_p2p.emulator.processes import ProcessMesh  # noqa: PLC0415
 
-    path = scenario_path(args.scenario)
+    path = _scenario_file(args)
     scenario = load_scenario(path)
     with ProcessMesh(path, nodes=args.nodes or None) as mesh:
         rtts = mesh.measure_rtts(pings=args.pings)
@@ -163,11 +205,10 @@ def _emulate(args: argparse.Namespace) -> int:
 
 def _netem(args: argparse.Namespace) -> int:
     from ciuic_p2p.core.scenario import load_scenario  # noqa: PLC0415
-    from ciuic_p2p.data import scenario_path  # noqa: PLC0415
     from ciuic_p2p.emulator import netns  # noqa: PLC0415
     from ciuic_p2p.emulator.processes import ProcessMesh  # noqa: PLC0415
 
-    path = scenario_path(args.scenario)
+    path = _scenario_file(args)
     scenario = load_scenario(path)
     if args.nodes:
         scenario = scenario.subset(scenario.node_names()[: args.nodes])
@@ -208,6 +249,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _netem(args)
     except CiuicError as exc:
         print(f"ciuic-node: error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:  # a path the user gave: missing, unwritable, a directory...
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"ciuic-node: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
     parser.print_help()
     return 0

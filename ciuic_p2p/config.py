@@ -1,9 +1,9 @@
 """The node's configuration: one frozen dataclass with documented defaults.
 
-``Config`` groups its settings in sections (``node``, ``codec``, ``log``); each section
-is itself frozen. Two presets exist: :meth:`Config.lan` for nodes in one data centre
-and :meth:`Config.wan` (the default) for nodes continents apart. A TOML file may
-name a preset and then override single keys::
+``Config`` groups its settings in sections (``node``, ``codec``, ``transport``,
+``log``); each section is itself frozen. Two presets exist: :meth:`Config.lan` for
+nodes in one data centre and :meth:`Config.wan` (the default) for nodes continents
+apart. A TOML file may name a preset and then override single keys::
 
     preset = "wan"
 
@@ -21,6 +21,7 @@ the key and the reason. The loader is a pure function of the TOML text.
 from __future__ import annotations
 
 import dataclasses
+import math
 import tomllib
 import typing
 from dataclasses import dataclass, field
@@ -64,9 +65,9 @@ class CodecSection:
     At 1% the INT8 payload costs about 16.3 bits per sent value, about 190x less than
     dense fp32."""
     value_mode: ValueMode = "int8"
-    """Encoding of the selected values: INT8 with one fp16 scale per block, or fp16."""
+    """Encoding of the selected values: INT8 with one fp32 scale per block, or fp16."""
     block_size: int = 64
-    """Selected values per INT8 scale. 64 costs 0.25 bits per value for the fp16 scale
+    """Selected values per INT8 scale. 64 costs 0.5 bit per value for the fp32 scale
     and keeps a block's largest value, which sets the step size, from flattening the
     rest of a heavy-tailed block; see bench/codec.py's block-size rows."""
     selection: Selection = "approx"
@@ -208,6 +209,8 @@ def load_config(path: str | Path) -> Config:
         text = p.read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8 text") from exc
     return config_from_toml(text, source=str(p))
 
 
@@ -232,7 +235,10 @@ def config_from_mapping(data: dict[str, Any], source: str = "<mapping>") -> Conf
         if key == "preset":
             continue
         if key not in hints or not dataclasses.is_dataclass(hints[key]):
-            raise ConfigError(f"{source}: {key}: unknown section")
+            raise ConfigError(
+                f"{source}: {key}: unknown key (top-level keys: preset, and the sections "
+                "node, codec, transport, log)"
+            )
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key}: must be a table")
         changes[key] = _replace_section(getattr(base, key), value, f"{source}: {key}")
@@ -270,6 +276,8 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
     if typ is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{where}: must be a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: must be finite, got {value!r}")
         return float(value)
     if typ is str:
         if not isinstance(value, str):

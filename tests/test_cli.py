@@ -54,17 +54,24 @@ def test_config_check_reports_a_bad_file_in_one_line(tmp_path: Path) -> None:
 def test_keygen_ca_issue_and_revoke_flow(tmp_path: Path) -> None:
     key = tmp_path / "node.key"
     out = run_cli("keygen", "--out", str(key))
-    assert out.returncode == 0 and out.stdout.strip().startswith("ciuic")
+    peer_id, pub_line = out.stdout.splitlines()
+    assert out.returncode == 0 and peer_id.startswith("ciuic")
+    public_hex = pub_line.split()[2]
     assert (key.stat().st_mode & 0o777) == 0o600
     assert run_cli("keygen", "--out", str(key)).returncode == 2  # never overwrites silently
     ca = tmp_path / "ca"
     assert run_cli("ca", "init", "--dir", str(ca), "--cluster", "alpha").returncode == 0
     cert = tmp_path / "node.pem"
-    issued = run_cli("ca", "issue", "--dir", str(ca), "--key", str(key), "--out", str(cert))
-    assert issued.returncode == 0 and out.stdout.strip() in issued.stdout
+    # The CA machine needs only the public key that keygen printed, never the node key.
+    issued = run_cli("ca", "issue", "--dir", str(ca), "--key", public_hex, "--out", str(cert))
+    assert issued.returncode == 0 and peer_id in issued.stdout
     crl = tmp_path / "revoked.pem"
     revoked = run_cli("ca", "revoke", "--dir", str(ca), str(cert), "--out", str(crl))
-    assert revoked.returncode == 0 and "1 node(s) revoked" in revoked.stdout
+    assert revoked.returncode == 0 and "1 node(s) newly revoked" in revoked.stdout
+    other = tmp_path / "other"
+    assert run_cli("ca", "init", "--dir", str(other), "--cluster", "beta").returncode == 0
+    foreign = run_cli("ca", "revoke", "--dir", str(other), str(cert), "--out", str(crl))
+    assert foreign.returncode == 2 and "not issued by this CA" in foreign.stderr
 
     import datetime as dt  # noqa: PLC0415
 
@@ -110,3 +117,36 @@ def test_emulate_starts_measures_and_tears_down() -> None:
         assert abs(pair["measured_ms"] - pair["configured_ms"]) < max(
             3, 0.05 * pair["configured_ms"]
         )
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["ca", "issue", "--dir", "{ca}", "--key", "00" * 32, "--out", "{tmp}/x.pem"],
+        [
+            "ca",
+            "issue",
+            "--dir",
+            "{ca}",
+            "--key",
+            "ab" * 32,
+            "--out",
+            "{tmp}/x.pem",
+            "--days",
+            "-5",
+        ],
+        ["ca", "issue", "--dir", "{ca}", "--key", "ab" * 32, "--out", "/nonexistent/x.pem"],
+        ["ca", "init", "--dir", "{tmp}/file", "--cluster", "a"],
+        ["emulate", "no-such-scenario"],
+        ["emulate", "multicloud8", "--nodes", "1"],
+        ["emulate", "multicloud8", "--pings", "0"],
+    ],
+)
+def test_user_mistakes_are_one_clear_line(tmp_path: Path, args: list[str]) -> None:
+    ca = tmp_path / "ca"
+    assert run_cli("ca", "init", "--dir", str(ca), "--cluster", "a").returncode == 0
+    (tmp_path / "file").write_text("not a directory")
+    result = run_cli(*(a.format(ca=ca, tmp=tmp_path) for a in args))
+    assert result.returncode == 2, result.stdout
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
+    assert result.stderr.startswith("ciuic-node: error:")

@@ -41,7 +41,7 @@ def test_integer_is_accepted_where_a_float_is_expected() -> None:
     ("text", "message"),
     [
         ("[codec]\ndensty = 0.1\n", "codec.densty: unknown key"),
-        ("[nodes]\nname = 'a'\n", "nodes: unknown section"),
+        ("[nodes]\nname = 'a'\n", "nodes: unknown key"),
         ("[codec]\ndensity = 'high'\n", "codec.density: must be a number"),
         ("[codec]\ndensity = 2.0\n", "codec.density: must be in (0, 1]"),
         ("[codec]\nvalue_mode = 'int4'\n", "codec.value_mode: must be one of"),

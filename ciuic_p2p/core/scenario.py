@@ -105,7 +105,12 @@ def load_scenario(path: str | Path, **overrides: Any) -> Scenario:
         data = json.loads(text) if p.suffix == ".json" else tomllib.loads(text)
     except (ValueError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"{p}: not valid {p.suffix[1:].upper()}: {exc}") from exc
-    return scenario_from_mapping({**data, **overrides}, base_dir=p.parent)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: a scenario is a table of keys")
+    try:
+        return scenario_from_mapping({**data, **overrides}, base_dir=p.parent)
+    except ConfigError as exc:
+        raise ConfigError(f"{p}: {exc}") from exc
 
 
 def _read_rows(text: str, needed: tuple[str, ...]) -> list[dict[str, str]]:
@@ -206,7 +211,24 @@ def _link_fields(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
+_TOP_KEYS = {"seed", "rate_scale", "defaults", "matrix", "nodes", "links", "schedule"}
+
+
 def scenario_from_mapping(data: Mapping[str, Any], base_dir: Path = Path()) -> Scenario:
+    unknown = sorted(set(data) - _TOP_KEYS)
+    if unknown:
+        raise ConfigError(f"unknown scenario keys {unknown} (known: {sorted(_TOP_KEYS)})")
+    try:
+        return _scenario_from_mapping(data, base_dir)
+    except KeyError as exc:
+        raise ConfigError(f"missing key {exc}") from exc
+    except OSError as exc:
+        raise ConfigError(f"{exc.filename}: cannot read: {exc.strerror}") from exc
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+def _scenario_from_mapping(data: Mapping[str, Any], base_dir: Path) -> Scenario:
     seed = int(data.get("seed", 0))
     rate_scale = float(data.get("rate_scale", 1.0))
     if rate_scale <= 0:
@@ -214,7 +236,7 @@ def scenario_from_mapping(data: Mapping[str, Any], base_dir: Path = Path()) -> S
     try:
         defaults = LinkParams(**_link_fields(data.get("defaults", {}), "defaults"))
     except (TypeError, ValueError) as exc:
-        raise ConfigError(f"defaults: {exc}") from exc
+        raise ConfigError(f"defaults: {_plain(exc)}") from exc
     matrix = data.get("matrix")
     if matrix:
         rtt_text = (base_dir / matrix["rtt_csv"]).read_text(encoding="utf-8")
@@ -248,7 +270,7 @@ def scenario_from_mapping(data: Mapping[str, Any], base_dir: Path = Path()) -> S
                     **_link_fields(raw, f"link {a} -> {b}")
                 )
             except (TypeError, ValueError) as exc:
-                raise ConfigError(f"link {a} -> {b}: {exc}") from exc
+                raise ConfigError(f"link {a} -> {b}: {_plain(exc)}") from exc
     if not matrix:  # every pair not listed gets the defaults
         for a in names:
             for b in names:
@@ -258,6 +280,14 @@ def scenario_from_mapping(data: Mapping[str, Any], base_dir: Path = Path()) -> S
         sorted((_change(raw, names) for raw in data.get("schedule", [])), key=lambda c: c.at_s)
     )
     return Scenario(tuple(nodes), links, schedule, seed, rate_scale)
+
+
+def _plain(exc: Exception) -> str:
+    """A field of the wrong type fails inside LinkParams' checks with a comparison
+    error; say what was wrong instead."""
+    if isinstance(exc, TypeError):
+        return "a field has the wrong type (numbers for times, rates and probabilities)"
+    return str(exc)
 
 
 def _change(raw: Mapping[str, Any], names: set[str]) -> ScheduledChange:

@@ -15,3 +15,7 @@ def scenario_path(name: str) -> Path:
     ``partition``), or any path given as is."""
     shipped = SCENARIO_DIR / f"{name}.toml"
     return shipped if shipped.exists() else Path(name)
+
+
+def shipped_scenarios() -> list[str]:
+    return sorted(p.stem for p in SCENARIO_DIR.glob("*.toml"))

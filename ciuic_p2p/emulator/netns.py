@@ -8,9 +8,16 @@ its own class (rate) with a netem leaf (delay, jitter, loss, duplication), selec
 a u32 filter on the destination address. The nodes then run inside their namespaces
 with user-space emulation off.
 
-Where netem is missing (this project's build machines), it says so and exits with
-status 3 before changing anything; tests skip with that reason. Everything created is
-removed again on exit, also on errors and Ctrl+C.
+Where netem is missing (as on this project's build machines), it says so and exits
+with status 3 before changing anything; tests skip with that reason. Everything
+created is removed again on exit, also on errors and Ctrl+C.
+
+Where kernel netem cannot say what the user-space model says, it differs (stated here
+rather than hidden): netem reorders with jitter whatever ``reorder`` says; it has one
+loss model per qdisc, so a Gilbert-Elliott link drops the separate random ``loss``;
+and the scenario's schedule is not applied (the namespaces are static; use the
+user-space emulator for schedules). netem's ``limit`` counts datagrams still waiting
+out their delay, so it is sized to the link's bandwidth-delay product plus the queue.
 """
 
 from __future__ import annotations
@@ -100,7 +107,8 @@ def netem_args(p: LinkParams) -> list[str]:
     if p.duplicate > 0:
         args += ["duplicate", f"{p.duplicate * 100:.4f}%"]
     if p.rate_bps is not None:
-        args += ["limit", str(max(8, p.queue_limit_bytes // 1500))]
+        in_flight = p.rate_bps / 8 * (p.delay_s + 3 * p.jitter_s) / 1500
+        args += ["limit", str(int(in_flight + p.queue_limit_bytes / 1500) + 8)]
     return args
 
 

@@ -36,9 +36,9 @@ async def serve(args: argparse.Namespace) -> int:
         return 2
     mesh = EmulatedMesh(scenario, start=args.start)
     for i, name in enumerate(names):
-        mesh.register(name, ("127.0.0.1", args.base_port + i))
+        mesh.register(name, _address(args, i))
     me = await PingNode.start(
-        mesh, args.name, ("127.0.0.1", args.base_port + names.index(args.name))
+        mesh, args.name, _address(args, names.index(args.name)), shape=not args.netns
     )
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

@@ -39,6 +39,10 @@ class ProcessMesh:
         """``namespaces``: run node i inside network namespace i (emulator.netns)."""
         self.scenario_path = str(scenario)
         names = load_scenario(scenario).node_names()
+        if nodes is not None and not 2 <= nodes <= len(names):
+            raise EmulatorProcessError(f"--nodes must be in [2, {len(names)}] for this scenario")
+        if len(names) < 2:
+            raise EmulatorProcessError(f"{scenario}: a scenario needs at least two nodes")
         self.names = names[: nodes or len(names)]
         self.base_port = base_port or random.Random(os.getpid()).randrange(20_000, 60_000, 100)
         self.startup_timeout_s = startup_timeout_s
@@ -72,11 +76,14 @@ class ProcessMesh:
                 stdout=subprocess.PIPE,
                 text=True,
             )
-        for name, proc in self.procs.items():
-            line = self._read_line(proc, self.startup_timeout_s)
-            if line != f"ready {name}":
-                self.stop()
-                raise EmulatorProcessError(f"{name} did not start (said {line!r})")
+        try:
+            for name, proc in self.procs.items():
+                line = self._read_line(proc, self.startup_timeout_s)
+                if line != f"ready {name}":
+                    raise EmulatorProcessError(f"{name} did not start (said {line!r})")
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def _read_line(self, proc: subprocess.Popen[str], timeout_s: float) -> str:
