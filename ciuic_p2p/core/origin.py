@@ -17,6 +17,7 @@ forgotten and the low edge of the window moves up.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ciuic_p2p.core.wire import ChunkHeader, parse_chunk, set_signature, signed_region
@@ -55,16 +56,25 @@ class _OriginWindow:
 class ReplayWindow:
     """Per-origin duplicate and replay filter. Pure: no clock, bounded memory."""
 
-    def __init__(self, window_steps: int = 1024, max_entries: int = 65_536) -> None:
-        if window_steps < 1 or max_entries < 1:
-            raise ValueError("window_steps and max_entries must be positive")
+    def __init__(
+        self, window_steps: int = 1024, max_entries: int = 65_536, max_origins: int = 4096
+    ) -> None:
+        if window_steps < 1 or max_entries < 1 or max_origins < 1:
+            raise ValueError("window_steps, max_entries and max_origins must be positive")
         self.window_steps = window_steps
         self.max_entries = max_entries
+        self.max_origins = max_origins
         self._origins: dict[bytes, _OriginWindow] = {}
 
     def check_and_record(self, header: ChunkHeader) -> None:
         """Accept a chunk's identity once; raise :class:`ReplayedChunkError` after."""
-        w = self._origins.setdefault(header.origin, _OriginWindow())
+        w = self._origins.get(header.origin)
+        if w is None:
+            if len(self._origins) >= self.max_origins:
+                # Forget the origin least recently started (dicts keep insertion order);
+                # the membership layer admits origins, so this bounds memory, not trust.
+                del self._origins[next(iter(self._origins))]
+            w = self._origins[header.origin] = _OriginWindow()
         if header.incarnation < w.incarnation:
             raise ReplayedChunkError(
                 f"chunk of incarnation {header.incarnation}, origin is at {w.incarnation}"
@@ -90,6 +100,11 @@ class ReplayWindow:
             w.entries -= len(w.seen.pop(oldest))
             w.low_step = oldest + 1
 
+    def __len__(self) -> int:
+        """Origins tracked now (at most ``max_origins``: keep it above the cluster's
+        size, since a forgotten origin's replay state is gone)."""
+        return len(self._origins)
+
     def forget(self, origin: bytes) -> None:
         self._origins.pop(origin, None)
 
@@ -97,13 +112,17 @@ class ReplayWindow:
 @dataclass
 class ChunkFilter:
     """What a receiver does with every chunk before using it: verify the origin's
-    signature, then drop replays. Counts each outcome for metrics and tests."""
+    signature, check the origin is a member (``is_member``, from the membership layer;
+    without it any key that signs is accepted), then drop replays. Counts each outcome
+    for metrics and tests."""
 
     window: ReplayWindow = field(default_factory=ReplayWindow)
+    is_member: Callable[[bytes], bool] | None = None
     accepted: int = 0
     bad_signature: int = 0
     replayed: int = 0
     malformed: int = 0
+    unknown_origin: int = 0
 
     def admit(self, chunk: bytes | bytearray | memoryview) -> ChunkHeader | None:
         """The chunk's header when it is new and authentic, else None (counted)."""
@@ -114,6 +133,9 @@ class ChunkFilter:
             return None
         except CodecError:
             self.malformed += 1
+            return None
+        if self.is_member is not None and not self.is_member(header.origin):
+            self.unknown_origin += 1
             return None
         try:
             self.window.check_and_record(header)

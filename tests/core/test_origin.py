@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 
 from ciuic_p2p.core.codec import BucketEncoder, BucketSpec, ChunkSource
-from ciuic_p2p.core.origin import ReplayWindow, sign_chunk, verify_chunk
+from ciuic_p2p.core.origin import ChunkFilter, ReplayWindow, sign_chunk, verify_chunk
 from ciuic_p2p.core.wire import ChunkHeader, Codec, IndexCode, parse_chunk
 from ciuic_p2p.errors import CodecError, ReplayedChunkError, SignatureError
 from ciuic_p2p.identity import NodeKey
@@ -93,3 +93,16 @@ def test_replay_window_memory_is_bounded() -> None:
         window.check_and_record(header(step))
     with pytest.raises(ReplayedChunkError):
         window.check_and_record(header(10))  # forgotten, hence refused, never accepted twice
+
+
+def test_filter_refuses_origins_that_are_not_members_and_bounds_origins() -> None:
+    members = {NodeKey.generate() for _ in range(2)}
+    keys = {k.public_key for k in members}
+    inbox = ChunkFilter(is_member=keys.__contains__)
+    stranger = NodeKey.generate()
+    assert inbox.admit(signed_chunks(stranger)[0]) is None and inbox.unknown_origin == 1
+    assert inbox.admit(signed_chunks(next(iter(members)))[0]) is not None
+    window = ReplayWindow(max_origins=3)
+    for i in range(10):
+        window.check_and_record(header(1, origin=bytes([i]) * 32))
+    assert len(window._origins) == 3
