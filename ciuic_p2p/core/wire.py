@@ -26,7 +26,7 @@ order. Layout of the v1 header (184 bytes)::
     108    4 count          values carried (== range_len for dense codecs)
     112    4 payload_len    bytes after the header
     116    4 checksum       CRC-32 of the header and payload, flags and signature excluded
-    120   64 signature      Ed25519 signature slot, filled by the transport
+    120   64 signature      Ed25519 signature slot, filled by core.origin.sign_chunk
 
 The checksum and the signature both skip the flags byte and the signature slot, so
 that the origin can sign (and mark signed) a chunk after it was built, and a relay
