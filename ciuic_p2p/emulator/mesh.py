@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ciuic_p2p.core.scenario import EmulatedNetwork, Scenario, scenario_from_mapping
-from ciuic_p2p.emulator.udp import Address, EmulatedDatagramTransport
+from ciuic_p2p.emulator.udp import Address, EmulatedDatagramTransport, TimerLead
 
 _PING = struct.Struct("<BQd")  # kind (0 ping, 1 pong), id, send time
 
@@ -38,6 +38,7 @@ class EmulatedMesh:
         self.network = EmulatedNetwork(scenario)
         self.clock = clock
         self.start = clock() if start is None else start
+        self.lead = TimerLead()
         self.addresses: dict[str, Address] = {}
         self.book: dict[Address, str] = {}
 
@@ -53,7 +54,7 @@ class EmulatedMesh:
 
         def wrap(inner: asyncio.DatagramTransport) -> asyncio.DatagramTransport:
             return EmulatedDatagramTransport(
-                inner, self.network, node, self.book, self.start, self.clock
+                inner, self.network, node, self.book, self.start, self.clock, lead=self.lead
             )
 
         return wrap

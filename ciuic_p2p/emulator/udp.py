@@ -8,11 +8,11 @@ included) runs unchanged; only the sending side of each directed link is shaped,
 which is where netem shapes too.
 
 Timers: asyncio's selector rounds timeouts up to whole milliseconds (and uvloop keeps
-time in milliseconds), so a timer fires late, by about 1 ms on average here (measured
-over the 55 pairs of the 11-city scenario: RTT error +1.3 ms mean with no lead, +0.9
-with 0.5 ms). Releases are therefore scheduled ``timer_lead_s`` = 1 ms early, which
-measured a mean RTT error of -0.03 to +0.09 ms and at most 1.3 ms on any pair; the
-calibration test and bench/emulator.py measure it on every run.
+time in milliseconds), so a timer fires late: by about 1 ms on average on a busy loop
+here (the 55 pairs of the 11-city scenario: RTT error +1.3 ms mean with no lead), by
+less on an idle one (a fixed 1 ms lead made a lone 10 ms link read 8.7-9.0 ms).
+Releases are therefore scheduled early by a :class:`TimerLead` that follows the
+measured lateness; the calibration test and bench/emulator.py measure what remains.
 """
 
 from __future__ import annotations
@@ -28,6 +28,22 @@ Address = tuple[str, int]
 TIMER_LEAD_S = 0.001
 
 
+class TimerLead:
+    """How early to schedule releases so that they happen on time on average.
+
+    asyncio timers fire late by an amount that depends on the machine and on how busy
+    the loop is (about 1 ms on a busy 11-node loop here, less when idle). Every release
+    reports how late it was against its intended time, and the lead follows the mean
+    lateness (an exponential moving average, clamped to [0, 3] ms). One instance is
+    shared by every node of a mesh, since they share the loop."""
+
+    def __init__(self, initial_s: float = TIMER_LEAD_S) -> None:
+        self.lead_s = initial_s
+
+    def observe(self, late_s: float) -> None:
+        self.lead_s = min(0.003, max(0.0, self.lead_s + 0.05 * late_s))
+
+
 class EmulatedDatagramTransport(asyncio.DatagramTransport):
     def __init__(
         self,
@@ -37,7 +53,7 @@ class EmulatedDatagramTransport(asyncio.DatagramTransport):
         address_book: Mapping[Address, str],
         start: float,
         clock: Callable[[], float] = time.monotonic,
-        timer_lead_s: float = TIMER_LEAD_S,
+        lead: TimerLead | None = None,
     ) -> None:
         super().__init__()
         self.inner = inner
@@ -46,7 +62,7 @@ class EmulatedDatagramTransport(asyncio.DatagramTransport):
         self.address_book = address_book
         self.start = start
         self.clock = clock
-        self.timer_lead_s = timer_lead_s
+        self.lead = lead or TimerLead()
         self.passed_through = 0
 
     def sendto(self, data: Any, addr: Any = None) -> None:
@@ -59,13 +75,15 @@ class EmulatedDatagramTransport(asyncio.DatagramTransport):
         loop = asyncio.get_running_loop()
         payload = bytes(data)
         for arrival in self.network.transmit(self.node, dst, now - self.start, len(payload)):
-            wait = arrival - (now - self.start) - self.timer_lead_s
+            wait = arrival - (now - self.start) - self.lead.lead_s
             if wait <= 0:
-                loop.call_soon(self._release, payload, addr)
+                loop.call_soon(self._release, payload, addr, None)
             else:
-                loop.call_later(wait, self._release, payload, addr)
+                loop.call_later(wait, self._release, payload, addr, arrival)
 
-    def _release(self, data: bytes, addr: Any) -> None:
+    def _release(self, data: bytes, addr: Any, arrival: float | None) -> None:
+        if arrival is not None:
+            self.lead.observe(self.clock() - self.start - arrival)
         if not self.inner.is_closing():
             self.inner.sendto(data, addr)
 
