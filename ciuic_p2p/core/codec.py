@@ -105,6 +105,8 @@ class BucketSpec:
             raise ValueError("density must be in (0, 1]")
         if not 4096 <= self.chunk_payload_bytes <= MAX_PAYLOAD_BYTES:
             raise ValueError("chunk_payload_bytes must be in [4096, 1 MiB]")
+        if not self.block_size >= 1 or self.block_size + SCALE_BYTES > self.chunk_payload_bytes:
+            raise ValueError("block_size must be >= 1 and one block must fit in a chunk")
 
     @classmethod
     def from_config(cls, section: CodecSection, numel: int, sparse: bool) -> BucketSpec:
