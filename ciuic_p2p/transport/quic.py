@@ -75,6 +75,8 @@ from ciuic_p2p.transport.link import (
 
 MIN_INITIAL_DATAGRAM = 1200
 _PING = struct.Struct("<Qd")
+#: Unread control bytes (gossip) one peer may have queued at this node.
+CONTROL_QUOTA_BYTES = 1 << 20
 
 log = get_logger("ciuic.transport")
 
@@ -387,7 +389,15 @@ class QuicTransport(Transport):
         elif ftype is FrameType.CLOSE:
             self._close_link(link, "peer closed: " + payload.decode("utf-8", "replace")[:200])
         else:
-            link.credit_in.received(bulk_cost(ftype, len(payload)))
+            cost = bulk_cost(ftype, len(payload))
+            if cost:
+                link.credit_in.received(cost)
+            else:
+                # Control frames spend no credit; a peer may still not queue more of
+                # them than the control quota before our application reads them.
+                link.control_unconsumed += len(payload)
+                if link.control_unconsumed > CONTROL_QUOTA_BYTES:
+                    raise FramingError("control frames beyond the quota, unread")
             self._events.put_nowait(FrameReceived(link.peer, ftype, payload))
 
     def _send_frame(self, link: QuicLink, ftype: FrameType, payload: bytes) -> None:
@@ -425,7 +435,11 @@ class QuicTransport(Transport):
 
     async def next_event(self) -> TransportEvent:
         event = await self._events.get()
-        if isinstance(event, FrameReceived) and event.type in BULK_TYPES:
+        if isinstance(event, FrameReceived) and event.type not in BULK_TYPES:
+            control_link = self._links.get(event.peer)
+            if control_link is not None:
+                control_link.control_unconsumed -= len(event.payload)
+        elif isinstance(event, FrameReceived):
             link = self._links.get(event.peer)
             if link is not None and not link.closed:
                 grant = link.credit_in.consumed(bulk_cost(event.type, len(event.payload)))

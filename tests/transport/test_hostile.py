@@ -137,3 +137,15 @@ async def test_peer_that_never_reads_is_dropped_with_bounded_sender_memory(
     assert sink.local_key not in sender.peers()
     assert isinstance(await next_of(sender, PeerDisconnected), PeerDisconnected)
     await asyncio.sleep(0)
+
+
+async def test_peer_flooding_control_frames_is_dropped_at_the_quota(
+    make_node: NodeFactory, cluster: Cluster
+) -> None:
+    server = await make_node()
+    hostile = await authenticated_raw(server, cluster)
+    gossip = encode_frame(FrameType.GOSSIP, b"g" * 60_000)
+    for _ in range(40):  # 2.4 MB of control frames that the server's application never reads
+        hostile.send(CONTROL_STREAM, gossip)
+    assert "quota" in await hostile.wait_closed()
+    hostile.close()
