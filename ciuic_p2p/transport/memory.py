@@ -36,7 +36,7 @@ from ciuic_p2p.transport.base import (
     Transport,
     TransportEvent,
 )
-from ciuic_p2p.transport.quic import TransportError
+from ciuic_p2p.transport.quic import CONTROL_QUOTA_BYTES, TransportError
 
 
 @dataclass
@@ -60,6 +60,7 @@ class _MemLink:
     rtt: RttEstimator = field(default_factory=RttEstimator)
     bytes_sent: int = 0
     bytes_received: int = 0
+    control_unconsumed: int = 0
     closed: bool = False
 
 
@@ -138,7 +139,16 @@ class MemoryTransport(Transport):
             link.credit_out.grant(amount)
             link.credit_changed.set()
             return
-        link.credit_in.received(bulk_cost(frame_type, len(payload)))
+        cost = bulk_cost(frame_type, len(payload))
+        if cost:
+            link.credit_in.received(cost)
+        else:
+            link.control_unconsumed += len(payload)
+            if link.control_unconsumed > CONTROL_QUOTA_BYTES:
+                asyncio.get_running_loop().create_task(
+                    self.disconnect(sender, "control frames beyond the quota, unread")
+                )
+                return
         self._events.put_nowait(FrameReceived(sender, frame_type, payload))
 
     def _post(self, link: _MemLink, frame_type: FrameType, payload: bytes) -> None:
@@ -169,7 +179,11 @@ class MemoryTransport(Transport):
 
     async def next_event(self) -> TransportEvent:
         event = await self._events.get()
-        if isinstance(event, FrameReceived) and event.type in BULK_TYPES:
+        if isinstance(event, FrameReceived) and event.type not in BULK_TYPES:
+            control_link = self._links.get(event.peer)
+            if control_link is not None:
+                control_link.control_unconsumed -= len(event.payload)
+        elif isinstance(event, FrameReceived):
             link = self._links.get(event.peer)
             if link is not None and not link.closed:
                 grant = link.credit_in.consumed(bulk_cost(event.type, len(event.payload)))

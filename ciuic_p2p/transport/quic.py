@@ -542,4 +542,11 @@ class QuicTransport(Transport):
         await asyncio.sleep(0)
 
 
-__all__ = ["ALPN", "BULK_STREAM", "CONTROL_STREAM", "QuicTransport", "TransportError"]
+__all__ = [
+    "ALPN",
+    "BULK_STREAM",
+    "CONTROL_QUOTA_BYTES",
+    "CONTROL_STREAM",
+    "QuicTransport",
+    "TransportError",
+]
