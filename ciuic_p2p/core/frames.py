@@ -173,3 +173,39 @@ class CreditReceiver:
         self._consumed_since_grant = 0
         self.outstanding += grant
         return grant
+
+
+#: Unread control bytes (gossip, pings) one peer may have queued at a node.
+CONTROL_QUOTA_BYTES = 1 << 20
+
+
+class ReceiveQuota:
+    """What one peer may have queued at this node, unread by its application: bulk
+    bytes within the credit granted (``CreditReceiver``), control bytes within a fixed
+    quota (they spend no credit). Both transports keep one per link."""
+
+    def __init__(self, window: int, control_quota: int = CONTROL_QUOTA_BYTES) -> None:
+        self.credit = CreditReceiver(window)
+        self.control_quota = control_quota
+        self.control_unconsumed = 0
+
+    @property
+    def window(self) -> int:
+        return self.credit.window
+
+    def received(self, frame_type: FrameType, payload_len: int) -> None:
+        cost = bulk_cost(frame_type, payload_len)
+        if cost:
+            self.credit.received(cost)
+            return
+        self.control_unconsumed += payload_len
+        if self.control_unconsumed > self.control_quota:
+            raise FlowControlError("control frames beyond the quota, unread")
+
+    def consumed(self, frame_type: FrameType, payload_len: int) -> int:
+        """The application read a frame; return the credit to grant now (or 0)."""
+        cost = bulk_cost(frame_type, payload_len)
+        if cost:
+            return self.credit.consumed(cost)
+        self.control_unconsumed -= payload_len
+        return 0

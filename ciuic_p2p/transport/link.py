@@ -12,7 +12,7 @@ from aioquic.quic.connection import QuicConnection
 from cryptography import x509
 
 from ciuic_p2p.config import TransportSection
-from ciuic_p2p.core.frames import CreditReceiver, CreditSender, FrameReader
+from ciuic_p2p.core.frames import CreditSender, FrameReader, ReceiveQuota
 from ciuic_p2p.core.rtt import RttEstimator
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.transport.base import Address, LinkStats, RttStats
@@ -58,7 +58,7 @@ class QuicLink:
         self.readers = {CONTROL_STREAM: FrameReader(), BULK_STREAM: FrameReader()}
         self.credit_out = CreditSender(0)
         self.peer_window = 0
-        self.credit_in = CreditReceiver(window)
+        self.quota = ReceiveQuota(window)
         self.credit_changed = asyncio.Event()
         self.ready: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self.timer: asyncio.TimerHandle | None = None
@@ -71,7 +71,6 @@ class QuicLink:
         self.bytes_received = 0
         self.transmit_pending = False
         self.gone = asyncio.Event()
-        self.control_unconsumed = 0
 
     def rtt_stats(self) -> RttStats:
         loss = self.quic._loss  # aioquic has no public accessor for its RTT estimate

@@ -16,10 +16,10 @@ from cryptography import x509
 from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import TransportSection
 from ciuic_p2p.core.frames import (
-    BULK_TYPES,
-    CreditReceiver,
     CreditSender,
+    FlowControlError,
     FrameType,
+    ReceiveQuota,
     bulk_cost,
     encode_frame,
 )
@@ -36,7 +36,7 @@ from ciuic_p2p.transport.base import (
     Transport,
     TransportEvent,
 )
-from ciuic_p2p.transport.quic import CONTROL_QUOTA_BYTES, TransportError
+from ciuic_p2p.transport.quic import TransportError
 
 
 @dataclass
@@ -55,12 +55,11 @@ class _MemLink:
     address: Address
     dialed: bool
     credit_out: CreditSender
-    credit_in: CreditReceiver
+    quota: ReceiveQuota
     credit_changed: asyncio.Event = field(default_factory=asyncio.Event)
     rtt: RttEstimator = field(default_factory=RttEstimator)
     bytes_sent: int = 0
     bytes_received: int = 0
-    control_unconsumed: int = 0
     closed: bool = False
 
 
@@ -124,7 +123,7 @@ class MemoryTransport(Transport):
             address=address,
             dialed=dialed,
             credit_out=CreditSender(window),
-            credit_in=CreditReceiver(self.settings.receive_window_bytes),
+            quota=ReceiveQuota(self.settings.receive_window_bytes),
         )
         self._links[remote.local_key] = link
         self._events.put_nowait(PeerConnected(remote.local_key, address, dialed))
@@ -139,16 +138,11 @@ class MemoryTransport(Transport):
             link.credit_out.grant(amount)
             link.credit_changed.set()
             return
-        cost = bulk_cost(frame_type, len(payload))
-        if cost:
-            link.credit_in.received(cost)
-        else:
-            link.control_unconsumed += len(payload)
-            if link.control_unconsumed > CONTROL_QUOTA_BYTES:
-                asyncio.get_running_loop().create_task(
-                    self.disconnect(sender, "control frames beyond the quota, unread")
-                )
-                return
+        try:
+            link.quota.received(frame_type, len(payload))
+        except FlowControlError as exc:
+            asyncio.get_running_loop().create_task(self.disconnect(sender, str(exc)))
+            return
         self._events.put_nowait(FrameReceived(sender, frame_type, payload))
 
     def _post(self, link: _MemLink, frame_type: FrameType, payload: bytes) -> None:
@@ -179,14 +173,10 @@ class MemoryTransport(Transport):
 
     async def next_event(self) -> TransportEvent:
         event = await self._events.get()
-        if isinstance(event, FrameReceived) and event.type not in BULK_TYPES:
-            control_link = self._links.get(event.peer)
-            if control_link is not None:
-                control_link.control_unconsumed -= len(event.payload)
-        elif isinstance(event, FrameReceived):
+        if isinstance(event, FrameReceived):
             link = self._links.get(event.peer)
             if link is not None and not link.closed:
-                grant = link.credit_in.consumed(bulk_cost(event.type, len(event.payload)))
+                grant = link.quota.consumed(event.type, len(event.payload))
                 if grant:
                     self._post(link, FrameType.CREDIT, struct.pack("<Q", grant))
         return event

@@ -75,8 +75,6 @@ from ciuic_p2p.transport.link import (
 
 MIN_INITIAL_DATAGRAM = 1200
 _PING = struct.Struct("<Qd")
-#: Unread control bytes (gossip) one peer may have queued at this node.
-CONTROL_QUOTA_BYTES = 1 << 20
 
 log = get_logger("ciuic.transport")
 
@@ -326,7 +324,7 @@ class QuicTransport(Transport):
             if not keep_new:
                 return
         self._links[link.peer] = link
-        self._send_frame(link, FrameType.CREDIT, struct.pack("<Q", link.credit_in.window))
+        self._send_frame(link, FrameType.CREDIT, struct.pack("<Q", link.quota.window))
         if not link.ready.done():
             link.ready.set_result(link.peer)
         if existing is None or existing.closed:
@@ -389,15 +387,7 @@ class QuicTransport(Transport):
         elif ftype is FrameType.CLOSE:
             self._close_link(link, "peer closed: " + payload.decode("utf-8", "replace")[:200])
         else:
-            cost = bulk_cost(ftype, len(payload))
-            if cost:
-                link.credit_in.received(cost)
-            else:
-                # Control frames spend no credit; a peer may still not queue more of
-                # them than the control quota before our application reads them.
-                link.control_unconsumed += len(payload)
-                if link.control_unconsumed > CONTROL_QUOTA_BYTES:
-                    raise FramingError("control frames beyond the quota, unread")
+            link.quota.received(ftype, len(payload))
             self._events.put_nowait(FrameReceived(link.peer, ftype, payload))
 
     def _send_frame(self, link: QuicLink, ftype: FrameType, payload: bytes) -> None:
@@ -435,14 +425,10 @@ class QuicTransport(Transport):
 
     async def next_event(self) -> TransportEvent:
         event = await self._events.get()
-        if isinstance(event, FrameReceived) and event.type not in BULK_TYPES:
-            control_link = self._links.get(event.peer)
-            if control_link is not None:
-                control_link.control_unconsumed -= len(event.payload)
-        elif isinstance(event, FrameReceived):
+        if isinstance(event, FrameReceived):
             link = self._links.get(event.peer)
             if link is not None and not link.closed:
-                grant = link.credit_in.consumed(bulk_cost(event.type, len(event.payload)))
+                grant = link.quota.consumed(event.type, len(event.payload))
                 if grant:
                     self._send_frame(link, FrameType.CREDIT, struct.pack("<Q", grant))
                     self._transmit(link)
@@ -545,7 +531,6 @@ class QuicTransport(Transport):
 __all__ = [
     "ALPN",
     "BULK_STREAM",
-    "CONTROL_QUOTA_BYTES",
     "CONTROL_STREAM",
     "QuicTransport",
     "TransportError",

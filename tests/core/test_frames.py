@@ -12,6 +12,7 @@ from ciuic_p2p.core.frames import (
     FrameReader,
     FrameType,
     FramingError,
+    ReceiveQuota,
     bulk_cost,
     encode_frame,
 )
@@ -82,3 +83,14 @@ def test_sender_exceeding_its_credit_is_caught() -> None:
     receiver.received(2 * MAX_CHUNK_BYTES)
     with pytest.raises(FlowControlError):
         receiver.received(1)
+
+
+def test_receive_quota_bounds_unread_control_bytes_and_frees_them_when_read() -> None:
+    quota = ReceiveQuota(2 * MAX_CHUNK_BYTES, control_quota=1000)
+    quota.received(FrameType.GOSSIP, 600)
+    with pytest.raises(FlowControlError, match="quota"):
+        quota.received(FrameType.GOSSIP, 600)
+    assert quota.consumed(FrameType.GOSSIP, 600) == 0
+    quota.received(FrameType.GOSSIP, 600)  # room again once the application read
+    quota.received(FrameType.CHUNK, 1000)  # bulk bytes count against credit instead
+    assert quota.credit.unconsumed == bulk_cost(FrameType.CHUNK, 1000)
