@@ -198,9 +198,9 @@ class ReceiveQuota:
         if cost:
             self.credit.received(cost)
             return
-        self.control_unconsumed += payload_len
-        if self.control_unconsumed > self.control_quota:
+        if self.control_unconsumed + payload_len > self.control_quota:
             raise FlowControlError("control frames beyond the quota, unread")
+        self.control_unconsumed += payload_len
 
     def consumed(self, frame_type: FrameType, payload_len: int) -> int:
         """The application read a frame; return the credit to grant now (or 0)."""
