@@ -18,9 +18,10 @@ right:
    selected: when fewer than k entries are non-zero, all non-zero ones are.
 
 Positions are returned sorted ascending (int64), which is what the index coder and
-the residual update want. On CPU the mask and the scan use numpy on the same memory
-(measured 2-3x faster than torch's ``ge``/``nonzero`` here), split over as many
-threads as torch uses; elsewhere, torch ops.
+the residual update want. On CPU the scan runs in numpy (measured 2-3x faster than
+torch's ``ge``/``nonzero`` here), block by block so each block stays in cache, split
+over as many threads as torch uses, and it picks the candidates' values in the same
+pass; elsewhere, torch ops on reusable bucket-sized buffers.
 """
 
 from __future__ import annotations
@@ -96,8 +97,9 @@ def _scan_np(
 class ApproxTopK:
     """Sampled-threshold selector for one bucket, holding its reusable buffers.
 
-    Buffers the size of the bucket are allocated once: a fresh CPU buffer of tens of
-    MB costs several times its work in page faults."""
+    Buffers are allocated once (a fresh CPU buffer of tens of MB costs several times
+    its work in page faults): per-thread scan blocks on CPU, bucket-sized magnitude
+    and mask buffers on other devices."""
 
     def __init__(
         self, numel: int, device: torch.device, sample_size: int, generator: torch.Generator
