@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 
 import pytest
+from cryptography import x509
 from cryptography.hazmat.primitives import serialization
+from cryptography.x509.oid import NameOID
 from structlog.testing import capture_logs
 
 from ciuic_p2p.admission import ClusterCA, Trust
@@ -145,3 +148,39 @@ async def test_client_refuses_a_server_of_another_cluster(
     with pytest.raises(TransportError, match="refused"):
         await client.connect((server.host, server.port))
     assert client.refused == 1
+
+
+def self_signed(key: NodeKey) -> x509.Certificate:
+    """A node certificate its own key signed: the shape of a valid one, no CA behind it."""
+    name = x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "test-cluster"),
+            x509.NameAttribute(NameOID.COMMON_NAME, key.peer_id),
+        ]
+    )
+    return (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.private_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(NOW - dt.timedelta(days=1))
+        .not_valid_after(NOW + dt.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .sign(key.private_key, None)
+    )
+
+
+async def test_truly_self_signed_node_certificate_is_refused(
+    make_node: NodeFactory, cluster: Cluster
+) -> None:
+    server = await make_node()
+    key = NodeKey.generate()
+    client = await make_node(credentials=(key, self_signed(key)), trust=cluster.trust)
+    with pytest.raises(TransportError, match="refused"):
+        await client.connect((server.host, server.port))
+    for _ in range(200):
+        if server.refused:
+            break
+        await asyncio.sleep(0.01)
+    assert server.refused == 1 and not server.peers()
