@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
+import time
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -27,3 +30,13 @@ def _seed_torch() -> None:
 def devices() -> list[str]:
     """CPU always; CUDA where present, so GPU machines run the same tests."""
     return ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+async def eventually(condition: Callable[[], object], timeout_s: float = 2.0) -> None:
+    """Wait until ``condition()`` is true, checking every 10 ms, for at most
+    ``timeout_s``; fail the test otherwise. Tests wait on conditions, never on sleeps."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(0.01)

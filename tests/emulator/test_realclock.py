@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import math
 
@@ -13,6 +12,7 @@ from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.mesh import EmulatedMesh, PingNode, measure_rate_error_pct, measure_rtts
 from ciuic_p2p.transport.base import FrameReceived
 from ciuic_p2p.transport.quic import QuicTransport
+from tests.conftest import eventually
 from tests.transport.conftest import FAST, Cluster
 from tests.transport.test_quic import next_of
 
@@ -80,11 +80,13 @@ async def test_quic_nodes_run_unchanged_over_the_emulated_wan(cluster: Cluster) 
         await paris.send(london.local_key, FrameType.GOSSIP, b"bonjour")
         got = await next_of(london, FrameReceived)
         assert isinstance(got, FrameReceived) and got.payload == b"bonjour"
-        for _ in range(300):
-            stats = paris.rtt(london.local_key)
-            if stats is not None and stats.samples >= 10:
-                break
-            await asyncio.sleep(0.01)
+
+        def sampled() -> bool:
+            s = paris.rtt(london.local_key)
+            return s is not None and s.samples >= 10
+
+        await eventually(sampled, timeout_s=3.0)
+        stats = paris.rtt(london.local_key)
         assert stats is not None and stats.ping_min_s is not None and stats.samples >= 10
         # Within the emulator's timer error, plus QUIC's own processing.
         assert abs(stats.ping_min_s - scenario.rtt_s("Paris", "London")) < 0.002

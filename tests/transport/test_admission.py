@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 
 import pytest
@@ -16,6 +15,7 @@ from ciuic_p2p.core.auth import build_auth
 from ciuic_p2p.core.frames import FrameType, encode_frame
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.transport.quic import BULK_STREAM, CONTROL_STREAM, TransportError
+from tests.conftest import eventually
 from tests.transport.conftest import NOW, Cluster, NodeFactory
 from tests.transport.rawclient import RawClient
 
@@ -97,10 +97,7 @@ async def test_valid_proof_on_a_raw_client_is_accepted(
         client.quic.original_destination_connection_id,
     )
     client.send(CONTROL_STREAM, encode_frame(FrameType.AUTH, proof))
-    for _ in range(200):
-        if server.peers():
-            break
-        await asyncio.sleep(0.01)
+    await eventually(server.peers)
     assert server.peers() == [key.public_key] and server.refused == 0
     client.close()
 
@@ -125,10 +122,7 @@ async def test_nodes_without_a_valid_credential_are_refused(
         expected = "not signed by this cluster's CA" if who == "self_signed" else "CA"
     with capture_logs() as logs, pytest.raises(TransportError):
         await client.connect((server.host, server.port))
-    for _ in range(200):
-        if server.refused:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: server.refused)
     assert server.refused == 1 and not server.peers()
     refusals = [e for e in logs if e["event"] == "peer_refused"]
     assert refusals and expected in refusals[0]["reason"]
@@ -179,8 +173,5 @@ async def test_truly_self_signed_node_certificate_is_refused(
     client = await make_node(credentials=(key, self_signed(key)), trust=cluster.trust)
     with pytest.raises(TransportError, match="refused"):
         await client.connect((server.host, server.port))
-    for _ in range(200):
-        if server.refused:
-            break
-        await asyncio.sleep(0.01)
+    await eventually(lambda: server.refused)
     assert server.refused == 1 and not server.peers()

@@ -9,6 +9,7 @@ from ciuic_p2p.core.frames import FrameType
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.transport.base import FrameReceived, PeerConnected, PeerDisconnected, TransportEvent
 from ciuic_p2p.transport.quic import QuicTransport
+from tests.conftest import eventually
 from tests.transport.conftest import FAST, Cluster, NodeFactory
 
 
@@ -39,12 +40,14 @@ async def test_two_nodes_authenticate_and_exchange_every_frame_type(make_node: N
         await b.send(a.local_key, ftype, payload[::-1])
         back = await next_of(a, FrameReceived)
         assert isinstance(back, FrameReceived) and back.payload == payload[::-1]
+
     # PING/PONG and CREDIT are handled by the transport itself: RTT samples appear.
-    for _ in range(100):
-        stats = a.rtt(b.local_key)
-        if stats is not None and stats.samples and stats.quic_smoothed_s is not None:
-            break
-        await asyncio.sleep(0.01)
+    def measured() -> bool:
+        s = a.rtt(b.local_key)
+        return s is not None and bool(s.samples) and s.quic_smoothed_s is not None
+
+    await eventually(measured)
+    stats = a.rtt(b.local_key)
     assert stats is not None and stats.ping_min_s is not None and 0 < stats.ping_min_s < 1
     assert stats.quic_min_s is not None
     assert a.peers() == [b.local_key] and b.peers() == [a.local_key]
