@@ -74,6 +74,8 @@ class PingNode(asyncio.DatagramProtocol):
         self.waiting: dict[int, asyncio.Future[float]] = {}
         self.ids = itertools.count()
         self.received = 0
+        self.first_received_at: float | None = None
+        self.last_received_at: float | None = None
 
     @classmethod
     async def start(
@@ -93,6 +95,9 @@ class PingNode(asyncio.DatagramProtocol):
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
         self.received += 1
+        self.last_received_at = time.perf_counter()
+        if self.first_received_at is None:
+            self.first_received_at = self.last_received_at
         if len(data) < _PING.size or self.udp is None:
             return
         kind, ident, sent_at = _PING.unpack_from(data)
@@ -174,22 +179,17 @@ async def measure_rate_error_pct(rate_bps: float, count: int, size: int = 1452) 
     )
     mesh = EmulatedMesh(scenario)
     a, b = await PingNode.start(mesh, "a"), await PingNode.start(mesh, "b")
-    arrivals: list[float] = []
-    original = b.datagram_received
-
-    def record(data: bytes, addr: object) -> None:
-        arrivals.append(time.perf_counter())
-        original(data, addr)
-
-    b.datagram_received = record  # type: ignore[method-assign]
     assert a.udp is not None
     for _ in range(count):
         a.udp.sendto(b"\x02" + bytes(size - 1), mesh.addresses["b"])
     expected_s = count * size * 8 / rate_bps
     deadline = time.perf_counter() + expected_s * 2 + 2
-    while len(arrivals) < count and time.perf_counter() < deadline:
+    while b.received < count and time.perf_counter() < deadline:
         await asyncio.sleep(0.01)
     a.close()
     b.close()
-    achieved = (len(arrivals) - 1) * size * 8 / (arrivals[-1] - arrivals[0])
+    first, last = b.first_received_at, b.last_received_at
+    if b.received < 2 or first is None or last is None or last <= first:
+        raise RuntimeError(f"only {b.received} of {count} datagrams arrived")
+    achieved = (b.received - 1) * size * 8 / (last - first)
     return (achieved - rate_bps) / rate_bps * 100
