@@ -118,6 +118,95 @@ class TransportSection:
     """Cap on the reconnect delay bound."""
 
 
+Dissemination = Literal["tree", "direct", "gossip"]
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSection:
+    """Membership (SWIM with Lifeguard), the RTT map, routing and dissemination.
+
+    Derived values, with N the number of live members and A the local health score
+    (core.suspicion, 0 when healthy):
+
+    - probe period = ``probe_interval_s * (A + 1)``; each member is probed about once
+      every ``(N - 1) * probe_interval_s`` by each other member, so some member probes
+      a crashed node after ``probe_interval_s`` on average.
+    - direct probe deadline = ``clamp(srtt + 4 * rttvar + probe_margin_s,
+      probe_timeout_min_s, probe_timeout_max_s) * (A + 1)`` from that peer's measured
+      RTT (``probe_timeout_initial_s`` before the first sample): far peers get longer,
+      near ones shorter deadlines.
+    - indirect deadline = direct deadline + the helper's deadline + the helper→target
+      RTT from the map.
+    - suspicion timeout: from ``max = suspicion_max_mult * min`` down to
+      ``min = suspicion_mult * max(1, log10(N)) * probe_interval_s`` as up to
+      ``suspicion_confirmations`` other members confirm.
+    - each update is piggybacked ``retransmit_mult * ceil(log10(N + 1))`` times.
+    """
+
+    probe_interval_s: float = 0.4
+    """Time between this node's probes (one member per probe, round robin)."""
+    probe_timeout_min_s: float = 0.02
+    probe_timeout_max_s: float = 1.5
+    probe_timeout_initial_s: float = 1.0
+    """Direct probe deadline for a peer we have no RTT sample for yet."""
+    probe_margin_s: float = 0.01
+    """Added to srtt + 4 rttvar: scheduling noise at both ends."""
+    indirect_probes: int = 3
+    """Members asked to probe a target that missed its direct deadline (SWIM's k)."""
+    suspicion_mult: float = 2.0
+    suspicion_max_mult: float = 3.0
+    suspicion_confirmations: int = 3
+    """Lifeguard's K: independent suspicions that shrink the timeout to its minimum."""
+    awareness_max: int = 8
+    """Local health multiplier cap: deadlines stretch at most this many times."""
+    gossip_interval_s: float = 0.05
+    """How often queued updates are pushed to ``gossip_fanout`` members."""
+    gossip_fanout: int = 3
+    retransmit_mult: int = 4
+    piggyback_bytes: int = 1024
+    """Updates carried by one probe or ack, at most (keeps them in one QUIC packet)."""
+    sync_interval_s: float = 30.0
+    """Full state exchange with one random member (push-pull anti-entropy)."""
+    reconnect_interval_s: float = 2.0
+    """How often a node tries one member it believes dead (partition healing)."""
+    gossip_to_dead_s: float = 60.0
+    """For this long after a death, the dead member still gets gossip (so that a
+    healed partition hears the refutations)."""
+    dead_reap_s: float = 6 * 3600.0
+    """Dead and departed members are forgotten after this long."""
+    join_retry_s: float = 1.0
+    leave_propagate_s: float = 2.0
+    """``leave`` waits at most this long for its departure to spread."""
+    link_publish_min_s: float = 0.5
+    """A node republishes its measured links at most this often..."""
+    link_refresh_s: float = 30.0
+    """...and at least this often."""
+    link_change_ratio: float = 0.1
+    """A measured RTT is republished when it moves by more than this fraction..."""
+    link_change_min_s: float = 0.005
+    """...and by more than this (measurement noise must not reshape trees)."""
+    route_hysteresis: float = 0.1
+    """A new route replaces the current one only if it is faster by this fraction."""
+    relay_penalty_s: float = 0.002
+    """Cost of one relay hop (receive, check, forward), added to each path."""
+    default_rate_bps: float = 1e9
+    """Link rate assumed where none is known (trees count serialization time)."""
+    tree_max_fanout: int = 4
+    """Children per node in a dissemination tree: the uplink is shared by them."""
+    dissemination: Dissemination = "tree"
+    """``tree`` (routed), ``direct`` (origin to every node) or ``gossip`` (random push)."""
+    tree_chunk_bytes: int = 4096
+    """Chunk size the trees are optimised for (serialization per hop)."""
+    heads_interval_s: float = 0.25
+    """How often a node tells ``heads_fanout`` members what chunks it holds."""
+    heads_fanout: int = 2
+    repair_after_s: float = 0.3
+    """A chunk known to exist but missing this long is requested from a holder."""
+    chunk_retain_s: float = 30.0
+    """Delivered chunks are kept this long for peers that missed them."""
+    chunk_retain_bytes: int = 256 * 1024 * 1024
+
+
 @dataclass(frozen=True, slots=True)
 class LogSection:
     """Logging (see ciuic_p2p.logsetup)."""
@@ -139,6 +228,7 @@ class Config:
     node: NodeSection = field(default_factory=NodeSection)
     codec: CodecSection = field(default_factory=CodecSection)
     transport: TransportSection = field(default_factory=TransportSection)
+    mesh: MeshSection = field(default_factory=MeshSection)
     log: LogSection = field(default_factory=LogSection)
 
     def __post_init__(self) -> None:
@@ -154,7 +244,24 @@ class Config:
     def lan(cls) -> Config:
         """Nodes in one data centre: bandwidth is plentiful, so send 5% of entries and
         use whole 1 MiB chunks."""
-        return cls(preset="lan", codec=CodecSection(density=0.05))
+        return cls(
+            preset="lan",
+            codec=CodecSection(density=0.05),
+            mesh=MeshSection(
+                probe_interval_s=0.2,
+                probe_timeout_min_s=0.005,
+                probe_timeout_max_s=0.5,
+                probe_timeout_initial_s=0.2,
+                probe_margin_s=0.002,
+                sync_interval_s=30.0,
+                reconnect_interval_s=1.0,
+                heads_interval_s=0.1,
+                repair_after_s=0.05,
+                relay_penalty_s=0.0005,
+                default_rate_bps=10e9,
+                tree_chunk_bytes=1 << 20,
+            ),
+        )
 
 
 def _validate(cfg: Config) -> None:

@@ -33,23 +33,42 @@ class SimulationStats:
     dropped: int = 0
 
 
+class Network(Protocol):
+    """What VirtualNetwork needs from a network model (core.scenario.EmulatedNetwork
+    or a synthetic one for large simulations)."""
+
+    def transmit(self, src: str, dst: str, now: float, size: int) -> list[float]: ...
+    def next_change_at(self) -> float | None: ...
+    def advance(self, now: float) -> None: ...
+
+
 class VirtualNetwork:
-    def __init__(self, scenario: Scenario) -> None:
-        self.network = EmulatedNetwork(scenario)
+    def __init__(self, scenario: Scenario | None = None, network: Network | None = None) -> None:
+        if network is None:
+            if scenario is None:
+                raise ValueError("give a scenario or a network")
+            network = EmulatedNetwork(scenario)
+        self.network: Network = network
+        self.names = set(scenario.node_names()) if scenario is not None else None
         self.now = 0.0
         self.endpoints: dict[str, Endpoint] = {}
         self._arrivals: list[tuple[float, int, str, str, bytes]] = []
+        self._timers: list[tuple[float, int, str]] = []
+        self._timer_of: dict[str, float | None] = {}
         self._seq = itertools.count()
         self.stats = SimulationStats()
 
     def add(self, name: str, endpoint: Endpoint) -> None:
-        if name not in self.network.scenario.node_names():
+        if self.names is not None and name not in self.names:
             raise KeyError(f"{name} is not in the scenario")
         self.endpoints[name] = endpoint
+        self._timer_of[name] = None
+        self._flush(name)
 
     def remove(self, name: str) -> None:
         """A node stops (crashes): it neither sends nor receives any more."""
         self.endpoints.pop(name, None)
+        self._timer_of.pop(name, None)
 
     def _flush(self, name: str) -> None:
         endpoint = self.endpoints.get(name)
@@ -62,24 +81,33 @@ class VirtualNetwork:
                 self.stats.dropped += 1
             for at in arrivals:
                 heapq.heappush(self._arrivals, (at, next(self._seq), name, dst, data))
+        t = endpoint.get_timer()
+        if t != self._timer_of.get(name):
+            self._timer_of[name] = t
+            if t is not None:
+                heapq.heappush(self._timers, (t, next(self._seq), name))
+
+    def _next_timer(self) -> tuple[float, str] | None:
+        while self._timers:
+            t, _, name = self._timers[0]
+            if self._timer_of.get(name) == t and name in self.endpoints:
+                return t, name
+            heapq.heappop(self._timers)
+        return None
 
     def run_until(self, end: float, max_events: int = 50_000_000) -> None:
         """Advance virtual time to ``end``, processing every event before it."""
-        for name in list(self.endpoints):
-            self._flush(name)
         while self.stats.events < max_events:
-            timer_at, timer_node = None, None
-            for name, endpoint in self.endpoints.items():
-                t = endpoint.get_timer()
-                if t is not None and (timer_at is None or t < timer_at):
-                    timer_at, timer_node = t, name
+            timer = self._next_timer()
+            timer_at = timer[0] if timer is not None else None
             arrival_at = self._arrivals[0][0] if self._arrivals else None
             change_at = self.network.next_change_at()
             candidates = [t for t in (timer_at, arrival_at, change_at) if t is not None]
             if not candidates or min(candidates) > end:
                 break
+            first = min(candidates)
             self.stats.events += 1
-            if arrival_at is not None and arrival_at == min(candidates):
+            if arrival_at is not None and arrival_at == first:
                 at, _, src, dst, data = heapq.heappop(self._arrivals)
                 self.now = max(self.now, at)
                 receiver = self.endpoints.get(dst)
@@ -87,15 +115,21 @@ class VirtualNetwork:
                     self.stats.delivered += 1
                     receiver.receive_datagram(src, data, self.now)
                     self._flush(dst)
-            elif timer_at is not None and timer_at == min(candidates):
-                assert timer_node is not None
-                self.now = max(self.now, timer_at)
-                self.endpoints[timer_node].handle_timer(self.now)
-                self._flush(timer_node)
+            elif timer is not None and timer_at == first:
+                heapq.heappop(self._timers)
+                name = timer[1]
+                self._timer_of[name] = None
+                self.now = max(self.now, first)
+                self.endpoints[name].handle_timer(self.now)
+                self._flush(name)
             else:
-                assert change_at is not None
-                self.now = max(self.now, change_at)
+                self.now = max(self.now, first)
                 self.network.advance(self.now)
         else:
             raise RuntimeError(f"simulation stopped after {max_events} events (runaway?)")
         self.now = max(self.now, end)
+
+    def poke(self, name: str) -> None:
+        """Collect what ``name`` wants to send after the caller drove it directly
+        (a broadcast, a join)."""
+        self._flush(name)

@@ -1,0 +1,257 @@
+"""Dissemination of chunks: along trees, exactly once, with repair.
+
+Each origin numbers its chunks 1, 2, 3, ... A chunk travels in a ``CHUNK`` message:
+
+- ``tree`` mode: the origin sends to its children in its dissemination tree
+  (core.routing); every node that receives a chunk for the first time delivers it
+  and forwards it to its own children in that origin's tree.
+- ``direct`` mode: the origin sends to every live node; nobody forwards.
+- ``gossip`` mode: the origin and every first receiver push to ``gossip_fanout``
+  random live nodes (the baseline the benchmarks compare against).
+
+Exactly once: per origin a node keeps the highest sequence number below which it has
+every chunk, plus the set above it; a chunk already seen is dropped, never delivered
+or forwarded again.
+
+Repair: every ``heads_interval_s`` a node tells ``heads_fanout`` random members the
+highest sequence number it holds per origin (``HEADS``). A node that learns of a
+chunk it lacks, and still lacks it ``repair_after_s`` later (the tree had its chance),
+asks the announcer for it (``WANT``), and asks again, of whoever announced it last,
+every ``repair_after_s`` after that. Holders keep delivered chunks for
+``chunk_retain_s`` (and at most ``chunk_retain_bytes``), so a chunk whose relay died
+still reaches everyone while anyone holds it: in particular while its origin lives.
+A repaired chunk is forwarded down the tree like any other first arrival, so the
+subtree under a dead relay is repaired through its root. A gap no holder can fill
+within ``chunk_retain_s`` is given up and counted (``lost``).
+"""
+
+from __future__ import annotations
+
+import random
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ciuic_p2p.config import MeshSection
+from ciuic_p2p.core.meshwire import MAX_HEADS, MAX_WANT, Chunk, Heads, Message, Want
+
+REORDER_WINDOW = 64
+"""On first hearing of an origin at sequence s, chunks from s - 64 on are expected."""
+
+
+@dataclass(slots=True)
+class _OriginLog:
+    contiguous: int
+    """Every chunk up to and including this one was delivered (or given up)."""
+    above: set[int] = field(default_factory=set)
+    high: int = 0
+    """Highest sequence number known to exist."""
+    missing_since: dict[int, float] = field(default_factory=dict)
+    requested_at: dict[int, float] = field(default_factory=dict)
+    holder: str | None = None
+
+    def has(self, seq: int) -> bool:
+        return seq <= self.contiguous or seq in self.above
+
+    def add(self, seq: int) -> None:
+        self.above.add(seq)
+        while self.contiguous + 1 in self.above:
+            self.contiguous += 1
+            self.above.discard(self.contiguous)
+        self.missing_since.pop(seq, None)
+        self.requested_at.pop(seq, None)
+        self.high = max(self.high, seq)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    origin: str
+    seq: int
+    payload: bytes
+    at: float
+    hops: int
+
+
+class Disseminator:
+    def __init__(
+        self,
+        node: str,
+        settings: MeshSection,
+        *,
+        children: Callable[[str], list[str]],
+        live: Callable[[], list[str]],
+        seed: int = 0,
+    ) -> None:
+        self.node = node
+        self.settings = settings
+        self.children = children
+        self.live = live
+        self.rng = random.Random(seed ^ 0x5EED)
+        self.logs: dict[str, _OriginLog] = {}
+        self.next_seq = 1
+        self.store: OrderedDict[tuple[str, int], tuple[bytes, float]] = OrderedDict()
+        self.store_bytes = 0
+        self.deliveries: list[Delivery] = []
+        self.duplicates = 0
+        self.repaired = 0
+        self.lost = 0
+        self._out: list[tuple[str, Message]] = []
+        self._next_heads: float | None = None
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def publish(self, payload: bytes, now: float) -> int:
+        """Send a chunk from this node to every live node; returns its sequence number."""
+        seq = self.next_seq
+        self.next_seq += 1
+        self._keep(self.node, seq, payload, now)
+        mode = self.settings.dissemination
+        if mode == "direct":
+            targets = list(self.live())
+        elif mode == "gossip":
+            targets = self._random_peers(self.settings.gossip_fanout, exclude=())
+        else:
+            targets = self.children(self.node)
+        for t in targets:
+            self._send(t, Chunk(self.node, seq, 0, payload))
+        self._arm_heads(now)
+        return seq
+
+    def _random_peers(self, k: int, exclude: tuple[str, ...]) -> list[str]:
+        pool = [n for n in self.live() if n not in exclude]
+        return self.rng.sample(pool, min(k, len(pool)))
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def handle(self, msg: Message, now: float) -> None:
+        b = msg.body
+        if isinstance(b, Chunk):
+            self._on_chunk(msg.sender, b, now)
+        elif isinstance(b, Heads):
+            for origin, high in b.heads:
+                if origin != self.node:
+                    self._learn(origin, high, msg.sender, now)
+        elif isinstance(b, Want):
+            for seq in b.seqs:
+                kept = self.store.get((b.origin, seq))
+                if kept is not None:
+                    self._send(msg.sender, Chunk(b.origin, seq, 255, kept[0]))
+
+    def _log(self, origin: str, seq: int) -> _OriginLog:
+        log = self.logs.get(origin)
+        if log is None:
+            log = _OriginLog(contiguous=max(0, seq - 1 - REORDER_WINDOW))
+            self.logs[origin] = log
+        return log
+
+    def _learn(self, origin: str, high: int, holder: str, now: float) -> None:
+        log = self._log(origin, high)
+        log.high = max(log.high, high)
+        log.holder = holder
+        for seq in range(log.contiguous + 1, log.high + 1):
+            if seq not in log.above:
+                log.missing_since.setdefault(seq, now)
+        if log.missing_since:
+            self._arm_heads(now)
+
+    def _on_chunk(self, sender: str, chunk: Chunk, now: float) -> None:
+        if chunk.origin == self.node:
+            self.duplicates += 1
+            return
+        log = self._log(chunk.origin, chunk.seq)
+        if log.has(chunk.seq):
+            self.duplicates += 1
+            return
+        if chunk.hops == 255:
+            self.repaired += 1
+        log.add(chunk.seq)
+        self._learn(chunk.origin, chunk.seq, sender, now)
+        self._keep(chunk.origin, chunk.seq, chunk.payload, now)
+        self.deliveries.append(Delivery(chunk.origin, chunk.seq, chunk.payload, now, chunk.hops))
+        mode = self.settings.dissemination
+        hops = min(chunk.hops + 1, 254)
+        if mode == "tree":
+            targets = [c for c in self.children(chunk.origin) if c != sender]
+        elif mode == "gossip":
+            targets = self._random_peers(
+                self.settings.gossip_fanout, exclude=(sender, chunk.origin)
+            )
+        else:
+            targets = []
+        for t in targets:
+            self._send(t, Chunk(chunk.origin, chunk.seq, hops, chunk.payload))
+        self._arm_heads(now)
+
+    def _keep(self, origin: str, seq: int, payload: bytes, now: float) -> None:
+        self.store[(origin, seq)] = (payload, now)
+        self.store_bytes += len(payload)
+        self._evict(now)
+
+    def _evict(self, now: float) -> None:
+        s = self.settings
+        while self.store:
+            key, (payload, at) = next(iter(self.store.items()))
+            if now - at <= s.chunk_retain_s and self.store_bytes <= s.chunk_retain_bytes:
+                break
+            del self.store[key]
+            self.store_bytes -= len(payload)
+
+    # -- repair -----------------------------------------------------------------------------
+
+    def _arm_heads(self, now: float) -> None:
+        if self._next_heads is None:
+            self._next_heads = now + self.settings.heads_interval_s
+
+    def get_timer(self) -> float | None:
+        return self._next_heads
+
+    def handle_timer(self, now: float) -> None:
+        s = self.settings
+        if self._next_heads is None or now < self._next_heads:
+            return
+        self._next_heads = now + s.heads_interval_s
+        heads = [(self.node, self.next_seq - 1)] if self.next_seq > 1 else []
+        heads += [
+            (o, log.contiguous if not log.above else max(log.above)) for o, log in self.logs.items()
+        ]
+        heads = [(o, h) for o, h in heads if h > 0][:MAX_HEADS]
+        if heads:
+            for peer in self._random_peers(s.heads_fanout, exclude=()):
+                self._send(peer, Heads(tuple(heads)))
+        for origin, log in self.logs.items():
+            wanted = []
+            for seq, since in sorted(log.missing_since.items()):
+                if log.has(seq):
+                    continue
+                if now - since > s.chunk_retain_s:
+                    self.lost += 1
+                    log.add(seq)  # given up: counted, never delivered
+                    continue
+                asked = log.requested_at.get(seq)
+                if now - since >= s.repair_after_s and (
+                    asked is None or now - asked >= 2 * s.repair_after_s
+                ):
+                    wanted.append(seq)
+                    log.requested_at[seq] = now
+                if len(wanted) >= MAX_WANT:
+                    break
+            if wanted and log.holder is not None:
+                self._send(log.holder, Want(origin, tuple(wanted)))
+        self._evict(now)
+
+    def forget(self, origin: str) -> None:
+        """An origin left for good: stop expecting its chunks."""
+        self.logs.pop(origin, None)
+
+    # -- output -----------------------------------------------------------------------------
+
+    def _send(self, node: str, body: Chunk | Heads | Want) -> None:
+        self._out.append((node, Message(self.node, body)))
+
+    def messages_to_send(self) -> list[tuple[str, Message]]:
+        out, self._out = self._out, []
+        return out
+
+    def take_deliveries(self) -> list[Delivery]:
+        out, self.deliveries = self.deliveries, []
+        return out

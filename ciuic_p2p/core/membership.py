@@ -1,0 +1,575 @@
+"""Membership and failure detection: SWIM with Lifeguard, as a pure state machine.
+
+SWIM (Das et al., 2002) with the refinements memberlist ships and Lifeguard
+(core.suspicion) adds:
+
+- Every ``probe_interval_s`` (times the local health multiplier) the node probes one
+  member, round robin over a shuffled list. The direct deadline follows that member's
+  measured RTT (``srtt + 4 rttvar``), so a peer across the ocean is not held to a
+  deadline meant for one next door. Past it, ``indirect_probes`` helpers probe the
+  target for us and answer with its ack or a nack.
+- A member that answers neither is *suspected*, not declared dead. The suspicion is
+  gossiped and also sent to the member itself, which refutes it by raising its
+  *incarnation* number. The timeout shrinks as other members confirm (Lifeguard).
+  Unrefuted, the member is declared *dead*.
+- For one member, a higher incarnation wins; at equal incarnation left > dead >
+  suspect > alive. Only the member itself raises its incarnation, so stale news
+  never resurrects anyone, and a restarted node that learns it was declared dead (or
+  knew by an older incarnation) refutes with a higher one.
+- Updates are piggybacked on probes and acks and pushed every ``gossip_interval_s``
+  to ``gossip_fanout`` members (core.gossipqueue); members that died recently still
+  get gossip, so a healed partition hears the refutations.
+- Joining is a full state exchange (SYNC) with any member; the same exchange runs
+  every ``sync_interval_s`` with a random member (anti-entropy) and every
+  ``reconnect_interval_s`` with one member believed dead: that is how the two sides
+  of a healed partition find each other and merge.
+
+The machine is driven with ``now``; it returns messages addressed by the member's
+address string and never reads a clock or touches a socket (aioquic's model).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import random
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ciuic_p2p.config import MeshSection
+from ciuic_p2p.core.gossipqueue import GossipQueue
+from ciuic_p2p.core.meshwire import (
+    MAX_MESSAGE_BYTES,
+    Ack,
+    Alive,
+    Coordinate,
+    Dead,
+    Gossip,
+    Left,
+    Links,
+    Message,
+    Nack,
+    Ping,
+    PingReq,
+    Suspect,
+    Sync,
+    Update,
+    update_size,
+)
+from ciuic_p2p.core.rtt import RttEstimator
+from ciuic_p2p.core.suspicion import Awareness, Suspicion
+
+
+class State(enum.IntEnum):
+    ALIVE = 0
+    SUSPECT = 1
+    DEAD = 2
+    LEFT = 3
+
+
+@dataclass(slots=True)
+class Member:
+    node: str
+    address: str
+    region: str
+    incarnation: int
+    state: State
+    since: float
+    """When the member entered its current state (this node's clock)."""
+    rtt: RttEstimator = field(default_factory=RttEstimator)
+    probes: int = 0
+    acks: int = 0
+    suspicion: Suspicion | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class MemberEvent:
+    at: float
+    node: str
+    state: State
+    incarnation: int
+
+
+@dataclass(slots=True)
+class _Probe:
+    target: str
+    sent_at: float
+    direct_deadline: float
+    final_deadline: float
+    helpers: int = 0
+    nacks: int = 0
+    indirect_sent: bool = False
+
+
+@dataclass(slots=True)
+class _Relay:
+    requester_address: str
+    seq: int
+    deadline: float
+
+
+Outgoing = tuple[str, Message]
+
+
+class Membership:
+    def __init__(
+        self,
+        node: str,
+        address: str,
+        settings: MeshSection,
+        now: float,
+        *,
+        region: str = "",
+        incarnation: int = 0,
+        seed: int = 0,
+        coordinate: Callable[[], Coordinate] = Coordinate,
+        estimate_rtt_s: Callable[[str, str], float | None] = lambda a, b: None,
+    ) -> None:
+        self.node = node
+        self.address = address
+        self.region = region
+        self.incarnation = incarnation
+        self.settings = settings
+        self.members: dict[str, Member] = {}
+        self.events: list[MemberEvent] = []
+        self.queue = GossipQueue(settings.retransmit_mult)
+        self.awareness = Awareness(settings.awareness_max)
+        self.rng = random.Random(seed)
+        self.coordinate = coordinate
+        self.estimate_rtt_s = estimate_rtt_s
+        self.rtt_samples: list[tuple[str, Coordinate, float]] = []
+        """(peer, its coordinate, RTT) from direct probes, for the RTT map to take."""
+        self.links_received: list[Links] = []
+        """Link-state updates that arrived, for the RTT map to take."""
+        self.links_for_sync: Callable[[], list[Links]] = list
+        self.leaving = False
+        self.joined = True
+        """False from :meth:`join` until the member joined through answers."""
+        self._out: list[Outgoing] = []
+        self._seq = 0
+        self._probes: dict[int, _Probe] = {}
+        self._relays: dict[int, _Relay] = {}
+        self._probe_order: list[str] = []
+        self._probe_index = 0
+        self._next_probe = now + self.rng.uniform(0, settings.probe_interval_s)
+        self._next_gossip = now + settings.gossip_interval_s
+        self._next_sync = now + settings.sync_interval_s * (1 + self.rng.random())
+        self._next_reconnect = now + settings.reconnect_interval_s * (1 + self.rng.random())
+        self._join_address: str | None = None
+        self._next_join: float | None = None
+        self._live_cache: list[str] | None = None
+        self._suspected: set[str] = set()
+        self._recent_dead: dict[str, float] = {}
+        self._now = now
+        self.sent_messages = 0
+        self.queue.put(self._self_alive())
+
+    # -- the table --------------------------------------------------------------------------
+
+    def _self_alive(self) -> Alive:
+        return Alive(self.node, self.incarnation, self.address, self.region)
+
+    def live(self) -> list[str]:
+        """Members believed alive or suspected (not this node), sorted."""
+        if self._live_cache is None:
+            self._live_cache = sorted(
+                n for n, m in self.members.items() if m.state <= State.SUSPECT
+            )
+        return self._live_cache
+
+    def alive_view(self) -> set[str]:
+        """This node and every member it believes alive or suspected."""
+        return {self.node, *self.live()}
+
+    def state_of(self, node: str) -> State | None:
+        if node == self.node:
+            return State.LEFT if self.leaving else State.ALIVE
+        m = self.members.get(node)
+        return None if m is None else m.state
+
+    def _set_state(self, m: Member, state: State, incarnation: int, now: float) -> None:
+        changed = m.state != state
+        m.state, m.incarnation = state, incarnation
+        if state != State.SUSPECT:
+            m.suspicion = None
+            self._suspected.discard(m.node)
+        else:
+            self._suspected.add(m.node)
+        if state == State.DEAD:
+            self._recent_dead[m.node] = now
+        else:
+            self._recent_dead.pop(m.node, None)
+        if changed:
+            m.since = now
+            self._live_cache = None
+            self.events.append(MemberEvent(now, m.node, state, incarnation))
+            if state <= State.SUSPECT and m.node not in self._probe_order:
+                self._probe_order.insert(self.rng.randint(0, len(self._probe_order)), m.node)
+
+    def bootstrap(self, alive: list[Alive], now: float) -> None:
+        """Start with members already known alive (simulations of a formed mesh)."""
+        for a in alive:
+            if a.node != self.node:
+                self.members[a.node] = Member(
+                    a.node, a.address, a.region, a.incarnation, State.ALIVE, now
+                )
+                self._probe_order.append(a.node)
+        self.rng.shuffle(self._probe_order)
+        self._live_cache = None
+        self.joined = True
+
+    # -- applying updates ---------------------------------------------------------------------
+
+    def apply(self, u: Update, now: float) -> None:
+        if isinstance(u, Links):
+            self.links_received.append(u)
+            return
+        if u.node == self.node:
+            self._about_me(u, now)
+            return
+        m = self.members.get(u.node)
+        if isinstance(u, Alive):
+            if m is None:
+                self.members[u.node] = m = Member(
+                    u.node, u.address, u.region, u.incarnation, State.DEAD, now
+                )
+                self._set_state(m, State.ALIVE, u.incarnation, now)
+                self.queue.put(u)
+            elif u.incarnation > m.incarnation:
+                m.address, m.region = u.address, u.region
+                self._set_state(m, State.ALIVE, u.incarnation, now)
+                self.queue.put(u)
+            return
+        if m is None or u.incarnation < m.incarnation:
+            return
+        if isinstance(u, Suspect):
+            if m.state == State.SUSPECT and m.suspicion is not None:
+                if m.suspicion.confirm(u.by):  # a confirmation spreads as well
+                    self.queue.put(u)
+                m.incarnation = u.incarnation
+            elif m.state == State.ALIVE:
+                self._suspect(m, u.incarnation, u.by, now)
+        elif isinstance(u, Dead):
+            fresh = m.state in (State.ALIVE, State.SUSPECT) or u.incarnation > m.incarnation
+            if fresh and m.state != State.LEFT:
+                self._set_state(m, State.DEAD, u.incarnation, now)
+                self.queue.put(u)
+        elif m.state != State.LEFT:
+            self._set_state(m, State.LEFT, u.incarnation, now)
+            self.queue.put(u)
+
+    def _about_me(self, u: Update, now: float) -> None:
+        if self.leaving:
+            return
+        if isinstance(u, Alive):
+            if u.incarnation > self.incarnation:  # known by a previous life of ours
+                self._refute(u.incarnation)
+            return
+        assert isinstance(u, Suspect | Dead | Left)
+        if u.incarnation >= self.incarnation:
+            self._refute(u.incarnation)
+
+    def _refute(self, incarnation: int) -> None:
+        self.incarnation = max(self.incarnation, incarnation) + 1
+        self.awareness.apply(1)
+        alive = self._self_alive()
+        self.queue.put(alive)
+        # Straight to a few members as well: the suspicion is already spreading.
+        for peer in self._gossip_targets(self.settings.gossip_fanout):
+            self._send(peer, Gossip((alive,)))
+
+    def _suspect(self, m: Member, incarnation: int, by: str, now: float) -> None:
+        s = self.settings
+        n = len(self.live()) + 1
+        min_s = s.suspicion_mult * max(1.0, math.log10(max(n, 1))) * s.probe_interval_s
+        expected = min(s.suspicion_confirmations, max(0, n - 2))
+        self._set_state(m, State.SUSPECT, incarnation, now)
+        m.suspicion = Suspicion(now, expected, min_s, s.suspicion_max_mult * min_s, by)
+        update = Suspect(m.node, incarnation, by)
+        self.queue.put(update)
+        # Lifeguard's buddy system: tell the suspect at once so it can refute.
+        self._send(m.node, Gossip((update,)))
+
+    # -- input ------------------------------------------------------------------------------
+
+    def handle(self, msg: Message, src_address: str, now: float) -> None:
+        self._now = now
+        b = msg.body
+        if isinstance(b, Ping):
+            if b.target != self.node:
+                return
+            self._apply_all(b.updates, now)
+            self._reply(src_address, Ack(b.seq, self.coordinate(), self._piggyback()))
+        elif isinstance(b, Ack):
+            self._apply_all(b.updates, now)
+            self._on_ack(msg.sender, b, now)
+        elif isinstance(b, PingReq):
+            seq = self._next_seq()
+            timeout = self._direct_timeout(b.target)
+            self._relays[seq] = _Relay(src_address, b.seq, now + timeout)
+            self._reply(b.target_address, Ping(seq, b.target, self.coordinate()))
+        elif isinstance(b, Nack):
+            probe = self._probes.get(b.seq)
+            if probe is not None:
+                probe.nacks += 1
+        elif isinstance(b, Gossip):
+            self._apply_all(b.updates, now)
+        elif isinstance(b, Sync):
+            self._apply_all(b.updates, now)
+            if b.reply:
+                if not self.joined:
+                    self.joined = True
+                    self._next_join = None
+            else:
+                self._reply(src_address, Sync(True, self._full_state()))
+
+    def _apply_all(self, updates: tuple[Update, ...], now: float) -> None:
+        for u in updates:
+            self.apply(u, now)
+
+    def _on_ack(self, sender: str, ack: Ack, now: float) -> None:
+        relay = self._relays.pop(ack.seq, None)
+        if relay is not None:
+            self._reply(relay.requester_address, Ack(relay.seq, ack.coordinate))
+            return
+        probe = self._probes.pop(ack.seq, None)
+        if probe is None:
+            return
+        m = self.members.get(probe.target)
+        if m is None:
+            return
+        m.acks += 1
+        direct = sender == probe.target
+        self._record_rtt(probe.target, ack.coordinate, now - probe.sent_at if direct else None, now)
+        self.awareness.apply(-1)
+
+    def _record_rtt(self, peer: str, coord: Coordinate, rtt_s: float | None, now: float) -> None:
+        m = self.members.get(peer)
+        if m is not None and rtt_s is not None:
+            m.rtt.add(rtt_s)
+            self.rtt_samples.append((peer, coord, rtt_s))
+
+    # -- timers -------------------------------------------------------------------------------
+
+    def get_timer(self) -> float | None:
+        times = [self._next_probe, self._next_sync, self._next_reconnect]
+        if len(self.queue):
+            times.append(self._next_gossip)
+        if self._next_join is not None:
+            times.append(self._next_join)
+        for p in self._probes.values():
+            times.append(p.final_deadline if p.indirect_sent else p.direct_deadline)
+        times += [r.deadline for r in self._relays.values()]
+        for node in self._suspected:
+            suspicion = self.members[node].suspicion
+            if suspicion is not None:
+                times.append(suspicion.deadline())
+        return min(times)
+
+    def handle_timer(self, now: float) -> None:
+        self._now = now
+        s = self.settings
+        for seq, probe in list(self._probes.items()):
+            if not probe.indirect_sent and now >= probe.direct_deadline:
+                self._go_indirect(seq, probe, now)
+            elif probe.indirect_sent and now >= probe.final_deadline:
+                del self._probes[seq]
+                self._probe_failed(probe, now)
+        for seq, relay in list(self._relays.items()):
+            if now >= relay.deadline:
+                del self._relays[seq]
+                self._reply(relay.requester_address, Nack(relay.seq))
+        for node in list(self._suspected):
+            m = self.members[node]
+            if m.suspicion is not None and now >= m.suspicion.deadline():
+                dead = Dead(m.node, m.incarnation, self.node)
+                self._set_state(m, State.DEAD, m.incarnation, now)
+                self.queue.put(dead)
+        if now >= self._next_probe:
+            self._next_probe = now + self.awareness.scale(s.probe_interval_s)
+            if not self.leaving:
+                self._probe(now)
+        if now >= self._next_gossip:
+            self._next_gossip = now + s.gossip_interval_s
+            if len(self.queue):
+                self._gossip()
+        if now >= self._next_sync:
+            self._next_sync = now + s.sync_interval_s
+            live = self.live()
+            if live:
+                self._send(self.rng.choice(live), Sync(False, self._full_state()))
+        if now >= self._next_reconnect:
+            self._next_reconnect = now + s.reconnect_interval_s
+            self._reconnect(now)
+            self._reap(now)
+        if self._next_join is not None and now >= self._next_join and self._join_address:
+            self._next_join = now + s.join_retry_s
+            self._reply(self._join_address, Sync(False, self._full_state()))
+
+    # -- probing ------------------------------------------------------------------------------
+
+    def _direct_timeout(self, node: str) -> float:
+        s = self.settings
+        m = self.members.get(node)
+        if m is None or m.rtt.smoothed_s is None or m.rtt.var_s is None:
+            est = self.estimate_rtt_s(self.node, node)
+            base = s.probe_timeout_initial_s if est is None else 2 * est + s.probe_margin_s
+        else:
+            base = m.rtt.smoothed_s + 4 * m.rtt.var_s + s.probe_margin_s
+        base = min(s.probe_timeout_max_s, max(s.probe_timeout_min_s, base))
+        return self.awareness.scale(base)
+
+    def _next_target(self) -> str | None:
+        for _ in range(len(self._probe_order) + 1):
+            if self._probe_index >= len(self._probe_order):
+                self._probe_order = [
+                    n for n in self._probe_order if self.state_of(n) in (State.ALIVE, State.SUSPECT)
+                ]
+                self.rng.shuffle(self._probe_order)
+                self._probe_index = 0
+                if not self._probe_order:
+                    return None
+            node = self._probe_order[self._probe_index]
+            self._probe_index += 1
+            if self.state_of(node) in (State.ALIVE, State.SUSPECT):
+                return node
+        return None
+
+    def _probe(self, now: float) -> None:
+        target = self._next_target()
+        if target is None:
+            return
+        m = self.members[target]
+        seq = self._next_seq()
+        timeout = self._direct_timeout(target)
+        self._probes[seq] = _Probe(target, now, now + timeout, now + 2 * timeout)
+        m.probes += 1
+        updates = self._piggyback()
+        if m.state == State.SUSPECT:  # the buddy system again, on every probe
+            updates = (Suspect(target, m.incarnation, self.node), *updates)
+        self._send(target, Ping(seq, target, self.coordinate(), updates))
+
+    def _go_indirect(self, seq: int, probe: _Probe, now: float) -> None:
+        probe.indirect_sent = True
+        candidates = [n for n in self.live() if n != probe.target]
+        helpers = self.rng.sample(candidates, min(self.settings.indirect_probes, len(candidates)))
+        target = self.members.get(probe.target)
+        if target is None:
+            probe.final_deadline = now
+            return
+        window = 0.0
+        for h in helpers:
+            via = self.estimate_rtt_s(h, probe.target)
+            leg = self.settings.probe_timeout_initial_s if via is None else 2 * via
+            window = max(window, self._direct_timeout(h) + leg)
+            self._send(h, PingReq(seq, probe.target, target.address))
+        probe.helpers = len(helpers)
+        probe.final_deadline = now + max(window, probe.direct_deadline - probe.sent_at)
+
+    def _probe_failed(self, probe: _Probe, now: float) -> None:
+        # Lifeguard: helpers that did not even send a nack point at our own links.
+        self.awareness.apply(probe.helpers - probe.nacks if probe.helpers else 1)
+        m = self.members.get(probe.target)
+        if m is None:
+            return
+        if m.state == State.ALIVE:
+            self._suspect(m, m.incarnation, self.node, now)
+        elif m.state == State.SUSPECT and m.suspicion and m.suspicion.confirm(self.node):
+            self.queue.put(Suspect(m.node, m.incarnation, self.node))
+
+    # -- gossip, sync, join, leave --------------------------------------------------------------
+
+    def _gossip_targets(self, k: int) -> list[str]:
+        pool = self.live()
+        if self._recent_dead:
+            horizon = self.settings.gossip_to_dead_s
+            pool = pool + [n for n, t in self._recent_dead.items() if self._now - t <= horizon]
+        return self.rng.sample(pool, min(k, len(pool)))
+
+    def _gossip(self) -> None:
+        for peer in self._gossip_targets(self.settings.gossip_fanout):
+            updates = self._piggyback(budget=MAX_MESSAGE_BYTES // 4)
+            if not updates:
+                break
+            self._send(peer, Gossip(updates))
+
+    def _piggyback(self, budget: int | None = None) -> tuple[Update, ...]:
+        n = len(self.members) + 1
+        return tuple(self.queue.take(budget or self.settings.piggyback_bytes, n))
+
+    def _full_state(self) -> tuple[Update, ...]:
+        out: list[Update] = [self._self_alive()]
+        for m in self.members.values():
+            if m.state == State.ALIVE:
+                out.append(Alive(m.node, m.incarnation, m.address, m.region))
+            elif m.state == State.SUSPECT:
+                out.append(Suspect(m.node, m.incarnation, self.node))
+            elif m.state == State.DEAD:
+                out.append(Dead(m.node, m.incarnation, self.node))
+            else:
+                out.append(Left(m.node, m.incarnation))
+        out += self.links_for_sync()
+        budget = MAX_MESSAGE_BYTES - 256
+        kept: list[Update] = []
+        for u in out:
+            size = update_size(u)
+            if size <= budget:
+                kept.append(u)
+                budget -= size
+        return tuple(kept)
+
+    def join(self, address: str, now: float) -> None:
+        """Join through the member at ``address``; retried until it answers."""
+        self._now = now
+        self._join_address = address
+        self.joined = False
+        self._next_join = now + self.settings.join_retry_s
+        self._reply(address, Sync(False, self._full_state()))
+
+    def leave(self, now: float) -> None:
+        """Announce a graceful departure; the caller keeps running the machine until
+        :meth:`left_spread` or ``leave_propagate_s`` passes, then stops it."""
+        self._now = now
+        self.leaving = True
+        update = Left(self.node, self.incarnation)
+        self.queue.put(update)
+        for peer in self.live():
+            self._send(peer, Gossip((update,)))
+
+    def left_spread(self) -> bool:
+        return self.leaving and not self.queue.pending("member:" + self.node)
+
+    def _reconnect(self, now: float) -> None:
+        dead = [n for n, t in self._recent_dead.items() if now - t <= self.settings.dead_reap_s]
+        if dead:
+            m = self.members[self.rng.choice(sorted(dead))]
+            self._reply(m.address, Sync(False, self._full_state()))
+
+    def _reap(self, now: float) -> None:
+        horizon = self.settings.dead_reap_s
+        gone = [
+            n for n, m in self.members.items() if m.state >= State.DEAD and now - m.since > horizon
+        ]
+        for n in gone:
+            del self.members[n]
+            self._recent_dead.pop(n, None)
+            self._live_cache = None
+
+    # -- output ---------------------------------------------------------------------------------
+
+    def _next_seq(self) -> int:
+        self._seq = (self._seq + 1) & 0xFFFFFFFF
+        return self._seq
+
+    def _send(self, node: str, body: Ping | Gossip | PingReq | Sync) -> None:
+        m = self.members.get(node)
+        if m is not None:
+            self._reply(m.address, body)
+
+    def _reply(self, address: str, body: Ping | Ack | PingReq | Nack | Gossip | Sync) -> None:
+        self.sent_messages += 1
+        self._out.append((address, Message(self.node, body)))
+
+    def messages_to_send(self) -> list[Outgoing]:
+        out, self._out = self._out, []
+        return out

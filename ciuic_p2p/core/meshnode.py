@@ -1,0 +1,192 @@
+"""One node of the mesh as a pure state machine: membership, the RTT map, routing and
+dissemination together, behind the interface the simulator and the daemon drive.
+
+    node = MeshNode("tokyo", "127.0.0.1:7946", settings, now=0.0)
+    node.join("10.0.0.2:7946", now)
+    node.receive_datagram(src_address, data, now)   # every mesh message that arrives
+    for address, data in node.datagrams_to_send(now): ...
+    node.get_timer(); node.handle_timer(now)
+    node.broadcast(payload, now); node.take_deliveries()
+
+Messages are addressed by the member's address string (``host:port`` in the daemon,
+the node's name in the simulator); the daemon checks that a message's sender name is
+the authenticated peer of the link it came on. Bytes that do not decode are counted
+and dropped (core.meshwire raises a typed error for each).
+"""
+
+from __future__ import annotations
+
+from ciuic_p2p.config import MeshSection
+from ciuic_p2p.core.broadcast import Delivery, Disseminator
+from ciuic_p2p.core.membership import Member, MemberEvent, Membership, State
+from ciuic_p2p.core.meshwire import (
+    Chunk,
+    Heads,
+    Kind,
+    MeshDecodeError,
+    Message,
+    Ping,
+    Want,
+    decode_message,
+    encode_message,
+)
+from ciuic_p2p.core.routing import Router
+from ciuic_p2p.core.rttmap import RttMap
+
+DISSEMINATION_KINDS = frozenset({Kind.CHUNK, Kind.HEADS, Kind.WANT})
+
+
+class MeshNode:
+    def __init__(
+        self,
+        node: str,
+        address: str,
+        settings: MeshSection,
+        now: float,
+        *,
+        region: str = "",
+        incarnation: int = 0,
+        seed: int = 0,
+    ) -> None:
+        self.node = node
+        self.settings = settings
+        self.rttmap = RttMap(node, settings, seed)
+        self.membership = Membership(
+            node,
+            address,
+            settings,
+            now,
+            region=region,
+            incarnation=incarnation,
+            seed=seed,
+            coordinate=lambda: self.rttmap.vivaldi.coordinate,
+            estimate_rtt_s=self.rttmap.rtt_s,
+        )
+        self.membership.links_for_sync = self.rttmap.all_links
+        self.router = Router(node, settings)
+        self.dissemination = Disseminator(
+            node,
+            settings,
+            children=self._children,
+            live=self.membership.live,
+            seed=seed,
+        )
+        self.events: list[MemberEvent] = []
+        self.decode_errors = 0
+        self.messages_sent = 0
+        self.bytes_sent = 0
+        self._routing_key: tuple[int, int] | None = None
+        self._view_version = 0
+
+    # -- the Endpoint interface (core.simulator) ----------------------------------------------
+
+    def receive_datagram(self, src: str, data: bytes, now: float) -> None:
+        try:
+            msg = decode_message(data)
+        except MeshDecodeError:
+            self.decode_errors += 1
+            return
+        self.receive_message(src, msg, now)
+
+    def receive_message(self, src: str, msg: Message, now: float) -> None:
+        if msg.sender == self.node:
+            return
+        if msg.kind in DISSEMINATION_KINDS:
+            self.dissemination.handle(msg, now)
+        else:
+            if isinstance(msg.body, Ping):
+                self.rttmap.coords[msg.sender] = msg.body.coordinate
+            self.membership.handle(msg, src, now)
+        self._settle(now)
+
+    def datagrams_to_send(self, now: float) -> list[tuple[str, bytes]]:
+        return [(addr, encode_message(msg)) for addr, msg in self.messages_to_send()]
+
+    def messages_to_send(self) -> list[tuple[str, Message]]:
+        out = self.membership.messages_to_send()
+        for node, msg in self.dissemination.messages_to_send():
+            address = self.address_of(node)
+            if address is not None:
+                out.append((address, msg))
+        self.messages_sent += len(out)
+        return out
+
+    def get_timer(self) -> float | None:
+        times = [t for t in (self.membership.get_timer(), self.dissemination.get_timer()) if t]
+        return min(times) if times else None
+
+    def handle_timer(self, now: float) -> None:
+        self.membership.handle_timer(now)
+        self.dissemination.handle_timer(now)
+        self._settle(now)
+
+    # -- the application's side -----------------------------------------------------------------
+
+    def join(self, address: str, now: float) -> None:
+        self.membership.join(address, now)
+
+    def leave(self, now: float) -> None:
+        self.membership.leave(now)
+
+    def broadcast(self, payload: bytes, now: float) -> int:
+        self._route(now)
+        return self.dissemination.publish(payload, now)
+
+    def take_deliveries(self) -> list[Delivery]:
+        return self.dissemination.take_deliveries()
+
+    def address_of(self, node: str) -> str | None:
+        m: Member | None = self.membership.members.get(node)
+        return None if m is None else m.address
+
+    def routes(self) -> dict[str, tuple[str, ...]]:
+        """Destination -> path (this node first), current with the map."""
+        self._route(0.0)
+        return dict(self.router.routes)
+
+    def tree(self, origin: str) -> dict[str, list[str]]:
+        self._route(0.0)
+        return self.router.tree(origin)
+
+    def view(self) -> list[str]:
+        """Live nodes (this one included), sorted."""
+        return sorted(self.membership.alive_view())
+
+    # -- gluing the parts -------------------------------------------------------------------------
+
+    def _settle(self, now: float) -> None:
+        m = self.membership
+        for peer, coord, rtt_s in m.rtt_samples:
+            self.rttmap.observe(peer, coord, rtt_s)
+            member = m.members.get(peer)
+            if member is not None:
+                self.rttmap.observe_loss(peer, member.probes, member.acks)
+        m.rtt_samples.clear()
+        for links in m.links_received:
+            self.rttmap.apply_links(links)
+        m.links_received.clear()
+        if m.events:
+            for event in m.events:
+                if event.state >= State.DEAD:
+                    self.rttmap.forget(event.node)
+                if event.state == State.LEFT:
+                    self.dissemination.forget(event.node)
+            self.events += m.events
+            m.events.clear()
+            self._view_version += 1
+        published = self.rttmap.publish(now)
+        if published is not None:
+            m.queue.put(published)
+
+    def _route(self, now: float) -> None:
+        key = (self._view_version, self.rttmap.changes)
+        if key != self._routing_key:
+            self._routing_key = key
+            self.router.update(self.view(), self.rttmap.rtt_s)
+
+    def _children(self, origin: str) -> list[str]:
+        self._route(0.0)
+        return self.router.children(origin)
+
+
+__all__ = ["Chunk", "Delivery", "Heads", "MeshNode", "Want"]

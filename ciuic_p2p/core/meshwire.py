@@ -1,0 +1,459 @@
+"""Wire format of mesh messages: membership, link state and chunk dissemination.
+
+One message per GOSSIP frame (or per datagram on the simulator). Layout::
+
+    version u8 (1) | kind u8 | sender id (str8) | body
+
+``str8`` is a u8 length and UTF-8 bytes; ``bytes32`` a u32 length and bytes; all
+integers little-endian. Bodies by kind:
+
+- ``PING``: seq u32, target str8, coordinate, updates
+- ``ACK``: seq u32, coordinate, updates
+- ``PING_REQ``: seq u32, target str8, target address str8
+- ``NACK``: seq u32
+- ``GOSSIP``: updates
+- ``SYNC``: reply u8, updates (the sender's whole member table, as ALIVE/SUSPECT/DEAD/
+  LEFT updates, plus link state)
+- ``CHUNK``: origin str8, seq u64, hops u8, payload bytes32
+- ``HEADS``: count u16, then per origin: origin str8, high u64 (highest seq held)
+- ``WANT``: origin str8, count u16, seqs u64 each
+
+``updates`` is a u16 count, then per update a u8 type and its fields:
+ALIVE (id, incarnation u64, address str8, region str8), SUSPECT / DEAD (id,
+incarnation u64, by str8), LEFT (id, incarnation u64), LINKS (origin str8, version u32,
+u16 count, then peer str8, rtt_us u32, loss_permille u16 each). A coordinate is
+eight f32 components, height f32 and error f32.
+
+Kinds and update types are append-only. Decoding trusts nothing: every length is
+checked against what remains and against the hard limits before use, every value is
+range-checked, and every failure is a :class:`MeshDecodeError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+import struct
+from dataclasses import dataclass, field
+
+from ciuic_p2p.core.wire import MAX_CHUNK_BYTES
+from ciuic_p2p.errors import CiuicError
+
+VERSION = 1
+MAX_MESSAGE_BYTES = 64 * 1024 - 16
+"""Control messages fit one GOSSIP frame (core.frames)."""
+MAX_CHUNK_MESSAGE_BYTES = MAX_CHUNK_BYTES + 512
+MAX_ID_BYTES = 128
+MAX_UPDATES = 4096
+MAX_LINKS = 1024
+MAX_HEADS = 4096
+MAX_WANT = 256
+COORD_DIMENSIONS = 8
+
+
+class MeshDecodeError(CiuicError):
+    """Bytes that are not a valid mesh message; the message says what was wrong."""
+
+
+class Kind(enum.IntEnum):
+    PING = 1
+    ACK = 2
+    PING_REQ = 3
+    NACK = 4
+    GOSSIP = 5
+    SYNC = 6
+    CHUNK = 7
+    HEADS = 8
+    WANT = 9
+
+
+class UpdateType(enum.IntEnum):
+    ALIVE = 1
+    SUSPECT = 2
+    DEAD = 3
+    LEFT = 4
+    LINKS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Coordinate:
+    """A Vivaldi network coordinate (core.vivaldi); seconds."""
+
+    vec: tuple[float, ...] = (0.0,) * COORD_DIMENSIONS
+    height_s: float = 1e-5
+    error: float = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class Alive:
+    node: str
+    incarnation: int
+    address: str
+    region: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Suspect:
+    node: str
+    incarnation: int
+    by: str
+
+
+@dataclass(frozen=True, slots=True)
+class Dead:
+    node: str
+    incarnation: int
+    by: str
+
+
+@dataclass(frozen=True, slots=True)
+class Left:
+    node: str
+    incarnation: int
+
+
+@dataclass(frozen=True, slots=True)
+class LinkEntry:
+    peer: str
+    rtt_us: int
+    loss_permille: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Links:
+    """One node's measured links (link state), newest ``version`` wins."""
+
+    origin: str
+    version: int
+    entries: tuple[LinkEntry, ...]
+
+
+Update = Alive | Suspect | Dead | Left | Links
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    seq: int
+    target: str
+    coordinate: Coordinate
+    updates: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    seq: int
+    coordinate: Coordinate
+    updates: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PingReq:
+    seq: int
+    target: str
+    target_address: str
+
+
+@dataclass(frozen=True, slots=True)
+class Nack:
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Gossip:
+    updates: tuple[Update, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Sync:
+    reply: bool
+    updates: tuple[Update, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    origin: str
+    seq: int
+    hops: int
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Heads:
+    heads: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    origin: str
+    seqs: tuple[int, ...]
+
+
+Body = Ping | Ack | PingReq | Nack | Gossip | Sync | Chunk | Heads | Want
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    sender: str
+    body: Body
+    kind: Kind = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", _KIND_OF[type(self.body)])
+
+
+_KIND_OF: dict[type, Kind] = {
+    Ping: Kind.PING,
+    Ack: Kind.ACK,
+    PingReq: Kind.PING_REQ,
+    Nack: Kind.NACK,
+    Gossip: Kind.GOSSIP,
+    Sync: Kind.SYNC,
+    Chunk: Kind.CHUNK,
+    Heads: Kind.HEADS,
+    Want: Kind.WANT,
+}
+_U16, _U32, _U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
+_COORD = struct.Struct(f"<{COORD_DIMENSIONS + 2}f")
+
+
+# -- encoding ---------------------------------------------------------------------------
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def u8(self, v: int) -> None:
+        self.parts.append(bytes((v,)))
+
+    def u16(self, v: int) -> None:
+        self.parts.append(_U16.pack(v))
+
+    def u32(self, v: int) -> None:
+        self.parts.append(_U32.pack(v))
+
+    def u64(self, v: int) -> None:
+        self.parts.append(_U64.pack(v))
+
+    def str8(self, s: str) -> None:
+        raw = s.encode()
+        if len(raw) > MAX_ID_BYTES:
+            raise ValueError(f"identifier of {len(raw)} bytes exceeds {MAX_ID_BYTES}")
+        self.parts.append(bytes((len(raw),)) + raw)
+
+    def coord(self, c: Coordinate) -> None:
+        self.parts.append(_COORD.pack(*c.vec, c.height_s, c.error))
+
+    def updates(self, updates: tuple[Update, ...]) -> None:
+        self.u16(len(updates))
+        for u in updates:
+            self.parts.append(encode_update(u))
+
+
+def encode_update(u: Update) -> bytes:
+    w = _Writer()
+    if isinstance(u, Alive):
+        w.u8(UpdateType.ALIVE)
+        w.str8(u.node)
+        w.u64(u.incarnation)
+        w.str8(u.address)
+        w.str8(u.region)
+    elif isinstance(u, Suspect | Dead):
+        w.u8(UpdateType.SUSPECT if isinstance(u, Suspect) else UpdateType.DEAD)
+        w.str8(u.node)
+        w.u64(u.incarnation)
+        w.str8(u.by)
+    elif isinstance(u, Left):
+        w.u8(UpdateType.LEFT)
+        w.str8(u.node)
+        w.u64(u.incarnation)
+    else:
+        w.u8(UpdateType.LINKS)
+        w.str8(u.origin)
+        w.u32(u.version)
+        w.u16(len(u.entries))
+        for e in u.entries:
+            w.str8(e.peer)
+            w.u32(min(e.rtt_us, 0xFFFFFFFF))
+            w.u16(min(e.loss_permille, 1000))
+    return b"".join(w.parts)
+
+
+def encode_message(msg: Message) -> bytes:
+    w = _Writer()
+    w.u8(VERSION)
+    w.u8(msg.kind)
+    w.str8(msg.sender)
+    b = msg.body
+    if isinstance(b, Ping):
+        w.u32(b.seq)
+        w.str8(b.target)
+        w.coord(b.coordinate)
+        w.updates(b.updates)
+    elif isinstance(b, Ack):
+        w.u32(b.seq)
+        w.coord(b.coordinate)
+        w.updates(b.updates)
+    elif isinstance(b, PingReq):
+        w.u32(b.seq)
+        w.str8(b.target)
+        w.str8(b.target_address)
+    elif isinstance(b, Nack):
+        w.u32(b.seq)
+    elif isinstance(b, Gossip):
+        w.updates(b.updates)
+    elif isinstance(b, Sync):
+        w.u8(1 if b.reply else 0)
+        w.updates(b.updates)
+    elif isinstance(b, Chunk):
+        w.str8(b.origin)
+        w.u64(b.seq)
+        w.u8(min(b.hops, 255))
+        w.u32(len(b.payload))
+        w.parts.append(bytes(b.payload))
+    elif isinstance(b, Heads):
+        w.u16(len(b.heads))
+        for origin, high in b.heads:
+            w.str8(origin)
+            w.u64(high)
+    else:
+        w.str8(b.origin)
+        w.u16(len(b.seqs))
+        for s in b.seqs:
+            w.u64(s)
+    data = b"".join(w.parts)
+    limit = MAX_CHUNK_MESSAGE_BYTES if isinstance(b, Chunk) else MAX_MESSAGE_BYTES
+    if len(data) > limit:
+        raise ValueError(f"{msg.kind.name} message of {len(data)} bytes exceeds {limit}")
+    return data
+
+
+def update_size(u: Update) -> int:
+    return len(encode_update(u))
+
+
+# -- decoding ---------------------------------------------------------------------------
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self.data = memoryview(data)
+        self.pos = 0
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.data):
+            raise MeshDecodeError(f"truncated at byte {self.pos} (wanted {n} more)")
+        out = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def u8(self) -> int:
+        return self.take(1)[0]
+
+    def u16(self) -> int:
+        return int(_U16.unpack(self.take(2))[0])
+
+    def u32(self) -> int:
+        return int(_U32.unpack(self.take(4))[0])
+
+    def u64(self) -> int:
+        return int(_U64.unpack(self.take(8))[0])
+
+    def str8(self) -> str:
+        n = self.u8()
+        if n > MAX_ID_BYTES:
+            raise MeshDecodeError(f"identifier of {n} bytes exceeds {MAX_ID_BYTES}")
+        try:
+            return bytes(self.take(n)).decode()
+        except UnicodeDecodeError:
+            raise MeshDecodeError("identifier is not UTF-8") from None
+
+    def coord(self) -> Coordinate:
+        values = _COORD.unpack(self.take(_COORD.size))
+        if not all(math.isfinite(v) and abs(v) < 1e6 for v in values):
+            raise MeshDecodeError("coordinate out of range")
+        height, error = values[-2], values[-1]
+        if height < 0 or error < 0:
+            raise MeshDecodeError("coordinate height or error negative")
+        return Coordinate(tuple(values[:-2]), height, error)
+
+    def count(self, limit: int, what: str) -> int:
+        n = self.u16()
+        if n > limit:
+            raise MeshDecodeError(f"{n} {what} exceed the limit of {limit}")
+        return n
+
+    def updates(self) -> tuple[Update, ...]:
+        return tuple(self.update() for _ in range(self.count(MAX_UPDATES, "updates")))
+
+    def update(self) -> Update:
+        t = self.u8()
+        if t == UpdateType.ALIVE:
+            return Alive(self.str8(), self.u64(), self.str8(), self.str8())
+        if t == UpdateType.SUSPECT:
+            return Suspect(self.str8(), self.u64(), self.str8())
+        if t == UpdateType.DEAD:
+            return Dead(self.str8(), self.u64(), self.str8())
+        if t == UpdateType.LEFT:
+            return Left(self.str8(), self.u64())
+        if t == UpdateType.LINKS:
+            origin, version = self.str8(), self.u32()
+            n = self.count(MAX_LINKS, "link entries")
+            entries = []
+            for _ in range(n):
+                peer, rtt_us, loss = self.str8(), self.u32(), self.u16()
+                if loss > 1000:
+                    raise MeshDecodeError("loss above 1000 permille")
+                entries.append(LinkEntry(peer, rtt_us, loss))
+            return Links(origin, version, tuple(entries))
+        raise MeshDecodeError(f"unknown update type {t}")
+
+
+def decode_message(data: bytes) -> Message:
+    """Parse one message or raise :class:`MeshDecodeError`; never anything else."""
+    if len(data) > MAX_CHUNK_MESSAGE_BYTES:
+        raise MeshDecodeError(f"message of {len(data)} bytes exceeds every limit")
+    r = _Reader(data)
+    version = r.u8()
+    if version != VERSION:
+        raise MeshDecodeError(f"unsupported mesh message version {version}")
+    raw_kind = r.u8()
+    try:
+        kind = Kind(raw_kind)
+    except ValueError:
+        raise MeshDecodeError(f"unknown message kind {raw_kind}") from None
+    if kind is not Kind.CHUNK and len(data) > MAX_MESSAGE_BYTES:
+        raise MeshDecodeError(f"{kind.name} message of {len(data)} bytes exceeds its limit")
+    sender = r.str8()
+    body: Body
+    if kind is Kind.PING:
+        body = Ping(r.u32(), r.str8(), r.coord(), r.updates())
+    elif kind is Kind.ACK:
+        body = Ack(r.u32(), r.coord(), r.updates())
+    elif kind is Kind.PING_REQ:
+        body = PingReq(r.u32(), r.str8(), r.str8())
+    elif kind is Kind.NACK:
+        body = Nack(r.u32())
+    elif kind is Kind.GOSSIP:
+        body = Gossip(r.updates())
+    elif kind is Kind.SYNC:
+        flag = r.u8()
+        if flag > 1:
+            raise MeshDecodeError("SYNC reply flag is not 0 or 1")
+        body = Sync(flag == 1, r.updates())
+    elif kind is Kind.CHUNK:
+        origin, seq, hops = r.str8(), r.u64(), r.u8()
+        n = r.u32()
+        if n > MAX_CHUNK_BYTES:
+            raise MeshDecodeError(f"chunk payload of {n} bytes exceeds {MAX_CHUNK_BYTES}")
+        body = Chunk(origin, seq, hops, bytes(r.take(n)))
+    elif kind is Kind.HEADS:
+        n = r.count(MAX_HEADS, "heads")
+        body = Heads(tuple((r.str8(), r.u64()) for _ in range(n)))
+    else:
+        origin = r.str8()
+        n = r.count(MAX_WANT, "wanted seqs")
+        body = Want(origin, tuple(r.u64() for _ in range(n)))
+    if r.pos != len(data):
+        raise MeshDecodeError(f"{len(data) - r.pos} trailing bytes after {kind.name}")
+    return Message(sender, body)

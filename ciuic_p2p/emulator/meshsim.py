@@ -1,0 +1,188 @@
+"""Meshes of pure MeshNodes on virtual time: what the tests and the membership
+benchmarks drive.
+
+    sim = SimMesh(load_scenario(scenario_path("cities11")).subset(names), MeshSection())
+    sim.start_all(join_through=names[0])
+    sim.run_for(10.0)
+    assert sim.agree()
+
+:class:`RegionNetwork` is a network model for hundreds or thousands of members:
+members are spread over the cities of an RTT matrix and every pair gets its cities'
+one-way delay (plus a small intra-city delay), with optional jitter and loss; links
+are created on first use, so 1000 members do not cost a million link objects.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Iterable, Mapping
+
+from ciuic_p2p.config import MeshSection
+from ciuic_p2p.core.membership import State
+from ciuic_p2p.core.meshnode import MeshNode
+from ciuic_p2p.core.meshwire import Alive
+from ciuic_p2p.core.netem import LinkModel, LinkParams
+from ciuic_p2p.core.scenario import EmulatedNetwork, Scenario
+from ciuic_p2p.core.simulator import VirtualNetwork
+
+
+class RegionNetwork:
+    """Synthetic links between many members placed in a few cities."""
+
+    def __init__(
+        self,
+        city_of: Mapping[str, str],
+        city_rtt_s: Mapping[tuple[str, str], float],
+        *,
+        intra_city_rtt_s: float = 0.001,
+        jitter_s: float = 0.0,
+        loss: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        self.city_of = dict(city_of)
+        self.city_rtt_s = dict(city_rtt_s)
+        self.intra_city_rtt_s = intra_city_rtt_s
+        self.jitter_s, self.loss, self.seed = jitter_s, loss, seed
+        self.links: dict[tuple[str, str], LinkModel] = {}
+        self.down: set[str] = set()
+
+    def _rtt(self, a: str, b: str) -> float:
+        ca, cb = self.city_of[a], self.city_of[b]
+        if ca == cb:
+            return self.intra_city_rtt_s
+        return self.city_rtt_s.get((ca, cb), self.city_rtt_s.get((cb, ca), 0.2))
+
+    def transmit(self, src: str, dst: str, now: float, size: int) -> list[float]:
+        if src in self.down or dst in self.down:
+            return []
+        link = self.links.get((src, dst))
+        if link is None:
+            params = LinkParams(
+                delay_s=self._rtt(src, dst) / 2,
+                jitter_s=self.jitter_s,
+                jitter_dist="normal",
+                reorder=False,
+                loss=self.loss,
+            )
+            link = LinkModel(params, zlib.crc32(f"{self.seed}/{src}/{dst}".encode()))
+            self.links[(src, dst)] = link
+        return link.transmit(now, size)
+
+    def next_change_at(self) -> float | None:
+        return None
+
+    def advance(self, now: float) -> None:
+        return None
+
+
+class SimMesh:
+    """MeshNodes named after the network's nodes, addressed by name."""
+
+    def __init__(
+        self,
+        scenario: Scenario | None,
+        settings: MeshSection,
+        *,
+        network: RegionNetwork | None = None,
+        names: Iterable[str] | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.net = VirtualNetwork(scenario, network=network)
+        self.names = (
+            list(names)
+            if names is not None
+            else (scenario.node_names() if scenario is not None else [])
+        )
+        self.settings = settings
+        self.seed = seed
+        self.nodes: dict[str, MeshNode] = {}
+        self.incarnations: dict[str, int] = {}
+        self.regions = {n.name: n.region for n in scenario.nodes} if scenario is not None else {}
+
+    @property
+    def now(self) -> float:
+        return self.net.now
+
+    @property
+    def emulated(self) -> EmulatedNetwork:
+        assert isinstance(self.net.network, EmulatedNetwork)
+        return self.net.network
+
+    def start(self, name: str, join_through: str | None = None) -> MeshNode:
+        """Start (or restart, with a fresh state and a higher incarnation) a node."""
+        incarnation = self.incarnations.get(name, -1) + 1
+        self.incarnations[name] = incarnation
+        node = MeshNode(
+            name,
+            name,
+            self.settings,
+            self.now,
+            region=self.regions.get(name, ""),
+            incarnation=incarnation,
+            seed=zlib.crc32(f"{self.seed}/{name}/{incarnation}".encode()),
+        )
+        self.nodes[name] = node
+        self.net.add(name, node)
+        if join_through is not None and join_through != name:
+            node.join(join_through, self.now)
+            self.net.poke(name)
+        return node
+
+    def start_all(self, join_through: str | None = None) -> None:
+        for name in self.names:
+            self.start(name, join_through)
+
+    def start_formed(self) -> None:
+        """Every node up and already knowing every other (large simulations)."""
+        for name in self.names:
+            self.start(name)
+        alive = [Alive(n, 0, n) for n in self.names]
+        for node in self.nodes.values():
+            node.membership.bootstrap(alive, self.now)
+
+    def kill(self, name: str) -> None:
+        """Crash: the node stops at once, sending nothing more."""
+        self.net.remove(name)
+        self.nodes.pop(name, None)
+
+    def run_for(self, seconds: float) -> None:
+        self.net.run_until(self.now + seconds)
+
+    def run_until_true(self, condition: object, limit_s: float, step_s: float = 0.05) -> float:
+        """Advance in steps until ``condition()`` holds; the virtual time it took.
+        Raises AssertionError past ``limit_s``."""
+        assert callable(condition)
+        start = self.now
+        while not condition():
+            if self.now - start > limit_s:
+                raise AssertionError(f"condition not met within {limit_s} s of virtual time")
+            self.run_for(step_s)
+        return self.now - start
+
+    def broadcast(self, origin: str, payload: bytes) -> int:
+        seq = self.nodes[origin].broadcast(payload, self.now)
+        self.net.poke(origin)
+        return seq
+
+    # -- what the nodes believe ------------------------------------------------------------
+
+    def views(self) -> dict[str, list[str]]:
+        return {n: node.view() for n, node in self.nodes.items()}
+
+    def agree(self, expected: Iterable[str] | None = None) -> bool:
+        """Every running node sees exactly the running nodes (or ``expected``) alive."""
+        want = sorted(expected if expected is not None else self.nodes)
+        return all(node.view() == want for node in self.nodes.values())
+
+    def all_mark(self, victim: str, states: tuple[State, ...] = (State.DEAD,)) -> bool:
+        return all(
+            node.membership.state_of(victim) in states
+            for n, node in self.nodes.items()
+            if n != victim
+        )
+
+
+def random_names(count: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [f"n{i:04d}-{rng.randrange(1 << 16):04x}" for i in range(count)]

@@ -1,0 +1,116 @@
+"""Membership on virtual time: 8 nodes of the 11-city scenario (seeded, bounded)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+from ciuic_p2p.config import MeshSection
+from ciuic_p2p.core.membership import State
+from ciuic_p2p.core.scenario import load_scenario
+from ciuic_p2p.data import scenario_path
+from ciuic_p2p.emulator.meshsim import SimMesh
+
+NAMES = ["Tokyo", "Singapore", "Sydney", "Frankfurt", "London", "Virginia", "SaoPaulo", "Oregon"]
+
+
+def cities(**defaults: Any) -> SimMesh:
+    scenario = load_scenario(scenario_path("cities11")).subset(NAMES)
+    if defaults:
+        scenario = dataclasses.replace(
+            scenario,
+            links={k: dataclasses.replace(v, **defaults) for k, v in scenario.links.items()},
+        )
+    return SimMesh(scenario, MeshSection(), seed=5)
+
+
+@pytest.fixture
+def mesh() -> SimMesh:
+    sim = cities()
+    sim.start_all(join_through="Tokyo")
+    sim.run_until_true(sim.agree, limit_s=10)
+    return sim
+
+
+def test_all_join_through_one_seed_and_agree(mesh: SimMesh) -> None:
+    assert mesh.agree(NAMES)
+    for node in mesh.nodes.values():
+        assert node.membership.joined
+        assert all(e.state == State.ALIVE for e in node.events)
+
+
+def test_a_crash_is_seen_by_every_survivor_and_a_restart_comes_back_newer(mesh: SimMesh) -> None:
+    mesh.run_for(10)
+    mesh.kill("Frankfurt")
+    took = mesh.run_until_true(lambda: mesh.all_mark("Frankfurt"), limit_s=10)
+    assert took < 5
+    survivors = [n for n in NAMES if n != "Frankfurt"]
+    assert mesh.agree(survivors)
+    old = mesh.nodes["Tokyo"].membership.members["Frankfurt"].incarnation
+
+    mesh.start("Frankfurt", join_through="Sydney")
+    mesh.run_until_true(mesh.agree, limit_s=10)
+    for name, node in mesh.nodes.items():
+        if name != "Frankfurt":
+            member = node.membership.members["Frankfurt"]
+            assert member.state == State.ALIVE and member.incarnation > old
+
+
+def test_a_restart_without_saved_state_refutes_its_own_death(mesh: SimMesh) -> None:
+    mesh.kill("Oregon")
+    mesh.run_until_true(lambda: mesh.all_mark("Oregon"), limit_s=10)
+    mesh.incarnations["Oregon"] = -1  # comes back at incarnation 0: it lost its disk
+    mesh.start("Oregon", join_through="Tokyo")
+    mesh.run_until_true(mesh.agree, limit_s=10)
+    assert mesh.nodes["Oregon"].membership.incarnation > 0
+
+
+def test_a_partition_heals_into_one_mesh(mesh: SimMesh) -> None:
+    asia, rest = NAMES[:3], NAMES[3:]
+    mesh.emulated.partition(asia, rest)
+    mesh.run_until_true(
+        lambda: (
+            all(mesh.nodes[n].view() == sorted(asia) for n in asia)
+            and all(mesh.nodes[n].view() == sorted(rest) for n in rest)
+        ),
+        limit_s=15,
+    )
+    mesh.run_for(20)
+    mesh.emulated.heal_all()
+    took = mesh.run_until_true(lambda: mesh.agree(NAMES), limit_s=30)
+    assert took < 15
+
+
+def test_a_graceful_leave_is_left_not_dead(mesh: SimMesh) -> None:
+    leaver = mesh.nodes["London"]
+    leaver.leave(mesh.now)
+    mesh.net.poke("London")
+    mesh.run_until_true(leaver.membership.left_spread, limit_s=5)
+    mesh.kill("London")
+    mesh.run_until_true(lambda: mesh.all_mark("London", (State.LEFT,)), limit_s=5)
+    mesh.run_for(30)
+    assert mesh.all_mark("London", (State.LEFT,))
+
+
+def test_no_false_declarations_under_loss_and_jitter() -> None:
+    """2% loss and 30 ms jitter (normal, reordering) on every link for 5 minutes."""
+    sim = cities(loss=0.02, jitter_s=0.03, reorder=True)
+    sim.start_all(join_through="Tokyo")
+    sim.run_until_true(sim.agree, limit_s=20)
+    sim.run_for(300)
+    declared = [
+        (n, e.node) for n, node in sim.nodes.items() for e in node.events if e.state >= State.DEAD
+    ]
+    assert declared == []
+    assert sim.agree(NAMES)
+
+
+def test_probe_deadlines_follow_each_peers_rtt(mesh: SimMesh) -> None:
+    mesh.run_for(20)
+    tokyo = mesh.nodes["Tokyo"].membership
+    near, far = tokyo._direct_timeout("Singapore"), tokyo._direct_timeout("SaoPaulo")
+    scenario = mesh.emulated.scenario
+    assert scenario.rtt_s("Tokyo", "Singapore") < near < far
+    assert far > scenario.rtt_s("Tokyo", "SaoPaulo") > 2 * near

@@ -1,0 +1,103 @@
+"""Routes and trees: detours taken and given back, hysteresis, fan-out, agreement."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+
+from ciuic_p2p.config import MeshSection
+from ciuic_p2p.core.routing import Router, build_tree, shortest_paths
+from ciuic_p2p.core.scenario import load_scenario, scenario_from_mapping
+from ciuic_p2p.data import scenario_path
+from ciuic_p2p.emulator.meshsim import SimMesh
+
+
+def detour_scenario() -> SimMesh:
+    """a-c is slow (200 ms) while a-b-c is 80 ms: a triangle-inequality violation.
+    At 60 s the a-c link gets fast (10 ms)."""
+    link = {"symmetric": True, "jitter_ms": 0.5, "jitter_dist": "normal", "reorder": False}
+    scenario = scenario_from_mapping(
+        {
+            "seed": 3,
+            "nodes": [{"name": "a"}, {"name": "b"}, {"name": "c"}],
+            "links": [
+                {"src": "a", "dst": "b", "delay_ms": 20, **link},
+                {"src": "b", "dst": "c", "delay_ms": 20, **link},
+                {"src": "a", "dst": "c", "delay_ms": 100, **link},
+            ],
+            "schedule": [
+                {
+                    "at_s": 60,
+                    "action": "set",
+                    "src": "a",
+                    "dst": "c",
+                    "delay_ms": 5,
+                    "symmetric": True,
+                }
+            ],
+        }
+    )
+    sim = SimMesh(scenario, MeshSection(), seed=1)
+    sim.start_all(join_through="a")
+    return sim
+
+
+def test_the_route_table_takes_the_detour_and_returns_to_the_direct_path() -> None:
+    sim = detour_scenario()
+    a = sim.nodes["a"]
+    c = sim.nodes["c"]
+    sim.run_until_true(
+        lambda: a.routes().get("c") == ("a", "b", "c") and c.routes().get("a") == ("c", "b", "a"),
+        30,
+    )
+    assert sim.now < 60
+    sim.run_for(60 - sim.now)
+    sim.run_until_true(lambda: a.routes().get("c") == ("a", "c"), 30)
+    # The tree from a now reaches c directly as well.
+    assert "c" in a.tree("a")["a"]
+
+
+def test_hysteresis_keeps_a_route_through_small_changes() -> None:
+    rtts = {("a", "b"): 0.04, ("b", "c"): 0.04, ("a", "c"): 0.1}
+
+    def rtt(x: str, y: str) -> float:
+        return rtts.get((x, y)) or rtts[(y, x)]
+
+    router = Router("a", MeshSection())
+    router.update(["a", "b", "c"], rtt)
+    assert router.routes["c"] == ("a", "b", "c")
+    rtts[("a", "c")] = 0.078  # direct is now 39 ms one way against 42 via b: 7% better
+    router.update(["a", "b", "c"], rtt)
+    assert router.routes["c"] == ("a", "b", "c")
+    rtts[("a", "c")] = 0.06  # 30 ms against 42: well past the 10% hysteresis
+    router.update(["a", "b", "c"], rtt)
+    assert router.routes["c"] == ("a", "c")  # type: ignore[comparison-overlap]
+    router.update(["a", "c"], rtt)  # b left: routes through it go at once
+    assert "b" not in router.routes
+
+
+def matrix_rtt(name: str) -> tuple[list[str], Callable[[str, str], float]]:
+    scenario = load_scenario(scenario_path(name))
+    return scenario.node_names(), scenario.rtt_s
+
+
+def test_trees_cover_everyone_respect_fanout_and_beat_the_direct_star() -> None:
+    names, rtt = matrix_rtt("multicloud8")
+    settings = MeshSection(tree_max_fanout=3)
+    for origin in names:
+        tree = build_tree(origin, names, rtt, settings)
+        reached = {c for kids in tree.values() for c in kids}
+        assert reached == set(names) - {origin}
+        assert all(len(kids) <= 3 for kids in tree.values())
+        # Same inputs, same tree: every node computes the same one.
+        assert build_tree(origin, list(reversed(names)), rtt, settings) == tree
+
+
+def test_shortest_paths_use_relays_on_the_multicloud_matrix() -> None:
+    names, rtt = matrix_rtt("multicloud8")
+    relayed = 0
+    for a, b in itertools.permutations(names, 2):
+        cost, path = shortest_paths(a, names, rtt, 0.002)[b]
+        assert cost <= rtt(a, b) / 2 + 1e-9
+        relayed += len(path) > 2
+    assert relayed >= 10  # the matrix's README: 10 of 28 pairs have a >10% detour
