@@ -55,6 +55,24 @@ def build_parser() -> argparse.ArgumentParser:
     ca_revoke.add_argument("certs", nargs="+", help="certificate files of the nodes to remove")
     ca_revoke.add_argument("--out", required=True, help="revocation list to write (PEM CRL)")
 
+    run = sub.add_parser("run", help="start the node daemon (joins a mesh with --join)")
+    from ciuic_p2p.daemon.run import add_run_arguments  # noqa: PLC0415
+
+    add_run_arguments(run)
+    for name, text in (
+        ("join", "make the running daemon join a mesh through HOST:PORT"),
+        ("leave", "make the running daemon leave the mesh gracefully and exit"),
+        ("status", "show the running daemon's members, RTTs and routes"),
+    ):
+        cmd = sub.add_parser(name, help=text)
+        if name == "join":
+            cmd.add_argument("address", metavar="HOST:PORT", help="any member of the mesh")
+        if name == "status":
+            cmd.add_argument("--json", action="store_true", help="print JSON")
+        cmd.add_argument("--control", help="control socket (default STATE_DIR/control.sock)")
+        cmd.add_argument("--state-dir", help="state directory (default node.state_dir)")
+        cmd.add_argument("--config", help="TOML config file, for its node.state_dir")
+
     emulate = sub.add_parser(
         "emulate",
         help="start emulated nodes on a WAN scenario as processes, measure, tear down",
@@ -233,6 +251,53 @@ def _netem(args: argparse.Namespace) -> int:
     return 0
 
 
+def _control_path(args: argparse.Namespace) -> Path:
+    if args.control:
+        return Path(args.control)
+    state_dir = args.state_dir or (
+        load_config(args.config).node.state_dir if args.config else Config().node.state_dir
+    )
+    return Path(state_dir) / "control.sock"
+
+
+def _steer(args: argparse.Namespace) -> int:
+    from ciuic_p2p.daemon.control import request  # noqa: PLC0415
+
+    path = _control_path(args)
+    if args.command == "join":
+        answer = request(path, {"cmd": "join", "address": args.address})
+        if answer.get("ok"):
+            print(f"joined through {args.address}: {answer['members']} members")
+    elif args.command == "leave":
+        answer = request(path, {"cmd": "leave"})
+        if answer.get("ok"):
+            print("leaving the mesh")
+    else:
+        answer = request(path, {"cmd": "status"})
+        if answer.get("ok"):
+            _print_status(answer, args.json)
+    if not answer.get("ok"):
+        print(f"ciuic-node: error: {answer.get('error', 'failed')}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _print_status(status: dict[str, object], as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(status))
+        return
+    print(
+        f"{status['name']} {status['peer']} at {status['address']} "
+        f"(incarnation {status['incarnation']}, {status['alive']} alive)"
+    )
+    members = status.get("members")
+    assert isinstance(members, list)
+    for m in members:
+        rtt = "-" if m["rtt_ms"] is None else f"{m['rtt_ms']:.1f} ms ({m['rtt_source']})"
+        via = " via " + " > ".join(p[:12] for p in m["route"][1:-1]) if len(m["route"]) > 2 else ""
+        print(f"  {m['peer']:<40} {m['state']:<8} {m['address']:<22} {rtt}{via}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -247,6 +312,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _emulate(args)
         if args.command == "netem":
             return _netem(args)
+        if args.command == "run":
+            from ciuic_p2p.daemon.run import run  # noqa: PLC0415
+
+            return run(args)
+        if args.command in ("join", "leave", "status"):
+            return _steer(args)
     except CiuicError as exc:
         print(f"ciuic-node: error: {exc}", file=sys.stderr)
         return 2

@@ -18,6 +18,7 @@ import enum
 import struct
 from dataclasses import dataclass
 
+from ciuic_p2p.core.meshwire import MAX_CHUNK_MESSAGE_BYTES
 from ciuic_p2p.core.wire import MAX_CHUNK_BYTES
 from ciuic_p2p.errors import CiuicError
 
@@ -49,6 +50,8 @@ class FrameType(enum.IntEnum):
     """Membership and routing messages (later layers)."""
     CLOSE = 8
     """A clean close with a UTF-8 reason."""
+    MESH_CHUNK = 9
+    """A mesh dissemination message carrying a chunk (core.meshwire CHUNK); bulk."""
 
 
 MAX_PAYLOAD = {
@@ -60,8 +63,10 @@ MAX_PAYLOAD = {
     FrameType.CREDIT: 8,
     FrameType.GOSSIP: 64 * 1024,
     FrameType.CLOSE: 512,
+    FrameType.MESH_CHUNK: MAX_CHUNK_MESSAGE_BYTES,
 }
-BULK_TYPES = frozenset({FrameType.CHUNK})
+BULK_TYPES = frozenset({FrameType.CHUNK, FrameType.MESH_CHUNK})
+MAX_BULK_FRAME = max(MAX_PAYLOAD[t] for t in BULK_TYPES) + FRAME_HEADER.size
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,7 +152,7 @@ class CreditReceiver:
     consumed by the application never exceed it."""
 
     def __init__(self, window: int) -> None:
-        if window < MAX_CHUNK_BYTES + FRAME_HEADER.size:
+        if window < MAX_BULK_FRAME:
             raise ValueError("the window must hold at least one largest chunk frame")
         self.window = window
         self.outstanding = window  # granted, not yet received

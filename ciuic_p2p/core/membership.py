@@ -160,6 +160,7 @@ class Membership:
         self._live_cache: list[str] | None = None
         self._suspected: set[str] = set()
         self._recent_dead: dict[str, float] = {}
+        self._introduced: dict[str, float] = {}
         self._now = now
         self.sent_messages = 0
         self.queue.put(self._self_alive())
@@ -295,6 +296,8 @@ class Membership:
     def handle(self, msg: Message, src_address: str, now: float) -> None:
         self._now = now
         b = msg.body
+        if msg.sender not in self.members and not isinstance(b, Sync):
+            self._introduce(msg.sender, src_address, now)
         if isinstance(b, Ping):
             if b.target != self.node:
                 return
@@ -322,6 +325,18 @@ class Membership:
                     self._next_join = None
             else:
                 self._reply(src_address, Sync(True, self._full_state()))
+
+    def _introduce(self, sender: str, address: str, now: float) -> None:
+        """A message from a member we have not heard of: the news of its arrival
+        did not reach us (gossip is probabilistic). A state exchange fixes that at
+        once, rather than at the next periodic sync; once per ``join_retry_s``."""
+        last = self._introduced.get(sender)
+        if last is not None and now - last < self.settings.join_retry_s:
+            return
+        if len(self._introduced) > 4096:
+            self._introduced.clear()
+        self._introduced[sender] = now
+        self._reply(address, Sync(False, self._full_state()))
 
     def _apply_all(self, updates: tuple[Update, ...], now: float) -> None:
         for u in updates:

@@ -71,6 +71,7 @@ class QuicLink:
         self.bytes_received = 0
         self.transmit_pending = False
         self.gone = asyncio.Event()
+        self.established_at = 0.0
 
     def rtt_stats(self) -> RttStats:
         loss = self.quic._loss  # aioquic has no public accessor for its RTT estimate

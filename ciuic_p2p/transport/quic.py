@@ -311,10 +311,13 @@ class QuicTransport(Transport):
         if link.auth_deadline is not None:
             link.auth_deadline.cancel()
         link.authenticated = True
+        link.established_at = self.clock()
         existing = self._links.get(link.peer)
         if existing is not None and not existing.closed:
-            # Simultaneous dials: both ends keep the link dialed by the smaller key.
-            keep_new = self._dialer(link) < self._dialer(existing)
+            # Simultaneous dials: both ends keep the link dialed by the smaller key. An
+            # older link is a restarted peer's previous life, dead at its end: replace.
+            stale = link.established_at - existing.established_at > self.settings.auth_timeout_s
+            keep_new = stale or self._dialer(link) < self._dialer(existing)
             loser = existing if keep_new else link
             winner = link if keep_new else existing
             if not loser.ready.done():

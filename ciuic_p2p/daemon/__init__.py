@@ -1,0 +1,1 @@
+"""The node daemon: the asyncio adapters around the pure cores."""

@@ -1,0 +1,382 @@
+"""The daemon's mesh layer: a MeshNode (pure) driven over the QUIC transport.
+
+The adapter owns the clock, the timer and the sockets; the MeshNode owns every
+decision. Messages leave as GOSSIP frames (control stream) or MESH_CHUNK frames (bulk
+stream, credit flow control) to the link whose peer listens at the message's
+address, dialling it first when there is none. Each destination has its own outbox
+and sender task, so a slow or dead peer never holds up the others; an outbox that
+grows past ``MAX_OUTBOX`` messages drops its oldest control messages (membership
+repeats what matters) and counts them.
+
+Every message that arrives is checked: its sender name must be the peer ID of the
+authenticated key of the link it came on, or it is dropped and counted, so that no
+member can speak for another.
+
+The incarnation survives restarts in ``state_dir/incarnation``: a restarted node
+comes back with a higher one, which the mesh takes over its old death notice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import time
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+
+from ciuic_p2p.admission import Trust
+from ciuic_p2p.config import Config
+from ciuic_p2p.core.broadcast import Delivery
+from ciuic_p2p.core.frames import FrameType
+from ciuic_p2p.core.membership import State
+from ciuic_p2p.core.meshnode import MeshNode
+from ciuic_p2p.core.meshwire import Kind, MeshDecodeError, decode_message, encode_message
+from ciuic_p2p.identity import NodeKey, peer_id_of
+from ciuic_p2p.logsetup import get_logger
+from ciuic_p2p.transport.base import FrameReceived, PeerConnected, PeerDisconnected
+from ciuic_p2p.transport.quic import QuicTransport, TransportError
+
+MAX_OUTBOX = 4096
+log = get_logger("ciuic.mesh")
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_address(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT``; ValueError with the reason otherwise."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    return host.strip("[]"), int(port)
+
+
+def next_incarnation(state_dir: Path) -> int:
+    """Read, bump and save the incarnation (atomically: write, then rename)."""
+    path = state_dir / "incarnation"
+    try:
+        current = int(path.read_text().strip())
+    except (OSError, ValueError):
+        current = -1
+    value = current + 1
+    state_dir.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(f"{value}\n")
+    os.replace(tmp, path)
+    return value
+
+
+@dataclass
+class _Outbox:
+    queue: collections.deque[tuple[bool, bytes]] = field(default_factory=collections.deque)
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class MeshDaemon:
+    """One node: QUIC transport + mesh state machine + its timer."""
+
+    def __init__(
+        self,
+        config: Config,
+        key: NodeKey,
+        certificate: x509.Certificate,
+        trust: Trust,
+        *,
+        state_dir: Path | None = None,
+        wrap_udp: Callable[[asyncio.DatagramTransport], asyncio.DatagramTransport] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.config = config
+        self.key = key
+        self.peer_id = peer_id_of(key.public_key)
+        self.state_dir = Path(state_dir or config.node.state_dir)
+        self.clock = clock
+        self.transport = QuicTransport(
+            key,
+            certificate,
+            trust,
+            host=config.node.listen_host,
+            port=config.node.listen_port,
+            settings=config.transport,
+            clock=clock,
+            wrap_udp=wrap_udp,
+        )
+        self.node: MeshNode | None = None
+        self.address = ""
+        self.started_at = clock()
+        self._peer_at: dict[str, bytes] = {}
+        self._address_of: dict[bytes, str] = {}
+        self._outboxes: dict[tuple[str, bool], _Outbox] = {}
+        self._dialing: dict[str, asyncio.Future[bytes]] = {}
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at: float | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self.deliveries: asyncio.Queue[Delivery] = asyncio.Queue()
+        self.on_delivery: Callable[[Delivery], None] | None = None
+        self.counters: collections.Counter[str] = collections.Counter()
+        self.closed = asyncio.Event()
+
+    # -- life cycle -------------------------------------------------------------------------
+
+    async def start(self) -> str:
+        host, port = await self.transport.start()
+        self.address = format_address(host, port)
+        incarnation = next_incarnation(self.state_dir)
+        self.node = MeshNode(
+            self.peer_id,
+            self.address,
+            self.config.mesh,
+            self.clock(),
+            region=self.config.node.region,
+            incarnation=incarnation,
+            seed=zlib.crc32(self.key.public_key) ^ incarnation,
+        )
+        self._tasks.append(asyncio.get_running_loop().create_task(self._receive_loop()))
+        self._pump()
+        log.info(
+            "mesh_started",
+            peer=self.peer_id,
+            name=self.config.node.name,
+            address=self.address,
+            incarnation=incarnation,
+        )
+        return self.address
+
+    @property
+    def mesh(self) -> MeshNode:
+        if self.node is None:
+            raise RuntimeError("daemon not started")
+        return self.node
+
+    async def join(self, address: str, timeout_s: float = 15.0) -> list[str]:
+        """Join the mesh through the member at ``address``; the view once joined.
+        Raises TransportError when that member refuses us (wrong credential) or cannot
+        be reached, TimeoutError when it never answers."""
+        host, port = parse_address(address)
+        key = await self.transport.connect((host, port))
+        self._learn_peer(key, format_address(host, port))
+        self.mesh.join(format_address(host, port), self.clock())
+        self._pump()
+        deadline = self.clock() + timeout_s
+        while not self.mesh.membership.joined:
+            if self.clock() > deadline:
+                raise TimeoutError(f"{address} did not answer the join in {timeout_s:g} s")
+            await asyncio.sleep(0.02)
+        return self.mesh.view()
+
+    async def leave(self) -> None:
+        """Tell the mesh we are leaving, wait (bounded) for it to spread, then close."""
+        node = self.mesh
+        node.leave(self.clock())
+        self._pump()
+        deadline = self.clock() + self.config.mesh.leave_propagate_s
+        while not node.membership.left_spread() and self.clock() < deadline:
+            await asyncio.sleep(0.02)
+        await self._drain(deadline - self.clock())
+        await self.close()
+
+    async def _drain(self, timeout_s: float) -> None:
+        end = self.clock() + max(0.0, timeout_s)
+        while any(o.queue for o in self._outboxes.values()) and self.clock() < end:
+            await asyncio.sleep(0.01)
+
+    async def close(self) -> None:
+        if self.closed.is_set():
+            return
+        self.closed.set()
+        if self._timer is not None:
+            self._timer.cancel()
+        tasks = self._tasks + [o.task for o in self._outboxes.values() if o.task is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        await self.transport.close()
+
+    def broadcast(self, payload: bytes) -> int:
+        seq = self.mesh.broadcast(payload, self.clock())
+        self._pump()
+        return seq
+
+    # -- driving the state machine ---------------------------------------------------------
+
+    def _pump(self) -> None:
+        node = self.node
+        if node is None or self.closed.is_set():
+            return
+        for address, msg in node.messages_to_send():
+            try:
+                data = encode_message(msg)
+            except ValueError as exc:  # our own message over a limit: a bug, not fatal
+                log.error("mesh_message_too_large", kind=msg.kind.name, error=str(exc))
+                continue
+            self._enqueue(address, msg.kind is Kind.CHUNK, data)
+        for delivery in node.take_deliveries():
+            self.counters["chunks_delivered"] += 1
+            if self.on_delivery is not None:
+                self.on_delivery(delivery)
+            else:
+                self.deliveries.put_nowait(delivery)
+        self._log_events(node)
+        when = node.get_timer()
+        if when != self._timer_at:
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer, self._timer_at = None, when
+            if when is not None:
+                loop = asyncio.get_running_loop()
+                delay = max(0.0, when - self.clock())
+                self._timer = loop.call_at(loop.time() + delay, self._on_timer)
+
+    def _on_timer(self) -> None:
+        self._timer, self._timer_at = None, None
+        if self.node is not None and not self.closed.is_set():
+            self.node.handle_timer(self.clock())
+            self._pump()
+
+    def _log_events(self, node: MeshNode) -> None:
+        for event in node.events:
+            level = log.warning if event.state in (State.SUSPECT, State.DEAD) else log.info
+            level(
+                "member_" + event.state.name.lower(),
+                peer=event.node,
+                incarnation=event.incarnation,
+            )
+        node.events.clear()
+
+    async def _receive_loop(self) -> None:
+        while True:
+            event = await self.transport.next_event()
+            if isinstance(event, PeerConnected):
+                self._learn_peer(event.peer, format_address(*event.address))
+            elif isinstance(event, PeerDisconnected):
+                self.counters["links_lost"] += 1
+            elif isinstance(event, FrameReceived) and event.type in (
+                FrameType.GOSSIP,
+                FrameType.MESH_CHUNK,
+            ):
+                self._on_frame(event)
+
+    def _on_frame(self, event: FrameReceived) -> None:
+        try:
+            msg = decode_message(event.payload)
+        except MeshDecodeError as exc:
+            self.counters["decode_errors"] += 1
+            log.warning("mesh_message_refused", peer=peer_id_of(event.peer), reason=str(exc))
+            return
+        if msg.sender != peer_id_of(event.peer) or (
+            (msg.kind is Kind.CHUNK) != (event.type is FrameType.MESH_CHUNK)
+        ):
+            self.counters["spoofed"] += 1
+            log.warning("mesh_message_refused", peer=peer_id_of(event.peer), reason="sender")
+            return
+        address = self._address_of.get(event.peer)
+        if address is None or self.node is None:
+            return
+        self.node.receive_message(address, msg, self.clock())
+        self._pump()
+
+    def _learn_peer(self, key: bytes, address: str) -> None:
+        self._peer_at[address] = key
+        self._address_of[key] = address
+
+    # -- sending -----------------------------------------------------------------------------
+
+    def _enqueue(self, address: str, bulk: bool, data: bytes) -> None:
+        # Control and bulk get separate outboxes: a chunk waiting for credit must
+        # never hold up a probe.
+        box = self._outboxes.get((address, bulk))
+        if box is None:
+            box = self._outboxes[(address, bulk)] = _Outbox()
+        if len(box.queue) >= MAX_OUTBOX:
+            for i, (is_bulk, _) in enumerate(box.queue):
+                if not is_bulk:
+                    del box.queue[i]
+                    break
+            else:
+                box.queue.popleft()
+            self.counters["outbox_dropped"] += 1
+        box.queue.append((bulk, data))
+        box.wake.set()
+        if box.task is None or box.task.done():
+            box.task = asyncio.get_running_loop().create_task(self._sender(address, box))
+
+    async def _sender(self, address: str, box: _Outbox) -> None:
+        while not self.closed.is_set():
+            if not box.queue:
+                box.wake.clear()
+                await box.wake.wait()
+                continue
+            try:
+                key = await self._link_to(address)
+            except (TransportError, OSError, ValueError) as exc:
+                dropped = len(box.queue)
+                box.queue.clear()
+                self.counters["unreachable_dropped"] += dropped
+                log.debug("peer_unreachable", address=address, reason=str(exc))
+                continue
+            bulk, data = box.queue.popleft()
+            try:
+                await self.transport.send(
+                    key, FrameType.MESH_CHUNK if bulk else FrameType.GOSSIP, data
+                )
+                self.counters["messages_sent"] += 1
+            except TransportError:
+                self.counters["send_failed"] += 1
+
+    async def _link_to(self, address: str) -> bytes:
+        """The peer key of a live link to ``address``, dialling once for all waiters."""
+        key = self._peer_at.get(address)
+        if key is not None and key in self.transport.peers():
+            return key
+        pending = self._dialing.get(address)
+        if pending is None:
+            pending = asyncio.ensure_future(self.transport.connect(parse_address(address)))
+            self._dialing[address] = pending
+            pending.add_done_callback(lambda _: self._dialing.pop(address, None))
+        key = await asyncio.shield(pending)
+        self._learn_peer(key, address)
+        return key
+
+    # -- status --------------------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        node = self.mesh
+        members = []
+        for name, m in sorted(node.membership.members.items()):
+            rtt = node.rttmap.rtt_s(self.peer_id, name)
+            members.append(
+                {
+                    "peer": name,
+                    "address": m.address,
+                    "region": m.region,
+                    "state": m.state.name.lower(),
+                    "incarnation": m.incarnation,
+                    "rtt_ms": None if rtt is None else round(rtt * 1000, 2),
+                    "rtt_source": node.rttmap.source(self.peer_id, name),
+                    "route": list(node.routes().get(name, ())),
+                }
+            )
+        return {
+            "peer": self.peer_id,
+            "name": self.config.node.name,
+            "region": self.config.node.region,
+            "address": self.address,
+            "incarnation": node.membership.incarnation,
+            "joined": node.membership.joined,
+            "uptime_s": round(self.clock() - self.started_at, 1),
+            "alive": len(node.view()),
+            "health_score": node.membership.awareness.score,
+            "members": members,
+            "counters": dict(self.counters),
+        }

@@ -1,0 +1,158 @@
+"""``ciuic-node run``: start the daemon from the config file and flags, serve the
+control socket, stop cleanly on SIGTERM/SIGINT (a graceful leave) or on ``leave``.
+
+Credentials default to files in the state directory: ``node.key`` (``ciuic-node
+keygen``), ``node.pem`` (``ciuic-node ca issue``) and ``ca.pem`` (the cluster CA's
+certificate), with ``crl.pem`` if present. A missing or unreadable one is an error
+naming the file and the command that makes it.
+
+For tests and benchmarks, ``--emulate SCENARIO --emulate-node NAME --emulate-ports
+BASE --emulate-start T`` puts the node behind the WAN emulator: node i of the scenario
+listens on 127.0.0.1:BASE+i and every datagram is shaped by the scenario's links.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+from cryptography import x509
+
+from ciuic_p2p.admission import Trust, load_certificate, load_crl
+from ciuic_p2p.config import Config, load_config
+from ciuic_p2p.daemon.control import ControlServer
+from ciuic_p2p.daemon.node import MeshDaemon, parse_address
+from ciuic_p2p.errors import CiuicError, ConfigError
+from ciuic_p2p.identity import NodeKey
+from ciuic_p2p.logsetup import configure_logging, get_logger
+from ciuic_p2p.transport.loop import new_event_loop
+from ciuic_p2p.transport.quic import TransportError
+
+log = get_logger("ciuic.daemon")
+
+
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="TOML config file (default: the WAN preset)")
+    p.add_argument("--listen", help="HOST:PORT to listen on (node.listen_host/port)")
+    p.add_argument("--name", help="node name shown in logs and status (node.name)")
+    p.add_argument("--region", help="region label, e.g. aws:eu-central-1 (node.region)")
+    p.add_argument("--state-dir", help="state directory (node.state_dir)")
+    p.add_argument("--key", help="node key file (default STATE_DIR/node.key)")
+    p.add_argument("--cert", help="node certificate (default STATE_DIR/node.pem)")
+    p.add_argument("--ca", help="cluster CA certificate (default STATE_DIR/ca.pem)")
+    p.add_argument("--crl", help="revocation list (default STATE_DIR/crl.pem if present)")
+    p.add_argument("--join", metavar="HOST:PORT", help="join the mesh through this member")
+    p.add_argument("--control", help="control socket path (default STATE_DIR/control.sock)")
+    p.add_argument("--emulate", metavar="SCENARIO", help=argparse.SUPPRESS)
+    p.add_argument("--emulate-node", help=argparse.SUPPRESS)
+    p.add_argument("--emulate-ports", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--emulate-start", type=float, help=argparse.SUPPRESS)
+
+
+def build_config(args: argparse.Namespace) -> Config:
+    config = load_config(args.config) if args.config else Config.wan()
+    node = config.node
+    changes: dict[str, Any] = {}
+    if args.listen:
+        try:
+            host, port = parse_address(args.listen)
+        except ValueError as exc:
+            raise ConfigError(f"--listen: {exc}") from None
+        changes |= {"listen_host": host, "listen_port": port}
+    for flag, key in (("name", "name"), ("region", "region"), ("state_dir", "state_dir")):
+        if getattr(args, flag):
+            changes[key] = getattr(args, flag)
+    return dataclasses.replace(config, node=dataclasses.replace(node, **changes))
+
+
+def _credential(path: str | None, default: Path, what: str, how: str) -> Path:
+    p = Path(path) if path else default
+    if not p.exists():
+        raise CiuicError(f"no {what} at {p}: {how}")
+    return p
+
+
+def load_credentials(
+    args: argparse.Namespace, state_dir: Path
+) -> tuple[NodeKey, x509.Certificate, Trust]:
+    key = NodeKey.load(
+        _credential(
+            args.key, state_dir / "node.key", "node key", "create one with `ciuic-node keygen`"
+        )
+    )
+    cert = load_certificate(
+        _credential(
+            args.cert,
+            state_dir / "node.pem",
+            "node certificate",
+            "have the cluster CA run `ciuic-node ca issue`",
+        )
+    )
+    ca = load_certificate(
+        _credential(
+            args.ca,
+            state_dir / "ca.pem",
+            "cluster CA certificate",
+            "copy the cluster's ca.pem there",
+        )
+    )
+    crl_path = Path(args.crl) if args.crl else state_dir / "crl.pem"
+    crl = load_crl(crl_path) if crl_path.exists() else None
+    return key, cert, Trust(ca, crl)
+
+
+async def serve(args: argparse.Namespace) -> int:
+    config = build_config(args)
+    state_dir = Path(config.node.state_dir)
+    key, cert, trust = load_credentials(args, state_dir)
+    wrap = None
+    if args.emulate:
+        from ciuic_p2p.core.scenario import load_scenario  # noqa: PLC0415
+        from ciuic_p2p.data import scenario_path  # noqa: PLC0415
+        from ciuic_p2p.emulator.mesh import EmulatedMesh  # noqa: PLC0415
+
+        path = Path(args.emulate) if Path(args.emulate).exists() else scenario_path(args.emulate)
+        scenario = load_scenario(path)
+        emulated = EmulatedMesh(scenario, start=args.emulate_start)
+        for i, name in enumerate(scenario.node_names()):
+            emulated.register(name, ("127.0.0.1", args.emulate_ports + i))
+        wrap = emulated.wrapper(args.emulate_node)
+    daemon = MeshDaemon(config, key, cert, trust, state_dir=state_dir, wrap_udp=wrap)
+    address = await daemon.start()
+    control = ControlServer(
+        daemon, Path(args.control) if args.control else state_dir / "control.sock"
+    )
+    await control.start()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, control.leave_requested.set)
+    print(f"ciuic-node: {daemon.peer_id} listening on {address}", flush=True)
+    if args.join:
+        try:
+            view = await daemon.join(args.join)
+            print(f"ciuic-node: joined through {args.join}: {len(view)} members", flush=True)
+        except (TransportError, TimeoutError, ValueError) as exc:
+            print(f"ciuic-node: error: cannot join through {args.join}: {exc}", file=sys.stderr)
+            await control.close()
+            await daemon.close()
+            return 1
+    await control.leave_requested.wait()
+    log.info("leaving")
+    await daemon.leave()
+    await control.close()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    config = build_config(args)
+    configure_logging(config.log)
+    loop = new_event_loop()
+    try:
+        return loop.run_until_complete(serve(args))
+    finally:
+        loop.close()
