@@ -183,6 +183,9 @@ class MeshSection:
     """...and at least this often."""
     link_change_ratio: float = 0.1
     """A measured RTT is republished when it moves by more than this fraction..."""
+    link_state_max_peers: int = 32
+    """A node publishes its nearest measured links, at most this many: enough for
+    routes and trees in meshes of tens of nodes, bounded for large ones."""
     link_change_min_s: float = 0.005
     """...and by more than this (measurement noise must not reshape trees)."""
     route_hysteresis: float = 0.1

@@ -63,6 +63,9 @@ def configure_logging(section: LogSection | None = None, stream: TextIO | None =
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)
+    # aioquic logs every connection's handshake steps at INFO under "quic": at info
+    # level that would drown the node's own events.
+    logging.getLogger("quic").setLevel(max(level, logging.WARNING))
 
     structlog.configure(
         processors=[

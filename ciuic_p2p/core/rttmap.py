@@ -93,6 +93,9 @@ class RttMap:
                 current[peer] = (rtt, loss)
             else:
                 current[peer] = old
+        if len(current) > s.link_state_max_peers:
+            nearest = sorted(current, key=lambda p: (current[p][0], p))[: s.link_state_max_peers]
+            current = {p: current[p] for p in nearest}
         changed = changed or set(current) != set(mine)
         if not changed and now - self._last_publish < s.link_refresh_s:
             return None

@@ -1,0 +1,152 @@
+"""`ciuic-node run` processes on the emulated 11-city WAN: join through one seed,
+SIGKILL, restart with a new incarnation, a partition that heals; and the CLI's
+join/leave/status against a running daemon."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ciuic_p2p.admission import ClusterCA
+from ciuic_p2p.core.scenario import load_scenario
+from ciuic_p2p.data import scenario_path
+from tests.daemon.conftest import NOW, Fleet, free_port_block
+
+NAMES = ["Tokyo", "Singapore", "Sydney", "Frankfurt", "London", "Virginia", "SaoPaulo", "Oregon"]
+PARTITION_AT_S = 45.0
+HEAL_AT_S = 60.0
+
+
+def write_scenario(path: Path) -> Path:
+    wan = scenario_path("cities11").parent.parent / "wan"
+    asia = ["Tokyo", "Singapore", "Sydney", "Mumbai"]
+    rest = ["Frankfurt", "London", "Paris", "Virginia", "Chicago", "SaoPaulo", "Oregon"]
+    path.write_text(
+        f"""seed = 11
+rate_scale = 0.001
+[matrix]
+rtt_csv = "{wan / "rtt_cloudping_11cities.csv"}"
+bandwidth_csv = "{wan / "bandwidth_11cities.csv"}"
+[defaults]
+jitter_ms = 0.4
+jitter_dist = "normal"
+reorder = false
+[[schedule]]
+at_s = {PARTITION_AT_S}
+action = "partition"
+groups = [{asia!r}, {rest!r}]
+[[schedule]]
+at_s = {HEAL_AT_S}
+action = "heal_all"
+""".replace("'", '"')
+    )
+    return path
+
+
+def run(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(  # noqa: S603
+        [sys.executable, "-m", "ciuic_p2p.cli", *args], capture_output=True, text=True, timeout=60
+    )
+
+
+def members(fleet: Fleet, name: str) -> dict[str, dict[str, object]] | None:
+    status = fleet.status(name)
+    if status is None:
+        return None
+    return {m["peer"]: m for m in status["members"]}  # type: ignore[index]
+
+
+def test_eight_processes_join_fail_restart_and_heal(fleet: Fleet, tmp_path: Path) -> None:
+    scenario_file = write_scenario(tmp_path / "wan.toml")
+    order = load_scenario(scenario_file).node_names()
+    base = free_port_block(len(order))
+    start = time.monotonic()
+
+    def launch(name: str, *extra: str) -> None:
+        port = base + order.index(name)
+        fleet.start(
+            name,
+            "--listen", f"127.0.0.1:{port}",
+            "--emulate", str(scenario_file),
+            "--emulate-node", name,
+            "--emulate-ports", str(base),
+            "--emulate-start", repr(start),
+            *extra,
+        )  # fmt: skip
+
+    seed = f"127.0.0.1:{base + order.index('Tokyo')}"
+    launch("Tokyo")
+    fleet.wait(lambda: fleet.status("Tokyo") is not None, 30, "seed up")
+    for name in NAMES[1:]:
+        launch(name, "--join", seed)
+
+    def alive_counts() -> list[int]:
+        return [(fleet.status(n) or {}).get("alive", 0) for n in fleet.procs if fleet.procs[n].poll() is None]
+
+    fleet.wait(lambda: alive_counts() == [8] * 8, 40, "all eight agree")
+
+    frankfurt = fleet.status("Frankfurt")
+    assert frankfurt is not None
+    victim, old_incarnation = frankfurt["peer"], frankfurt["incarnation"]
+    fleet.kill("Frankfurt")
+    survivors = [n for n in NAMES if n != "Frankfurt"]
+
+    def all_mark_dead() -> bool:
+        views = [members(fleet, n) for n in survivors]
+        return all(v is not None and v[victim]["state"] == "dead" for v in views)
+
+    fleet.wait(all_mark_dead, 20, "every survivor marks the killed node failed")
+
+    launch("Frankfurt", "--join", f"127.0.0.1:{base + order.index('Sydney')}")
+
+    def back_newer() -> bool:
+        views = [members(fleet, n) for n in survivors]
+        return all(
+            v is not None
+            and v[victim]["state"] == "alive"
+            and int(v[victim]["incarnation"]) > int(old_incarnation)  # type: ignore[call-overload]
+            for v in views
+        )
+
+    fleet.wait(back_newer, 30, "the restarted node is back, newer")
+    assert time.monotonic() - start < PARTITION_AT_S - 3, "too slow to reach the partition phase"
+
+    fleet.wait(lambda: time.monotonic() - start > PARTITION_AT_S, 60, "partition time")
+    fleet.wait(lambda: sorted(alive_counts()) == [3, 3, 3, 5, 5, 5, 5, 5], 20, "halves split")
+    fleet.wait(lambda: time.monotonic() - start > HEAL_AT_S, 30, "heal time")
+    fleet.wait(lambda: alive_counts() == [8] * 8, 40, "one mesh again")
+
+
+def test_cli_join_leave_status_and_a_wrong_credential(fleet: Fleet, tmp_path: Path) -> None:
+    base = free_port_block(3)
+    fleet.start("a", "--listen", f"127.0.0.1:{base}")
+    fleet.start("b", "--listen", f"127.0.0.1:{base + 1}")
+    fleet.wait(lambda: fleet.status("a") and fleet.status("b"), 30, "daemons up")
+
+    joined = run("join", f"127.0.0.1:{base}", "--state-dir", str(tmp_path / "b"))
+    assert joined.returncode == 0, joined.stderr
+    assert "2 members" in joined.stdout
+    status = run("status", "--state-dir", str(tmp_path / "a"))
+    assert status.returncode == 0 and "alive" in status.stdout
+
+    # A node whose certificate another cluster's CA issued cannot get in.
+    rogue_ca = ClusterCA.create("other-cluster", NOW)
+    fleet.state_dir("rogue", ca=rogue_ca)
+    fleet.start("rogue", "--listen", f"127.0.0.1:{base + 2}", "--join", f"127.0.0.1:{base}")
+    proc = fleet.procs["rogue"]
+    assert proc.wait(30) == 1
+    assert "cannot join through" in fleet.logs["rogue"].read_text()
+    # And the CLI says so clearly when asked to join through a non-daemon.
+    nobody = run("join", f"127.0.0.1:{base}", "--control", str(tmp_path / "none.sock"))
+    assert nobody.returncode == 2 and "no daemon here" in nobody.stderr
+
+    left = run("leave", "--state-dir", str(tmp_path / "b"))
+    assert left.returncode == 0
+    assert fleet.procs["b"].wait(20) == 0
+    fleet.wait(
+        lambda: (m := members(fleet, "a")) is not None and [v["state"] for v in m.values()] == ["left"],
+        20,
+        "a sees b as left",
+    )
