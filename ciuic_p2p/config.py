@@ -304,6 +304,29 @@ def _validate(cfg: Config) -> None:
             "must be in [1200, 65527]",
         ),
     ]
+    m = cfg.mesh
+    positive = [
+        "probe_interval_s", "probe_timeout_min_s", "probe_timeout_initial_s",
+        "suspicion_mult", "gossip_interval_s", "sync_interval_s", "reconnect_interval_s",
+        "join_retry_s", "leave_propagate_s", "heads_interval_s", "repair_after_s",
+        "chunk_retain_s", "default_rate_bps",
+    ]  # fmt: skip
+    checks += [(getattr(m, k) > 0, f"mesh.{k}", "must be > 0") for k in positive]
+    checks += [
+        (m.probe_timeout_max_s >= m.probe_timeout_min_s, "mesh.probe_timeout_max_s",
+         "must be >= probe_timeout_min_s"),
+        (m.suspicion_max_mult >= 1.0, "mesh.suspicion_max_mult", "must be >= 1"),
+        (m.indirect_probes >= 0, "mesh.indirect_probes", "must be >= 0"),
+        (m.gossip_fanout >= 1, "mesh.gossip_fanout", "must be >= 1"),
+        (m.heads_fanout >= 1, "mesh.heads_fanout", "must be >= 1"),
+        (m.retransmit_mult >= 1, "mesh.retransmit_mult", "must be >= 1"),
+        (m.awareness_max >= 1, "mesh.awareness_max", "must be >= 1"),
+        (m.tree_max_fanout >= 1, "mesh.tree_max_fanout", "must be >= 1"),
+        (0 <= m.route_hysteresis < 1, "mesh.route_hysteresis", "must be in [0, 1)"),
+        (256 <= m.piggyback_bytes <= 16384, "mesh.piggyback_bytes", "must be in [256, 16384]"),
+        (1 <= m.link_state_max_peers <= 1024, "mesh.link_state_max_peers", "must be in [1, 1024]"),
+        (m.suspicion_confirmations >= 0, "mesh.suspicion_confirmations", "must be >= 0"),
+    ]  # fmt: skip
     for ok, key, why in checks:
         if not ok:
             raise ConfigError(f"{key}: {why}")

@@ -61,3 +61,15 @@ def test_bad_config_names_the_key_and_why(text: str, message: str) -> None:
 def test_missing_file_is_a_config_error(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "absent.toml")
+
+
+def test_mesh_presets_and_bad_mesh_values() -> None:
+    lan, wan = Config.lan().mesh, Config.wan().mesh
+    assert lan.probe_interval_s < wan.probe_interval_s
+    assert lan.probe_timeout_initial_s < wan.probe_timeout_initial_s
+    cfg = config_from_toml('preset = "lan"\n[mesh]\ndissemination = "gossip"\n')
+    assert cfg.mesh.dissemination == "gossip" and cfg.mesh.probe_interval_s == lan.probe_interval_s
+    with pytest.raises(ConfigError, match=r"mesh\.probe_interval_s"):
+        config_from_toml("[mesh]\nprobe_interval_s = 0\n")
+    with pytest.raises(ConfigError, match=r"mesh\.dissemination"):
+        config_from_toml('[mesh]\ndissemination = "flood"\n')

@@ -25,6 +25,7 @@ class GossipQueue:
         self.retransmit_mult = retransmit_mult
         self._items: dict[str, tuple[Update, int, int]] = {}  # subject -> (update, sent, size)
         self.dropped = 0
+        self._urgent = 0
 
     def __len__(self) -> int:
         return len(self._items)
@@ -36,7 +37,14 @@ class GossipQueue:
         key = subject_of(update)
         if key in self._items:
             self.dropped += 1
+        elif not isinstance(update, Links):
+            self._urgent += 1
         self._items[key] = (update, 0, update_size(update))
+
+    def urgent(self) -> bool:
+        """Membership news waiting (link state alone only rides on probes and acks:
+        it is never worth a message of its own)."""
+        return self._urgent > 0
 
     def pending(self, subject: str) -> bool:
         return subject in self._items
@@ -56,6 +64,8 @@ class GossipQueue:
             out.append(update)
             if sent + 1 >= limit:
                 del self._items[key]
+                if not isinstance(update, Links):
+                    self._urgent -= 1
             else:
                 self._items[key] = (update, sent + 1, size)
         return out

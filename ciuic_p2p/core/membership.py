@@ -368,7 +368,7 @@ class Membership:
 
     def get_timer(self) -> float | None:
         times = [self._next_probe, self._next_sync, self._next_reconnect]
-        if len(self.queue):
+        if self.queue.urgent():
             times.append(self._next_gossip)
         if self._next_join is not None:
             times.append(self._next_join)
@@ -406,7 +406,7 @@ class Membership:
                 self._probe(now)
         if now >= self._next_gossip:
             self._next_gossip = now + s.gossip_interval_s
-            if len(self.queue):
+            if self.queue.urgent():
                 self._gossip()
         if now >= self._next_sync:
             self._next_sync = now + s.sync_interval_s

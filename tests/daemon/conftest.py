@@ -29,7 +29,7 @@ def free_port_block(count: int) -> int:
     for _ in range(50):
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
+            base = int(s.getsockname()[1])
         if base + count >= 65535:
             continue
         ok = True
@@ -74,8 +74,18 @@ class Fleet:
         self.logs[name] = log
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with log.open("a") as out:
-            self.procs[name] = subprocess.Popen(  # noqa: S603
-                [sys.executable, "-m", "ciuic_p2p.cli", "run", "--state-dir", str(d), "--name", name, *args],
+            self.procs[name] = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "ciuic_p2p.cli",
+                    "run",
+                    "--state-dir",
+                    str(d),
+                    "--name",
+                    name,
+                    *args,
+                ],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 text=True,
@@ -94,7 +104,9 @@ class Fleet:
         while not condition():
             for name, proc in self.procs.items():
                 if proc.poll() is not None and proc.returncode not in (0, -signal.SIGKILL):
-                    raise AssertionError(f"{name} exited {proc.returncode}: {self.logs[name].read_text()[-2000:]}")
+                    raise AssertionError(
+                        f"{name} exited {proc.returncode}: {self.logs[name].read_text()[-2000:]}"
+                    )
             if time.monotonic() - t0 > timeout_s:
                 raise AssertionError(f"{what}: not within {timeout_s} s")
             time.sleep(0.1)

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 from ciuic_p2p.admission import ClusterCA
 from ciuic_p2p.core.scenario import load_scenario
@@ -46,12 +47,16 @@ action = "heal_all"
 
 
 def run(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(  # noqa: S603
-        [sys.executable, "-m", "ciuic_p2p.cli", *args], capture_output=True, text=True, timeout=60
+    return subprocess.run(
+        [sys.executable, "-m", "ciuic_p2p.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
     )
 
 
-def members(fleet: Fleet, name: str) -> dict[str, dict[str, object]] | None:
+def members(fleet: Fleet, name: str) -> dict[str, dict[str, Any]] | None:
     status = fleet.status(name)
     if status is None:
         return None
@@ -83,7 +88,11 @@ def test_eight_processes_join_fail_restart_and_heal(fleet: Fleet, tmp_path: Path
         launch(name, "--join", seed)
 
     def alive_counts() -> list[int]:
-        return [(fleet.status(n) or {}).get("alive", 0) for n in fleet.procs if fleet.procs[n].poll() is None]
+        return [
+            (fleet.status(n) or {}).get("alive", 0)
+            for n in fleet.procs
+            if fleet.procs[n].poll() is None
+        ]
 
     fleet.wait(lambda: alive_counts() == [8] * 8, 40, "all eight agree")
 
@@ -106,7 +115,7 @@ def test_eight_processes_join_fail_restart_and_heal(fleet: Fleet, tmp_path: Path
         return all(
             v is not None
             and v[victim]["state"] == "alive"
-            and int(v[victim]["incarnation"]) > int(old_incarnation)  # type: ignore[call-overload]
+            and int(v[victim]["incarnation"]) > int(old_incarnation)
             for v in views
         )
 
@@ -146,7 +155,9 @@ def test_cli_join_leave_status_and_a_wrong_credential(fleet: Fleet, tmp_path: Pa
     assert left.returncode == 0
     assert fleet.procs["b"].wait(20) == 0
     fleet.wait(
-        lambda: (m := members(fleet, "a")) is not None and [v["state"] for v in m.values()] == ["left"],
+        lambda: (
+            (m := members(fleet, "a")) is not None and [v["state"] for v in m.values()] == ["left"]
+        ),
         20,
         "a sees b as left",
     )
