@@ -60,7 +60,7 @@ def members(fleet: Fleet, name: str) -> dict[str, dict[str, Any]] | None:
     status = fleet.status(name)
     if status is None:
         return None
-    return {m["peer"]: m for m in status["members"]}  # type: ignore[index]
+    return {m["peer"]: m for m in status["members"]}
 
 
 def test_eight_processes_join_fail_restart_and_heal(fleet: Fleet, tmp_path: Path) -> None:
