@@ -15,12 +15,19 @@ of what its two ends published (one end's value if only one did).
 
 from __future__ import annotations
 
+from collections import deque
+
 from ciuic_p2p.config import MeshSection
 from ciuic_p2p.core.meshwire import MAX_LINKS, Coordinate, LinkEntry, Links
 from ciuic_p2p.core.rtt import RttEstimator
 from ciuic_p2p.core.vivaldi import VivaldiClient, distance_s
 
 Measured = dict[str, tuple[float, float]]  # peer -> (rtt_s, loss)
+RECENT_SAMPLES = 16
+"""A link's published RTT is the least of its last 16 samples: the path's propagation
+delay, which routes should follow, without the queueing and scheduling noise that a
+busy node adds to single samples (a smoothed mean moved with every burst of load and
+made the trees of different nodes disagree while the news spread)."""
 
 
 class RttMap:
@@ -30,6 +37,7 @@ class RttMap:
         self.vivaldi = VivaldiClient(seed)
         self.coords: dict[str, Coordinate] = {}
         self.own: dict[str, RttEstimator] = {}
+        self.recent: dict[str, deque[float]] = {}
         self.loss: dict[str, float] = {}
         self.published: dict[str, Measured] = {}
         self.versions: dict[str, int] = {}
@@ -44,6 +52,7 @@ class RttMap:
         self.vivaldi.update(peer, coordinate, rtt_s)
         self.coords[peer] = coordinate
         self.own.setdefault(peer, RttEstimator()).add(rtt_s)
+        self.recent.setdefault(peer, deque(maxlen=RECENT_SAMPLES)).append(rtt_s)
 
     def observe_loss(self, peer: str, probes: int, acks: int) -> None:
         if probes >= 5:
@@ -62,6 +71,7 @@ class RttMap:
 
     def forget(self, node: str) -> None:
         self.own.pop(node, None)
+        self.recent.pop(node, None)
         self.coords.pop(node, None)
         self.vivaldi.forget(node)
         if self.published.pop(node, None) is not None:
@@ -81,10 +91,10 @@ class RttMap:
         mine = self.published.get(self.node, {})
         current: Measured = {}
         changed = False
-        for peer, est in self.own.items():
-            if est.smoothed_s is None:
+        for peer, samples in self.recent.items():
+            if not samples:
                 continue
-            rtt, loss = est.smoothed_s, self.loss.get(peer, 0.0)
+            rtt, loss = min(samples), self.loss.get(peer, 0.0)
             old = mine.get(peer)
             if old is None or (
                 abs(rtt - old[0]) > max(s.link_change_min_s, s.link_change_ratio * old[0])

@@ -323,7 +323,7 @@ class MeshDaemon:
                 dropped = len(box.queue)
                 box.queue.clear()
                 self.counters["unreachable_dropped"] += dropped
-                log.debug("peer_unreachable", address=address, reason=str(exc))
+                log.info("peer_unreachable", address=address, reason=str(exc))
                 continue
             bulk, data = box.queue.popleft()
             try:

@@ -20,6 +20,10 @@ from ciuic_p2p.transport.base import Address, LinkStats, RttStats
 ALPN = "ciuic/1"
 CONTROL_STREAM = 0
 BULK_STREAM = 4
+"""The dialer's bulk stream (client-initiated, bidirectional)."""
+SERVER_BULK_STREAM = 5
+"""The accepting side's bulk stream: QUIC lets a side send only on streams it opened
+or that its peer opened first, so each side sends bulk on a stream of its own."""
 CID_LENGTH = 8
 
 
@@ -55,7 +59,11 @@ class QuicLink:
         self.claimed = "?"
         self.authenticated = False
         self.closed = False
-        self.readers = {CONTROL_STREAM: FrameReader(), BULK_STREAM: FrameReader()}
+        self.readers = {
+            CONTROL_STREAM: FrameReader(),
+            BULK_STREAM: FrameReader(),
+            SERVER_BULK_STREAM: FrameReader(),
+        }
         self.credit_out = CreditSender(0)
         self.peer_window = 0
         self.quota = ReceiveQuota(window)
@@ -72,6 +80,16 @@ class QuicLink:
         self.transmit_pending = False
         self.gone = asyncio.Event()
         self.established_at = 0.0
+
+    @property
+    def bulk_out(self) -> int:
+        """The stream this side sends bulk frames on."""
+        return BULK_STREAM if self.dialed else SERVER_BULK_STREAM
+
+    @property
+    def bulk_in(self) -> int:
+        """The stream the peer sends bulk frames on."""
+        return SERVER_BULK_STREAM if self.dialed else BULK_STREAM
 
     def rtt_stats(self) -> RttStats:
         loss = self.quic._loss  # aioquic has no public accessor for its RTT estimate

@@ -2,9 +2,10 @@
 
 One UDP socket per node, bound where the config says, serves both the connections
 this node dials and the ones it accepts; datagrams are routed to connections by
-destination connection ID. Each link to a peer has two client-initiated streams:
-stream 0 for control frames (auth, ping, credit, gossip, close) and stream 4 for
-bulk chunks, so control never queues behind bulk data we hold back for credit.
+destination connection ID. Each link to a peer has these streams:
+stream 0 for control frames (auth, ping, credit, gossip, close) and a bulk stream
+for chunks in each direction (4 from the dialer, 5 from the accepting side), so
+control never queues behind bulk data we hold back for credit.
 
 Until a peer has proven its identity, this node sends it nothing but the QUIC
 handshake: the server waits for the client's ``AUTH`` frame on stream 0 (any other
@@ -81,6 +82,10 @@ log = get_logger("ciuic.transport")
 
 class TransportError(CiuicError):
     """A link could not be set up or was lost; the message says why."""
+
+
+class DuplicateLinkError(TransportError):
+    """Both ends dialled at once and the peer kept the other connection."""
 
 
 def _now() -> float:
@@ -163,6 +168,7 @@ class QuicTransport(Transport):
         self._register(link, quic.host_cid)
         quic.connect(address, now=self.clock())
         self._transmit(link)
+        deadline = self.clock() + self.settings.connect_timeout_s
         try:
             peer = await asyncio.wait_for(
                 asyncio.shield(link.ready), timeout=self.settings.connect_timeout_s
@@ -170,10 +176,22 @@ class QuicTransport(Transport):
         except TimeoutError:
             self._close_link(link, "connect timeout")
             raise TransportError(f"no authenticated connection to {address} in time") from None
+        except DuplicateLinkError:
+            # The peer dialled us at the same time and kept its own connection, which
+            # is authenticating at our end now: that one is the link.
+            peer = await self._link_at(address, deadline)
         if expected_peer is not None and peer != expected_peer:
             self._close_link(link, "unexpected peer")
             raise TransportError(f"{address} is {peer_id_of(peer)}, not the peer expected")
         return peer
+
+    async def _link_at(self, address: Address, deadline: float) -> bytes:
+        while self.clock() < deadline:
+            for key, lk in self._links.items():
+                if lk.address == address and lk.authenticated and not lk.closed:
+                    return key
+            await asyncio.sleep(0.005)
+        raise TransportError(f"no authenticated connection to {address} in time")
 
     # -- datagrams, timers, events --------------------------------------------------------
 
@@ -369,7 +387,7 @@ class QuicTransport(Transport):
             else:
                 raise FramingError(f"{ftype.name} before authentication")
             return
-        expected = BULK_STREAM if ftype in BULK_TYPES else CONTROL_STREAM
+        expected = link.bulk_in if ftype in BULK_TYPES else CONTROL_STREAM
         if stream != expected or ftype in (FrameType.AUTH, FrameType.AUTH_OK):
             raise FramingError(f"{ftype.name} on stream {stream}")
         assert link.peer is not None
@@ -394,7 +412,7 @@ class QuicTransport(Transport):
             self._events.put_nowait(FrameReceived(link.peer, ftype, payload))
 
     def _send_frame(self, link: QuicLink, ftype: FrameType, payload: bytes) -> None:
-        stream = BULK_STREAM if ftype in BULK_TYPES else CONTROL_STREAM
+        stream = link.bulk_out if ftype in BULK_TYPES else CONTROL_STREAM
         link.quic.send_stream_data(stream, encode_frame(ftype, payload))
 
     async def _ping_loop(self, link: QuicLink) -> None:
@@ -423,7 +441,7 @@ class QuicTransport(Transport):
                 raise TransportError(f"{peer_id_of(peer)} stopped reading; dropped") from None
             if link.closed:
                 raise TransportError(f"link to {peer_id_of(peer)} closed")
-        link.quic.send_stream_data(BULK_STREAM if cost else CONTROL_STREAM, frame)
+        link.quic.send_stream_data(link.bulk_out if cost else CONTROL_STREAM, frame)
         self._transmit(link)
 
     async def next_event(self) -> TransportEvent:
@@ -511,7 +529,8 @@ class QuicTransport(Transport):
             link.ping_task.cancel()
         link.credit_changed.set()
         if not link.ready.done():
-            link.ready.set_exception(TransportError(f"refused: {reason}"))
+            error = DuplicateLinkError if reason == "duplicate link" else TransportError
+            link.ready.set_exception(error(f"refused: {reason}"))
         for cid in [c for c, lk in self._by_cid.items() if lk is link]:
             del self._by_cid[cid]
         if link.peer is not None and self._links.get(link.peer) is link:

@@ -53,6 +53,17 @@ async def test_two_nodes_authenticate_and_exchange_every_frame_type(make_node: N
     assert a.peers() == [b.local_key] and b.peers() == [a.local_key]
 
 
+async def test_the_accepting_side_may_send_bulk_first(make_node: NodeFactory) -> None:
+    """Regression: both sides used the dialer's stream 4, which the accepting side
+    cannot open; its first chunk failed until the dialer had sent one."""
+    a, b = await make_node(), await make_node()
+    await a.connect((b.host, b.port))
+    await next_of(b, PeerConnected)
+    await b.send(a.local_key, FrameType.CHUNK, b"first" * 1000)
+    got = await next_of(a, FrameReceived)
+    assert isinstance(got, FrameReceived) and got.payload == b"first" * 1000
+
+
 async def test_three_nodes_form_links_pairwise(make_node: NodeFactory) -> None:
     nodes = [await make_node() for _ in range(3)]
     for i, j in ((0, 1), (1, 2), (0, 2)):
