@@ -142,6 +142,7 @@ class Membership:
         self.links_received: list[Links] = []
         """Link-state updates that arrived, for the RTT map to take."""
         self.links_for_sync: Callable[[], list[Links]] = list
+        self.links_digest: Callable[[], int] = lambda: 0
         self.leaving = False
         self.joined = True
         """False from :meth:`join` until the member joined through answers."""
@@ -161,6 +162,7 @@ class Membership:
         self._suspected: set[str] = set()
         self._recent_dead: dict[str, float] = {}
         self._introduced: dict[str, float] = {}
+        self._links_pushed: dict[str, float] = {}
         self._now = now
         self.sent_messages = 0
         self.queue.put(self._self_alive())
@@ -302,15 +304,23 @@ class Membership:
             if b.target != self.node:
                 return
             self._apply_all(b.updates, now)
-            self._reply(src_address, Ack(b.seq, self.coordinate(), self._piggyback()))
+            self._reply(
+                src_address,
+                Ack(b.seq, self.coordinate(), self.links_digest(), self._piggyback()),
+            )
+            self._compare_links(msg.sender, src_address, b.links_digest, now)
         elif isinstance(b, Ack):
             self._apply_all(b.updates, now)
+            if msg.sender in self.members:
+                self._compare_links(msg.sender, src_address, b.links_digest, now)
             self._on_ack(msg.sender, b, now)
         elif isinstance(b, PingReq):
             seq = self._next_seq()
             timeout = self._direct_timeout(b.target)
             self._relays[seq] = _Relay(src_address, b.seq, now + timeout)
-            self._reply(b.target_address, Ping(seq, b.target, self.coordinate()))
+            self._reply(
+                b.target_address, Ping(seq, b.target, self.coordinate(), self.links_digest())
+            )
         elif isinstance(b, Nack):
             probe = self._probes.get(b.seq)
             if probe is not None:
@@ -325,6 +335,26 @@ class Membership:
                     self._next_join = None
             else:
                 self._reply(src_address, Sync(True, self._full_state()))
+
+    def _compare_links(self, peer: str, address: str, digest: int, now: float) -> None:
+        """Link state rides on piggyback and can miss a node; nodes whose link-state
+        digests differ push theirs to each other (at most once per ``join_retry_s``
+        per peer), so every node ends up with the same map and the same trees."""
+        if digest == 0 or digest == self.links_digest():
+            return
+        last = self._links_pushed.get(peer)
+        if last is not None and now - last < self.settings.join_retry_s:
+            return
+        self._links_pushed[peer] = now
+        links: list[Update] = []
+        budget = MAX_MESSAGE_BYTES // 2
+        for u in self.links_for_sync():
+            size = update_size(u)
+            if size <= budget:
+                links.append(u)
+                budget -= size
+        if links:
+            self._reply(address, Gossip(tuple(links)))
 
     def _introduce(self, sender: str, address: str, now: float) -> None:
         """A message from a member we have not heard of: the news of its arrival
@@ -345,7 +375,7 @@ class Membership:
     def _on_ack(self, sender: str, ack: Ack, now: float) -> None:
         relay = self._relays.pop(ack.seq, None)
         if relay is not None:
-            self._reply(relay.requester_address, Ack(relay.seq, ack.coordinate))
+            self._reply(relay.requester_address, Ack(relay.seq, ack.coordinate, 0))
             return
         probe = self._probes.pop(ack.seq, None)
         if probe is None:
@@ -462,7 +492,7 @@ class Membership:
         updates = self._piggyback()
         if m.state == State.SUSPECT:  # the buddy system again, on every probe
             updates = (Suspect(target, m.incarnation, self.node), *updates)
-        self._send(target, Ping(seq, target, self.coordinate(), updates))
+        self._send(target, Ping(seq, target, self.coordinate(), self.links_digest(), updates))
 
     def _go_indirect(self, seq: int, probe: _Probe, now: float) -> None:
         probe.indirect_sent = True

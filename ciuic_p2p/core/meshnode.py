@@ -63,6 +63,7 @@ class MeshNode:
             estimate_rtt_s=self.rttmap.rtt_s,
         )
         self.membership.links_for_sync = self.rttmap.all_links
+        self.membership.links_digest = self.rttmap.digest
         self.router = Router(node, settings)
         self.dissemination = Disseminator(
             node,

@@ -7,8 +7,8 @@ One message per GOSSIP frame (or per datagram on the simulator). Layout::
 ``str8`` is a u8 length and UTF-8 bytes; ``bytes32`` a u32 length and bytes; all
 integers little-endian. Bodies by kind:
 
-- ``PING``: seq u32, target str8, coordinate, updates
-- ``ACK``: seq u32, coordinate, updates
+- ``PING``: seq u32, target str8, coordinate, links digest u32, updates
+- ``ACK``: seq u32, coordinate, links digest u32, updates
 - ``PING_REQ``: seq u32, target str8, target address str8
 - ``NACK``: seq u32
 - ``GOSSIP``: updates
@@ -136,6 +136,9 @@ class Ping:
     seq: int
     target: str
     coordinate: Coordinate
+    links_digest: int = 0
+    """CRC-32 of the sender's link-state versions: a mismatch makes the two exchange
+    their link state (core.membership), so that every node's map converges."""
     updates: tuple[Update, ...] = ()
 
 
@@ -143,6 +146,7 @@ class Ping:
 class Ack:
     seq: int
     coordinate: Coordinate
+    links_digest: int = 0
     updates: tuple[Update, ...] = ()
 
 
@@ -289,10 +293,12 @@ def encode_message(msg: Message) -> bytes:
         w.u32(b.seq)
         w.str8(b.target)
         w.coord(b.coordinate)
+        w.u32(b.links_digest)
         w.updates(b.updates)
     elif isinstance(b, Ack):
         w.u32(b.seq)
         w.coord(b.coordinate)
+        w.u32(b.links_digest)
         w.updates(b.updates)
     elif isinstance(b, PingReq):
         w.u32(b.seq)
@@ -427,9 +433,9 @@ def decode_message(data: bytes) -> Message:
     sender = r.str8()
     body: Body
     if kind is Kind.PING:
-        body = Ping(r.u32(), r.str8(), r.coord(), r.updates())
+        body = Ping(r.u32(), r.str8(), r.coord(), r.u32(), r.updates())
     elif kind is Kind.ACK:
-        body = Ack(r.u32(), r.coord(), r.updates())
+        body = Ack(r.u32(), r.coord(), r.u32(), r.updates())
     elif kind is Kind.PING_REQ:
         body = PingReq(r.u32(), r.str8(), r.str8())
     elif kind is Kind.NACK:

@@ -15,6 +15,7 @@ of what its two ends published (one end's value if only one did).
 
 from __future__ import annotations
 
+import zlib
 from collections import deque
 
 from ciuic_p2p.config import MeshSection
@@ -44,6 +45,7 @@ class RttMap:
         self._version = 0
         self._last_publish = float("-inf")
         self.changes = 0
+        self._digest: int | None = None
         """Bumped whenever the published view changes (routes recompute on it)."""
 
     # -- inputs -------------------------------------------------------------------------
@@ -67,6 +69,7 @@ class RttMap:
             e.peer: (e.rtt_us / 1e6, e.loss_permille / 1000) for e in links.entries
         }
         self.changes += 1
+        self._digest = None
         return True
 
     def forget(self, node: str) -> None:
@@ -76,10 +79,12 @@ class RttMap:
         self.vivaldi.forget(node)
         if self.published.pop(node, None) is not None:
             self.changes += 1
+            self._digest = None
         mine = self.published.get(self.node)
         if mine is not None and node in mine:
             del mine[node]
             self.changes += 1
+            self._digest = None
 
     # -- publishing ---------------------------------------------------------------------
 
@@ -113,6 +118,7 @@ class RttMap:
         self._version += 1
         self.published[self.node] = current
         self.changes += 1
+        self._digest = None
         return self._links_of(self.node, current, self._version)
 
     def _links_of(self, origin: str, measured: Measured, version: int) -> Links:
@@ -129,6 +135,17 @@ class RttMap:
             version = self._version if origin == self.node else self.versions[origin]
             out.append(self._links_of(origin, measured, version))
         return out
+
+    def digest(self) -> int:
+        """CRC-32 of every origin's link-state version (never 0: 0 means "none")."""
+        if self._digest is None:
+            versions = sorted(self.versions.items())
+            if self.node in self.published:
+                versions.append((self.node, self._version))
+                versions.sort()
+            text = ";".join(f"{o}={v}" for o, v in versions)
+            self._digest = zlib.crc32(text.encode()) or 1
+        return self._digest
 
     # -- queries -------------------------------------------------------------------------
 

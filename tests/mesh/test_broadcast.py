@@ -84,3 +84,10 @@ def test_payloads_arrive_intact_and_duplicates_are_dropped() -> None:
             assert (d.origin, d.seq, d.payload) == ("Sydney", seq, payload)
     # Gossip sends each chunk to several nodes that already hold it.
     assert sum(n.dissemination.duplicates for n in sim.nodes.values()) > 0
+
+
+def test_every_node_computes_the_same_trees() -> None:
+    sim = formed()
+    for origin in NAMES:
+        trees = [node.tree(origin) for node in sim.nodes.values()]
+        assert all(t == trees[0] for t in trees), origin

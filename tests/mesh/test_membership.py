@@ -51,11 +51,17 @@ def test_a_crash_is_seen_by_every_survivor_and_a_restart_comes_back_newer(mesh: 
     old = mesh.nodes["Tokyo"].membership.members["Frankfurt"].incarnation
 
     mesh.start("Frankfurt", join_through="Sydney")
-    mesh.run_until_true(mesh.agree, limit_s=10)
-    for name, node in mesh.nodes.items():
-        if name != "Frankfurt":
-            member = node.membership.members["Frankfurt"]
-            assert member.state == State.ALIVE and member.incarnation > old
+
+    def back_newer() -> bool:
+        return all(
+            node.membership.state_of("Frankfurt") == State.ALIVE
+            and node.membership.members["Frankfurt"].incarnation > old
+            for name, node in mesh.nodes.items()
+            if name != "Frankfurt"
+        )
+
+    mesh.run_until_true(back_newer, limit_s=10)
+    assert mesh.agree(NAMES)
 
 
 def test_a_restart_without_saved_state_refutes_its_own_death(mesh: SimMesh) -> None:

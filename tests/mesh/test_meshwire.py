@@ -57,8 +57,8 @@ updates = st.one_of(
 )
 ups = st.lists(updates, max_size=6).map(tuple)
 bodies = st.one_of(
-    st.builds(Ping, u32, ids, coords, ups),
-    st.builds(Ack, u32, coords, ups),
+    st.builds(Ping, u32, ids, coords, u32, ups),
+    st.builds(Ack, u32, coords, u32, ups),
     st.builds(PingReq, u32, ids, ids),
     st.builds(Nack, u32),
     st.builds(Gossip, ups),
@@ -90,7 +90,7 @@ def test_every_truncation_and_extension_is_a_typed_error(
 def test_random_bytes_and_mutations_only_raise_typed_errors() -> None:
     rng = random.Random(7)
     samples = [
-        encode_message(Message("a", Ping(1, "b", Coordinate(), (Alive("c", 2, "h:1"),)))),
+        encode_message(Message("a", Ping(1, "b", Coordinate(), 7, (Alive("c", 2, "h:1"),)))),
         encode_message(Message("a", Sync(True, (Links("a", 3, (LinkEntry("b", 5000, 1),)),)))),
         encode_message(Message("a", Chunk("o", 9, 1, b"x" * 50))),
     ]
