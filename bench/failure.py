@@ -27,7 +27,7 @@ import sys
 import time
 
 from ciuic_p2p.config import Config
-from ciuic_p2p.core.membership import State
+from ciuic_p2p.core.members import State
 from ciuic_p2p.core.scenario import Scenario, load_scenario
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh

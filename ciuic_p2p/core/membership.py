@@ -30,14 +30,14 @@ address string and never reads a clock or touches a socket (aioquic's model).
 
 from __future__ import annotations
 
-import enum
 import math
 import random
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ciuic_p2p.config import MeshSection
 from ciuic_p2p.core.gossipqueue import GossipQueue
+from ciuic_p2p.core.members import Member, MemberTable, State
 from ciuic_p2p.core.meshwire import (
     MAX_MESSAGE_BYTES,
     Ack,
@@ -56,38 +56,7 @@ from ciuic_p2p.core.meshwire import (
     Update,
     update_size,
 )
-from ciuic_p2p.core.rtt import RttEstimator
 from ciuic_p2p.core.suspicion import Awareness, Suspicion
-
-
-class State(enum.IntEnum):
-    ALIVE = 0
-    SUSPECT = 1
-    DEAD = 2
-    LEFT = 3
-
-
-@dataclass(slots=True)
-class Member:
-    node: str
-    address: str
-    region: str
-    incarnation: int
-    state: State
-    since: float
-    """When the member entered its current state (this node's clock)."""
-    rtt: RttEstimator = field(default_factory=RttEstimator)
-    probes: int = 0
-    acks: int = 0
-    suspicion: Suspicion | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class MemberEvent:
-    at: float
-    node: str
-    state: State
-    incarnation: int
 
 
 @dataclass(slots=True)
@@ -130,11 +99,12 @@ class Membership:
         self.region = region
         self.incarnation = incarnation
         self.settings = settings
-        self.members: dict[str, Member] = {}
-        self.events: list[MemberEvent] = []
+        self.rng = random.Random(seed)
+        self.table = MemberTable(self.rng)
+        self.members = self.table.members
+        self.events = self.table.events
         self.queue = GossipQueue(settings.retransmit_mult)
         self.awareness = Awareness(settings.awareness_max)
-        self.rng = random.Random(seed)
         self.coordinate = coordinate
         self.estimate_rtt_s = estimate_rtt_s
         self.rtt_samples: list[tuple[str, Coordinate, float]] = []
@@ -150,17 +120,12 @@ class Membership:
         self._seq = 0
         self._probes: dict[int, _Probe] = {}
         self._relays: dict[int, _Relay] = {}
-        self._probe_order: list[str] = []
-        self._probe_index = 0
         self._next_probe = now + self.rng.uniform(0, settings.probe_interval_s)
         self._next_gossip = now + settings.gossip_interval_s
         self._next_sync = now + settings.sync_interval_s * (1 + self.rng.random())
         self._next_reconnect = now + settings.reconnect_interval_s * (1 + self.rng.random())
         self._join_address: str | None = None
         self._next_join: float | None = None
-        self._live_cache: list[str] | None = None
-        self._suspected: set[str] = set()
-        self._recent_dead: dict[str, float] = {}
         self._introduced: dict[str, float] = {}
         self._links_pushed: dict[str, float] = {}
         self._now = now
@@ -174,11 +139,7 @@ class Membership:
 
     def live(self) -> list[str]:
         """Members believed alive or suspected (not this node), sorted."""
-        if self._live_cache is None:
-            self._live_cache = sorted(
-                n for n, m in self.members.items() if m.state <= State.SUSPECT
-            )
-        return self._live_cache
+        return self.table.live()
 
     def alive_view(self) -> set[str]:
         """This node and every member it believes alive or suspected."""
@@ -190,35 +151,9 @@ class Membership:
         m = self.members.get(node)
         return None if m is None else m.state
 
-    def _set_state(self, m: Member, state: State, incarnation: int, now: float) -> None:
-        changed = m.state != state
-        m.state, m.incarnation = state, incarnation
-        if state != State.SUSPECT:
-            m.suspicion = None
-            self._suspected.discard(m.node)
-        else:
-            self._suspected.add(m.node)
-        if state == State.DEAD:
-            self._recent_dead[m.node] = now
-        else:
-            self._recent_dead.pop(m.node, None)
-        if changed:
-            m.since = now
-            self._live_cache = None
-            self.events.append(MemberEvent(now, m.node, state, incarnation))
-            if state <= State.SUSPECT and m.node not in self._probe_order:
-                self._probe_order.insert(self.rng.randint(0, len(self._probe_order)), m.node)
-
     def bootstrap(self, alive: list[Alive], now: float) -> None:
         """Start with members already known alive (simulations of a formed mesh)."""
-        for a in alive:
-            if a.node != self.node:
-                self.members[a.node] = Member(
-                    a.node, a.address, a.region, a.incarnation, State.ALIVE, now
-                )
-                self._probe_order.append(a.node)
-        self.rng.shuffle(self._probe_order)
-        self._live_cache = None
+        self.table.bootstrap([a for a in alive if a.node != self.node], now)
         self.joined = True
 
     # -- applying updates ---------------------------------------------------------------------
@@ -233,14 +168,11 @@ class Membership:
         m = self.members.get(u.node)
         if isinstance(u, Alive):
             if m is None:
-                self.members[u.node] = m = Member(
-                    u.node, u.address, u.region, u.incarnation, State.DEAD, now
-                )
-                self._set_state(m, State.ALIVE, u.incarnation, now)
+                self.table.add(u, now)
                 self.queue.put(u)
             elif u.incarnation > m.incarnation:
                 m.address, m.region = u.address, u.region
-                self._set_state(m, State.ALIVE, u.incarnation, now)
+                self.table.set_state(m, State.ALIVE, u.incarnation, now)
                 self.queue.put(u)
             return
         if m is None or u.incarnation < m.incarnation:
@@ -255,10 +187,10 @@ class Membership:
         elif isinstance(u, Dead):
             fresh = m.state in (State.ALIVE, State.SUSPECT) or u.incarnation > m.incarnation
             if fresh and m.state != State.LEFT:
-                self._set_state(m, State.DEAD, u.incarnation, now)
+                self.table.set_state(m, State.DEAD, u.incarnation, now)
                 self.queue.put(u)
         elif m.state != State.LEFT:
-            self._set_state(m, State.LEFT, u.incarnation, now)
+            self.table.set_state(m, State.LEFT, u.incarnation, now)
             self.queue.put(u)
 
     def _about_me(self, u: Update, now: float) -> None:
@@ -286,7 +218,7 @@ class Membership:
         n = len(self.live()) + 1
         min_s = s.suspicion_mult * max(1.0, math.log10(max(n, 1))) * s.probe_interval_s
         expected = min(s.suspicion_confirmations, max(0, n - 2))
-        self._set_state(m, State.SUSPECT, incarnation, now)
+        self.table.set_state(m, State.SUSPECT, incarnation, now)
         m.suspicion = Suspicion(now, expected, min_s, s.suspicion_max_mult * min_s, by)
         update = Suspect(m.node, incarnation, by)
         self.queue.put(update)
@@ -405,7 +337,7 @@ class Membership:
         for p in self._probes.values():
             times.append(p.final_deadline if p.indirect_sent else p.direct_deadline)
         times += [r.deadline for r in self._relays.values()]
-        for node in self._suspected:
+        for node in self.table.suspected:
             suspicion = self.members[node].suspicion
             if suspicion is not None:
                 times.append(suspicion.deadline())
@@ -424,11 +356,11 @@ class Membership:
             if now >= relay.deadline:
                 del self._relays[seq]
                 self._reply(relay.requester_address, Nack(relay.seq))
-        for node in list(self._suspected):
+        for node in list(self.table.suspected):
             m = self.members[node]
             if m.suspicion is not None and now >= m.suspicion.deadline():
                 dead = Dead(m.node, m.incarnation, self.node)
-                self._set_state(m, State.DEAD, m.incarnation, now)
+                self.table.set_state(m, State.DEAD, m.incarnation, now)
                 self.queue.put(dead)
         if now >= self._next_probe:
             self._next_probe = now + self.awareness.scale(s.probe_interval_s)
@@ -446,7 +378,7 @@ class Membership:
         if now >= self._next_reconnect:
             self._next_reconnect = now + s.reconnect_interval_s
             self._reconnect(now)
-            self._reap(now)
+            self.table.reap(now, s.dead_reap_s)
         if self._next_join is not None and now >= self._next_join and self._join_address:
             self._next_join = now + s.join_retry_s
             self._reply(self._join_address, Sync(False, self._full_state()))
@@ -464,24 +396,8 @@ class Membership:
         base = min(s.probe_timeout_max_s, max(s.probe_timeout_min_s, base))
         return self.awareness.scale(base)
 
-    def _next_target(self) -> str | None:
-        for _ in range(len(self._probe_order) + 1):
-            if self._probe_index >= len(self._probe_order):
-                self._probe_order = [
-                    n for n in self._probe_order if self.state_of(n) in (State.ALIVE, State.SUSPECT)
-                ]
-                self.rng.shuffle(self._probe_order)
-                self._probe_index = 0
-                if not self._probe_order:
-                    return None
-            node = self._probe_order[self._probe_index]
-            self._probe_index += 1
-            if self.state_of(node) in (State.ALIVE, State.SUSPECT):
-                return node
-        return None
-
     def _probe(self, now: float) -> None:
-        target = self._next_target()
+        target = self.table.next_probe_target()
         if target is None:
             return
         m = self.members[target]
@@ -526,9 +442,9 @@ class Membership:
 
     def _gossip_targets(self, k: int) -> list[str]:
         pool = self.live()
-        if self._recent_dead:
+        if self.table.recent_dead:
             horizon = self.settings.gossip_to_dead_s
-            pool = pool + [n for n, t in self._recent_dead.items() if self._now - t <= horizon]
+            pool = pool + [n for n, t in self.table.recent_dead.items() if self._now - t <= horizon]
         return self.rng.sample(pool, min(k, len(pool)))
 
     def _gossip(self) -> None:
@@ -543,16 +459,7 @@ class Membership:
         return tuple(self.queue.take(budget or self.settings.piggyback_bytes, n))
 
     def _full_state(self) -> tuple[Update, ...]:
-        out: list[Update] = [self._self_alive()]
-        for m in self.members.values():
-            if m.state == State.ALIVE:
-                out.append(Alive(m.node, m.incarnation, m.address, m.region))
-            elif m.state == State.SUSPECT:
-                out.append(Suspect(m.node, m.incarnation, self.node))
-            elif m.state == State.DEAD:
-                out.append(Dead(m.node, m.incarnation, self.node))
-            else:
-                out.append(Left(m.node, m.incarnation))
+        out: list[Update] = [self._self_alive(), *self.table.records(self.node)]
         out += self.links_for_sync()
         budget = MAX_MESSAGE_BYTES - 256
         kept: list[Update] = []
@@ -585,20 +492,12 @@ class Membership:
         return self.leaving and not self.queue.pending("member:" + self.node)
 
     def _reconnect(self, now: float) -> None:
-        dead = [n for n, t in self._recent_dead.items() if now - t <= self.settings.dead_reap_s]
+        dead = [
+            n for n, t in self.table.recent_dead.items() if now - t <= self.settings.dead_reap_s
+        ]
         if dead:
             m = self.members[self.rng.choice(sorted(dead))]
             self._reply(m.address, Sync(False, self._full_state()))
-
-    def _reap(self, now: float) -> None:
-        horizon = self.settings.dead_reap_s
-        gone = [
-            n for n, m in self.members.items() if m.state >= State.DEAD and now - m.since > horizon
-        ]
-        for n in gone:
-            del self.members[n]
-            self._recent_dead.pop(n, None)
-            self._live_cache = None
 
     # -- output ---------------------------------------------------------------------------------
 

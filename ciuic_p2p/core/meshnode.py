@@ -18,7 +18,8 @@ from __future__ import annotations
 
 from ciuic_p2p.config import MeshSection
 from ciuic_p2p.core.broadcast import Delivery, Disseminator
-from ciuic_p2p.core.membership import Member, MemberEvent, Membership, State
+from ciuic_p2p.core.members import Member, MemberEvent, State
+from ciuic_p2p.core.membership import Membership
 from ciuic_p2p.core.meshwire import (
     Chunk,
     Heads,

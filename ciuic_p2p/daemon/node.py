@@ -35,7 +35,7 @@ from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.broadcast import Delivery
 from ciuic_p2p.core.frames import FrameType
-from ciuic_p2p.core.membership import State
+from ciuic_p2p.core.members import State
 from ciuic_p2p.core.meshnode import MeshNode
 from ciuic_p2p.core.meshwire import Kind, MeshDecodeError, decode_message, encode_message
 from ciuic_p2p.identity import NodeKey, peer_id_of

@@ -3,7 +3,7 @@ control socket, stop cleanly on SIGTERM/SIGINT (a graceful leave) or on ``leave`
 
 Credentials default to files in the state directory: ``node.key`` (``ciuic-node
 keygen``), ``node.pem`` (``ciuic-node ca issue``) and ``ca.pem`` (the cluster CA's
-certificate), with ``crl.pem`` if present. A missing or unreadable one is an error
+certificate), with ``revoked.pem`` if present. A missing or unreadable one is an error
 naming the file and the command that makes it.
 
 For tests and benchmarks, ``--emulate SCENARIO --emulate-node NAME --emulate-ports
@@ -45,7 +45,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--key", help="node key file (default STATE_DIR/node.key)")
     p.add_argument("--cert", help="node certificate (default STATE_DIR/node.pem)")
     p.add_argument("--ca", help="cluster CA certificate (default STATE_DIR/ca.pem)")
-    p.add_argument("--crl", help="revocation list (default STATE_DIR/crl.pem if present)")
+    p.add_argument("--crl", help="revocation list (default STATE_DIR/revoked.pem if present)")
     p.add_argument("--join", metavar="HOST:PORT", help="join the mesh through this member")
     p.add_argument("--control", help="control socket path (default STATE_DIR/control.sock)")
     p.add_argument("--emulate", metavar="SCENARIO", help=argparse.SUPPRESS)
@@ -101,7 +101,7 @@ def load_credentials(
             "copy the cluster's ca.pem there",
         )
     )
-    crl_path = Path(args.crl) if args.crl else state_dir / "crl.pem"
+    crl_path = Path(args.crl) if args.crl else state_dir / "revoked.pem"
     crl = load_crl(crl_path) if crl_path.exists() else None
     return key, cert, Trust(ca, crl)
 

@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Iterable, Mapping
 
 from ciuic_p2p.config import MeshSection
-from ciuic_p2p.core.membership import State
+from ciuic_p2p.core.members import State
 from ciuic_p2p.core.meshnode import MeshNode
 from ciuic_p2p.core.meshwire import Alive
 from ciuic_p2p.core.netem import LinkModel, LinkParams

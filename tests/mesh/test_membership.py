@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from ciuic_p2p.config import MeshSection
-from ciuic_p2p.core.membership import State
+from ciuic_p2p.core.members import State
 from ciuic_p2p.core.scenario import load_scenario
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
