@@ -60,7 +60,7 @@ def build_config(args: argparse.Namespace) -> Config:
     changes: dict[str, Any] = {}
     if args.listen:
         try:
-            host, port = parse_address(args.listen)
+            host, port = parse_address(args.listen, any_port=True)
         except ValueError as exc:
             raise ConfigError(f"--listen: {exc}") from None
         changes |= {"listen_host": host, "listen_port": port}

@@ -161,3 +161,14 @@ def test_cli_join_leave_status_and_a_wrong_credential(fleet: Fleet, tmp_path: Pa
         20,
         "a sees b as left",
     )
+
+
+def test_run_without_credentials_says_what_is_missing_and_how_to_make_it(tmp_path: Path) -> None:
+    out = run("run", "--state-dir", str(tmp_path), "--listen", "127.0.0.1:0")
+    assert out.returncode == 2
+    assert "no node key at" in out.stderr and "ciuic-node keygen" in out.stderr
+    key_only = tmp_path / "node.key"
+    assert run("keygen", "--out", str(key_only)).returncode == 0
+    out = run("run", "--state-dir", str(tmp_path), "--listen", "127.0.0.1:0")
+    assert out.returncode == 2 and "no node certificate at" in out.stderr
+    assert "ca issue" in out.stderr
