@@ -126,6 +126,8 @@ class MeshDaemon:
         self.on_delivery: Callable[[Delivery], None] | None = None
         self.counters: collections.Counter[str] = collections.Counter()
         self.closed = asyncio.Event()
+        self._joined = asyncio.Event()
+        self._left = asyncio.Event()
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -166,13 +168,13 @@ class MeshDaemon:
         host, port = parse_address(address)
         key = await self.transport.connect((host, port))
         self._learn_peer(key, format_address(host, port))
+        self._joined.clear()
         self.mesh.join(format_address(host, port), self.clock())
         self._pump()
-        deadline = self.clock() + timeout_s
-        while not self.mesh.membership.joined:
-            if self.clock() > deadline:
-                raise TimeoutError(f"{address} did not answer the join in {timeout_s:g} s")
-            await asyncio.sleep(0.02)
+        try:
+            await asyncio.wait_for(self._joined.wait(), timeout_s)
+        except TimeoutError:
+            raise TimeoutError(f"{address} did not answer the join in {timeout_s:g} s") from None
         return self.mesh.view()
 
     async def leave(self) -> None:
@@ -181,8 +183,8 @@ class MeshDaemon:
         node.leave(self.clock())
         self._pump()
         deadline = self.clock() + self.config.mesh.leave_propagate_s
-        while not node.membership.left_spread() and self.clock() < deadline:
-            await asyncio.sleep(0.02)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._left.wait(), self.config.mesh.leave_propagate_s)
         await self._drain(deadline - self.clock())
         await self.close()
 
@@ -230,6 +232,10 @@ class MeshDaemon:
             else:
                 self.deliveries.put_nowait(delivery)
         self._log_events(node)
+        if node.membership.joined:
+            self._joined.set()
+        if node.membership.left_spread():
+            self._left.set()
         when = node.get_timer()
         if when != self._timer_at:
             if self._timer is not None:
