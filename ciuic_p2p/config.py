@@ -183,6 +183,13 @@ class MeshSection:
     """...and at least this often."""
     link_change_ratio: float = 0.1
     """A measured RTT is republished when it moves by more than this fraction..."""
+    link_sync_interval_s: float = 1.0
+    """At most this often a node pushes its whole link state to a peer whose link-state
+    digest (carried by every probe and ack) differs from its own."""
+    link_sync_max_members: int = 64
+    """Digest-driven link-state pushes run in meshes up to this size, where every
+    node routes over the full map; past it a push would be most of a large map each
+    second, and the map converges by piggyback and the periodic sync alone."""
     link_state_max_peers: int = 32
     """A node publishes its nearest measured links, at most this many: enough for
     routes and trees in meshes of tens of nodes, bounded for large ones."""
@@ -308,7 +315,7 @@ def _validate(cfg: Config) -> None:
     positive = [
         "probe_interval_s", "probe_timeout_min_s", "probe_timeout_initial_s",
         "suspicion_mult", "gossip_interval_s", "sync_interval_s", "reconnect_interval_s",
-        "join_retry_s", "leave_propagate_s", "heads_interval_s", "repair_after_s",
+        "join_retry_s", "leave_propagate_s", "link_sync_interval_s", "heads_interval_s", "repair_after_s",
         "chunk_retain_s", "default_rate_bps",
     ]  # fmt: skip
     checks += [(getattr(m, k) > 0, f"mesh.{k}", "must be > 0") for k in positive]

@@ -127,7 +127,7 @@ class Membership:
         self._join_address: str | None = None
         self._next_join: float | None = None
         self._introduced: dict[str, float] = {}
-        self._links_pushed: dict[str, float] = {}
+        self._links_pushed_at = float("-inf")
         self._now = now
         self.sent_messages = 0
         self.queue.put(self._self_alive())
@@ -203,6 +203,11 @@ class Membership:
         assert isinstance(u, Suspect | Dead | Left)
         if u.incarnation >= self.incarnation:
             self._refute(u.incarnation)
+        if isinstance(u, Suspect | Dead) and u.by != self.node:
+            # Gossip of the refutation can miss the accuser (it is probabilistic),
+            # and a stale accusation is never answered by gossip again: answer the
+            # accuser directly, every time it accuses.
+            self._send(u.by, Gossip((self._self_alive(),)))
 
     def _refute(self, incarnation: int) -> None:
         self.incarnation = max(self.incarnation, incarnation) + 1
@@ -270,14 +275,16 @@ class Membership:
 
     def _compare_links(self, peer: str, address: str, digest: int, now: float) -> None:
         """Link state rides on piggyback and can miss a node; nodes whose link-state
-        digests differ push theirs to each other (at most once per ``join_retry_s``
-        per peer), so every node ends up with the same map and the same trees."""
-        if digest == 0 or digest == self.links_digest():
+        digests differ push theirs to each other, so every node ends up with the same
+        map and the same trees. At most one push per ``link_sync_interval_s``: in a
+        large mesh digests differ all the time, and a push is the whole link state."""
+        if digest == 0 or len(self.live()) >= self.settings.link_sync_max_members:
             return
-        last = self._links_pushed.get(peer)
-        if last is not None and now - last < self.settings.join_retry_s:
+        if digest == self.links_digest():
             return
-        self._links_pushed[peer] = now
+        if now - self._links_pushed_at < self.settings.link_sync_interval_s:
+            return
+        self._links_pushed_at = now
         links: list[Update] = []
         budget = MAX_MESSAGE_BYTES // 2
         for u in self.links_for_sync():
