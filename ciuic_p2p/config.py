@@ -315,8 +315,8 @@ def _validate(cfg: Config) -> None:
     positive = [
         "probe_interval_s", "probe_timeout_min_s", "probe_timeout_initial_s",
         "suspicion_mult", "gossip_interval_s", "sync_interval_s", "reconnect_interval_s",
-        "join_retry_s", "leave_propagate_s", "link_sync_interval_s", "heads_interval_s", "repair_after_s",
-        "chunk_retain_s", "default_rate_bps",
+        "join_retry_s", "leave_propagate_s", "link_sync_interval_s", "heads_interval_s",
+        "repair_after_s", "chunk_retain_s", "default_rate_bps",
     ]  # fmt: skip
     checks += [(getattr(m, k) > 0, f"mesh.{k}", "must be > 0") for k in positive]
     checks += [
