@@ -44,6 +44,7 @@ from ciuic_p2p.transport.base import FrameReceived, PeerConnected, PeerDisconnec
 from ciuic_p2p.transport.quic import QuicTransport, TransportError
 
 MAX_OUTBOX = 4096
+MAX_UNREAD_DELIVERIES = 1024
 log = get_logger("ciuic.mesh")
 
 
@@ -122,7 +123,9 @@ class MeshDaemon:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.deliveries: asyncio.Queue[Delivery] = asyncio.Queue()
+        self.deliveries: asyncio.Queue[Delivery] = asyncio.Queue(MAX_UNREAD_DELIVERIES)
+        """Delivered chunks for a consumer that reads them (unless ``on_delivery`` is
+        set); bounded: past the bound new deliveries are dropped and counted."""
         self.on_delivery: Callable[[Delivery], None] | None = None
         self.counters: collections.Counter[str] = collections.Counter()
         self.closed = asyncio.Event()
@@ -229,6 +232,8 @@ class MeshDaemon:
             self.counters["chunks_delivered"] += 1
             if self.on_delivery is not None:
                 self.on_delivery(delivery)
+            elif self.deliveries.full():
+                self.counters["deliveries_dropped"] += 1
             else:
                 self.deliveries.put_nowait(delivery)
         self._log_events(node)
@@ -360,6 +365,7 @@ class MeshDaemon:
 
     def status(self) -> dict[str, Any]:
         node = self.mesh
+        routes = node.routes()
         members = []
         for name, m in sorted(node.membership.members.items()):
             rtt = node.rttmap.rtt_s(self.peer_id, name)
@@ -372,7 +378,7 @@ class MeshDaemon:
                     "incarnation": m.incarnation,
                     "rtt_ms": None if rtt is None else round(rtt * 1000, 2),
                     "rtt_source": node.rttmap.source(self.peer_id, name),
-                    "route": list(node.routes().get(name, ())),
+                    "route": list(routes.get(name, ())),
                 }
             )
         return {
