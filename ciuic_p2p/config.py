@@ -52,6 +52,9 @@ class NodeSection:
     """Address the QUIC endpoint binds to. Loopback by default: opening up is explicit."""
     listen_port: int = 7946
     """UDP port of the QUIC endpoint."""
+    advertise_host: str = ""
+    """Address other members dial to reach this node (``--advertise``); default: the
+    listen host. Required when listening on a wildcard (0.0.0.0 or ::)."""
     state_dir: str = "/var/lib/ciuic"
     """Directory for the key, checkpoints and the audit log (systemd StateDirectory)."""
 

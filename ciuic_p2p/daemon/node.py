@@ -22,6 +22,7 @@ import asyncio
 import collections
 import contextlib
 import os
+import socket
 import time
 import zlib
 from collections.abc import Callable
@@ -136,7 +137,14 @@ class MeshDaemon:
 
     async def start(self) -> str:
         host, port = await self.transport.start()
-        self.address = format_address(host, port)
+        advertised = self.config.node.advertise_host or host
+        if advertised in ("0.0.0.0", "::", ""):
+            await self.transport.close()
+            raise ValueError(
+                f"listening on {host} (every interface): say which address the other "
+                "members dial with --advertise HOST (node.advertise_host)"
+            )
+        self.address = format_address(advertised, port)
         incarnation = next_incarnation(self.state_dir)
         self.node = MeshNode(
             self.peer_id,
@@ -169,10 +177,23 @@ class MeshDaemon:
         Raises TransportError when that member refuses us (wrong credential) or cannot
         be reached, TimeoutError when it never answers."""
         host, port = parse_address(address)
-        key = await self.transport.connect((host, port))
-        self._learn_peer(key, format_address(host, port))
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host,
+                port,
+                family=socket.AF_INET if "." in self.address else 0,
+                type=socket.SOCK_DGRAM,
+            )
+        except OSError as exc:
+            raise TransportError(f"cannot resolve {host}: {exc.strerror or exc}") from None
+        ip = str(infos[0][4][0])
+        target = format_address(ip, port)
+        if target == self.address:
+            raise ValueError(f"{address} is this node itself: join through another member")
+        key = await self.transport.connect((ip, port))
+        self._learn_peer(key, target)
         self._joined.clear()
-        self.mesh.join(format_address(host, port), self.clock())
+        self.mesh.join(target, self.clock())
         self._pump()
         try:
             await asyncio.wait_for(self._joined.wait(), timeout_s)

@@ -16,12 +16,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import fcntl
+import os
 import signal
 import sys
 from pathlib import Path
 from typing import Any
 
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ciuic_p2p.admission import Trust, load_certificate, load_crl
 from ciuic_p2p.config import Config, load_config
@@ -39,6 +43,12 @@ log = get_logger("ciuic.daemon")
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", help="TOML config file (default: the WAN preset)")
     p.add_argument("--listen", help="HOST:PORT to listen on (node.listen_host/port)")
+    p.add_argument(
+        "--advertise",
+        metavar="HOST",
+        help="address other members dial to reach this node (node.advertise_host); "
+        "needed with a wildcard --listen such as 0.0.0.0",
+    )
     p.add_argument("--name", help="node name shown in logs and status (node.name)")
     p.add_argument("--region", help="region label, e.g. aws:eu-central-1 (node.region)")
     p.add_argument("--state-dir", help="state directory (node.state_dir)")
@@ -64,6 +74,8 @@ def build_config(args: argparse.Namespace) -> Config:
         except ValueError as exc:
             raise ConfigError(f"--listen: {exc}") from None
         changes |= {"listen_host": host, "listen_port": port}
+    if args.advertise:
+        changes["advertise_host"] = args.advertise
     for flag, key in (("name", "name"), ("region", "region"), ("state_dir", "state_dir")):
         if getattr(args, flag):
             changes[key] = getattr(args, flag)
@@ -103,13 +115,39 @@ def load_credentials(
     )
     crl_path = Path(args.crl) if args.crl else state_dir / "revoked.pem"
     crl = load_crl(crl_path) if crl_path.exists() else None
+    if raw_public_key_of(cert) != key.public_key:
+        raise CiuicError(
+            "the node certificate was issued for another key than the node key: "
+            "issue one for this key (`ciuic-node ca issue --key <node.key>`)"
+        )
     return key, cert, Trust(ca, crl)
+
+
+def raw_public_key_of(cert: x509.Certificate) -> bytes | None:
+    public = cert.public_key()
+    if not isinstance(public, Ed25519PublicKey):
+        return None
+    return public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+
+
+def lock_state_dir(state_dir: Path) -> int:
+    """Hold an exclusive lock on the state directory for the daemon's lifetime (the
+    descriptor stays open): a second daemon on it stops before touching anything."""
+    state_dir.mkdir(parents=True, exist_ok=True)
+    fd = os.open(state_dir / "daemon.lock", os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise CiuicError(f"{state_dir}: another ciuic-node daemon is running on it") from None
+    return fd
 
 
 async def serve(args: argparse.Namespace) -> int:
     config = build_config(args)
     state_dir = Path(config.node.state_dir)
     key, cert, trust = load_credentials(args, state_dir)
+    lock_state_dir(state_dir)
     wrap = None
     if args.emulate:
         from ciuic_p2p.core.scenario import load_scenario  # noqa: PLC0415
@@ -123,7 +161,13 @@ async def serve(args: argparse.Namespace) -> int:
             emulated.register(name, ("127.0.0.1", args.emulate_ports + i))
         wrap = emulated.wrapper(args.emulate_node)
     daemon = MeshDaemon(config, key, cert, trust, state_dir=state_dir, wrap_udp=wrap)
-    address = await daemon.start()
+    try:
+        address = await daemon.start()
+    except OSError as exc:
+        where = f"{config.node.listen_host}:{config.node.listen_port}"
+        raise CiuicError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+    except ValueError as exc:
+        raise CiuicError(str(exc)) from None
     control = ControlServer(
         daemon, Path(args.control) if args.control else state_dir / "control.sock"
     )

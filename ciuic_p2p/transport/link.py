@@ -69,6 +69,8 @@ class QuicLink:
         self.quota = ReceiveQuota(window)
         self.credit_changed = asyncio.Event()
         self.ready: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        # Nobody awaits an accepted link's future: mark its failure as seen.
+        self.ready.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at: float | None = None
         self.auth_deadline: asyncio.TimerHandle | None = None

@@ -167,7 +167,10 @@ class QuicTransport(AdmissionMixin, Transport):
             )
         except TimeoutError:
             self._close_link(link, "connect timeout")
-            raise TransportError(f"no authenticated connection to {address} in time") from None
+            raise TransportError(
+                f"no authenticated connection to {address[0]}:{address[1]} within "
+                f"{self.settings.connect_timeout_s:g} s (nothing answered, or not a ciuic node)"
+            ) from None
         except DuplicateLinkError:
             # The peer dialled us at the same time and kept its own connection, which
             # is authenticating at our end now: that one is the link.
@@ -183,7 +186,7 @@ class QuicTransport(AdmissionMixin, Transport):
                 if lk.address == address and lk.authenticated and not lk.closed:
                     return key
             await asyncio.sleep(0.005)
-        raise TransportError(f"no authenticated connection to {address} in time")
+        raise TransportError(f"no authenticated connection to {address[0]}:{address[1]} in time")
 
     # -- datagrams, timers, events --------------------------------------------------------
 

@@ -172,3 +172,30 @@ def test_run_without_credentials_says_what_is_missing_and_how_to_make_it(tmp_pat
     out = run("run", "--state-dir", str(tmp_path), "--listen", "127.0.0.1:0")
     assert out.returncode == 2 and "no node certificate at" in out.stderr
     assert "ca issue" in out.stderr
+
+
+def test_user_mistakes_get_one_clear_line(fleet: Fleet, tmp_path: Path) -> None:
+    base = free_port_block(2)
+    fleet.start("a", "--listen", f"127.0.0.1:{base}")
+    fleet.wait(lambda: fleet.status("a") is not None, 30, "daemon up")
+    # Joining by host name works; joining oneself or a silent address is refused.
+    d = tmp_path / "a"
+    ok = run("join", f"localhost:{base}", "--state-dir", str(d))
+    assert ok.returncode == 1 and "this node itself" in ok.stderr
+    silent = run("join", f"127.0.0.1:{base + 1}", "--state-dir", str(d))
+    assert silent.returncode == 1 and f"127.0.0.1:{base + 1}" in silent.stderr
+    assert "('127.0.0.1'" not in silent.stderr
+    # A second daemon on the same state directory stops before touching it.
+    incarnation = (d / "incarnation").read_text()
+    second = run("run", "--state-dir", str(d), "--listen", f"127.0.0.1:{base + 1}")
+    assert second.returncode == 2 and "another ciuic-node daemon" in second.stderr
+    assert (d / "incarnation").read_text() == incarnation
+    # Listening on every interface needs an address to advertise.
+    wild = run("run", "--state-dir", str(fleet.state_dir("b")), "--listen", "0.0.0.0:0")
+    assert wild.returncode == 2 and "--advertise" in wild.stderr
+    # A certificate issued for another key is refused at start, not at the first join.
+    c = fleet.state_dir("c")
+    (c / "node.pem").write_bytes((tmp_path / "a" / "node.pem").read_bytes())
+    mismatch = run("run", "--state-dir", str(c), "--listen", "127.0.0.1:0")
+    assert mismatch.returncode == 2 and "another key" in mismatch.stderr
+    assert "Traceback" not in ok.stderr + silent.stderr + second.stderr + wild.stderr
