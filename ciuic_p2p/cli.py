@@ -126,7 +126,8 @@ def _ca(args: argparse.Namespace) -> int:
             raise AdmissionError(f"{directory}: a CA already exists there")
         ca = ClusterCA.create(args.cluster, now)
         ca.save(directory)
-        print(f"cluster {args.cluster!r}: CA written to {directory}/ca.key and ca.pem")
+        key_file, cert_file = directory / "ca.key", directory / "ca.pem"
+        print(f"cluster {args.cluster!r}: CA written to {key_file} and {cert_file}")
         return 0
     ca = ClusterCA.load(directory)
     if args.ca_command == "issue":
@@ -277,6 +278,8 @@ def _steer(args: argparse.Namespace) -> int:
         if answer.get("ok"):
             _print_status(answer, args.json)
     if not answer.get("ok"):
+        if getattr(args, "json", False):
+            print(json.dumps({"ok": False, "error": answer.get("error", "failed")}))
         print(f"ciuic-node: error: {answer.get('error', 'failed')}", file=sys.stderr)
         return 1
     return 0

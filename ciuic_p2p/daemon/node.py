@@ -58,8 +58,10 @@ def parse_address(text: str, *, any_port: bool = False) -> tuple[str, int]:
     (let the system choose) only with ``any_port``: one listens there, never dials."""
     host, sep, port = text.rpartition(":")
     lowest = 0 if any_port else 1
-    if not sep or not host or not port.isdigit() or not lowest <= int(port) < 65536:
+    if not sep or not host or not port.isdigit():
         raise ValueError(f"{text!r} is not HOST:PORT")
+    if not lowest <= int(port) < 65536:
+        raise ValueError(f"{text!r}: port {port} is out of range ({lowest}-65535)")
     return host.strip("[]"), int(port)
 
 
