@@ -24,7 +24,6 @@ class GossipQueue:
     def __init__(self, retransmit_mult: int) -> None:
         self.retransmit_mult = retransmit_mult
         self._items: dict[str, tuple[Update, int, int]] = {}  # subject -> (update, sent, size)
-        self.dropped = 0
         self._urgent = 0
 
     def __len__(self) -> int:
@@ -35,9 +34,7 @@ class GossipQueue:
 
     def put(self, update: Update) -> None:
         key = subject_of(update)
-        if key in self._items:
-            self.dropped += 1
-        elif not isinstance(update, Links):
+        if key not in self._items and not isinstance(update, Links):
             self._urgent += 1
         self._items[key] = (update, 0, update_size(update))
 

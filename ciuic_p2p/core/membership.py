@@ -129,7 +129,6 @@ class Membership:
         self._introduced: dict[str, float] = {}
         self._links_pushed_at = float("-inf")
         self._now = now
-        self.sent_messages = 0
         self.queue.put(self._self_alive())
 
     # -- the table --------------------------------------------------------------------------
@@ -518,7 +517,6 @@ class Membership:
             self._reply(m.address, body)
 
     def _reply(self, address: str, body: Ping | Ack | PingReq | Nack | Gossip | Sync) -> None:
-        self.sent_messages += 1
         self._out.append((address, Message(self.node, body)))
 
     def messages_to_send(self) -> list[Outgoing]:

@@ -76,7 +76,6 @@ class MeshNode:
         self.events: list[MemberEvent] = []
         self.decode_errors = 0
         self.messages_sent = 0
-        self.bytes_sent = 0
         self._routing_key: tuple[int, int] | None = None
         self._view_version = 0
 
@@ -131,7 +130,7 @@ class MeshNode:
         self.membership.leave(now)
 
     def broadcast(self, payload: bytes, now: float) -> int:
-        self._route(now)
+        self._route()
         return self.dissemination.publish(payload, now)
 
     def take_deliveries(self) -> list[Delivery]:
@@ -143,11 +142,11 @@ class MeshNode:
 
     def routes(self) -> dict[str, tuple[str, ...]]:
         """Destination -> path (this node first), current with the map."""
-        self._route(0.0)
+        self._route()
         return dict(self.router.routes)
 
     def tree(self, origin: str) -> dict[str, list[str]]:
-        self._route(0.0)
+        self._route()
         return self.router.tree(origin)
 
     def view(self) -> list[str]:
@@ -180,14 +179,14 @@ class MeshNode:
         if published is not None:
             m.queue.put(published)
 
-    def _route(self, now: float) -> None:
+    def _route(self) -> None:
         key = (self._view_version, self.rttmap.changes)
         if key != self._routing_key:
             self._routing_key = key
             self.router.update(self.view(), self.rttmap.rtt_s)
 
     def _children(self, origin: str) -> list[str]:
-        self._route(0.0)
+        self._route()
         return self.router.children(origin)
 
 

@@ -120,7 +120,6 @@ class Router:
         self.settings = settings
         self.routes: dict[str, tuple[str, ...]] = {}
         """Destination -> path (this node first)."""
-        self.route_changes = 0
         self._trees: dict[str, dict[str, list[str]]] = {}
         self._view: tuple[str, ...] = ()
         self._rtt: RttFn = lambda a, b: None
@@ -136,7 +135,6 @@ class Router:
         for dst in list(self.routes):
             if dst not in alive:
                 del self.routes[dst]
-                self.route_changes += 1
         for dst, (cost, path) in best.items():
             current = self.routes.get(dst)
             if current is not None and all(n in alive for n in current):
@@ -145,11 +143,6 @@ class Router:
                     continue
             if current != path:
                 self.routes[dst] = path
-                self.route_changes += 1
-
-    def next_hop(self, dst: str) -> str:
-        path = self.routes.get(dst)
-        return path[1] if path is not None and len(path) > 1 else dst
 
     def tree(self, origin: str) -> dict[str, list[str]]:
         tree = self._trees.get(origin)

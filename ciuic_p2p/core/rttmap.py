@@ -20,7 +20,6 @@ from collections import deque
 
 from ciuic_p2p.config import MeshSection
 from ciuic_p2p.core.meshwire import MAX_LINKS, Coordinate, LinkEntry, Links
-from ciuic_p2p.core.rtt import RttEstimator
 from ciuic_p2p.core.vivaldi import VivaldiClient, distance_s
 
 Measured = dict[str, tuple[float, float]]  # peer -> (rtt_s, loss)
@@ -37,7 +36,6 @@ class RttMap:
         self.settings = settings
         self.vivaldi = VivaldiClient(seed)
         self.coords: dict[str, Coordinate] = {}
-        self.own: dict[str, RttEstimator] = {}
         self.recent: dict[str, deque[float]] = {}
         self.loss: dict[str, float] = {}
         self.published: dict[str, Measured] = {}
@@ -53,7 +51,6 @@ class RttMap:
     def observe(self, peer: str, coordinate: Coordinate, rtt_s: float) -> None:
         self.vivaldi.update(peer, coordinate, rtt_s)
         self.coords[peer] = coordinate
-        self.own.setdefault(peer, RttEstimator()).add(rtt_s)
         self.recent.setdefault(peer, deque(maxlen=RECENT_SAMPLES)).append(rtt_s)
 
     def observe_loss(self, peer: str, probes: int, acks: int) -> None:
@@ -73,7 +70,6 @@ class RttMap:
         return True
 
     def forget(self, node: str) -> None:
-        self.own.pop(node, None)
         self.recent.pop(node, None)
         self.coords.pop(node, None)
         self.vivaldi.forget(node)

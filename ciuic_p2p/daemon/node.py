@@ -179,11 +179,11 @@ class MeshDaemon:
         Raises TransportError when that member refuses us (wrong credential) or cannot
         be reached, TimeoutError when it never answers."""
         host, port = parse_address(address)
-        try:
+        try:  # an address of our own socket's family: one socket serves every link
             infos = await asyncio.get_running_loop().getaddrinfo(
                 host,
                 port,
-                family=socket.AF_INET if "." in self.address else 0,
+                family=socket.AF_INET6 if self.address.startswith("[") else socket.AF_INET,
                 type=socket.SOCK_DGRAM,
             )
         except OSError as exc:
