@@ -221,6 +221,45 @@ class MeshSection:
 
 
 @dataclass(frozen=True, slots=True)
+class TrainSection:
+    """The training hook and the daemon's trainer socket (ciuic_p2p.train).
+
+    The update rule (docs/architecture.md, "The update rule"): each local step's
+    optimizer delta goes through the error-feedback codec (``codec`` section); every
+    replica, its own included, adds ``1/N`` of each chunk it applies, N being the
+    number of training replicas it knows alive. Derived values:
+
+    - a step waits while some live replica's newest applied step is more than
+      ``staleness_bound_steps`` behind this one (the wait is counted);
+    - a chunk is sent every ``send_interval_steps`` steps; while the daemon holds more
+      than ``backlog_high_bytes`` unsent, the interval doubles (up to
+      ``max_send_interval_steps``, merged steps: the residual carries them) and the
+      density halves (down to ``min_density``); below ``backlog_low_bytes`` both
+      recover one notch per send;
+    - every ``consensus_interval_steps`` a replica sends its parameters (INT8, dense)
+      and every receiver moves ``consensus_mix`` of the way toward them.
+    """
+
+    socket_path: str = "/run/ciuic/trainer.sock"
+    """The daemon's trainer socket (the systemd unit's RuntimeDirectory)."""
+    staleness_bound_steps: int = 64
+    send_interval_steps: int = 1
+    max_send_interval_steps: int = 16
+    min_density: float = 0.0005
+    backlog_high_bytes: int = 1 << 20
+    backlog_low_bytes: int = 256 * 1024
+    consensus_interval_steps: int = 200
+    consensus_mix: float = 0.5
+    update_norm_max_ratio: float = 50.0
+    """A peer chunk whose RMS exceeds this times the running RMS of this replica's own
+    chunks (of the same bucket) is refused: a faulty node cannot blow up the model."""
+    norm_warmup_chunks: int = 10
+    """Own chunks seen before the norm bound applies."""
+    finish_timeout_s: float = 60.0
+    """How long :meth:`finish` waits for the other replicas' last chunks."""
+
+
+@dataclass(frozen=True, slots=True)
 class LogSection:
     """Logging (see ciuic_p2p.logsetup)."""
 
@@ -242,6 +281,7 @@ class Config:
     codec: CodecSection = field(default_factory=CodecSection)
     transport: TransportSection = field(default_factory=TransportSection)
     mesh: MeshSection = field(default_factory=MeshSection)
+    train: TrainSection = field(default_factory=TrainSection)
     log: LogSection = field(default_factory=LogSection)
 
     def __post_init__(self) -> None:
@@ -336,6 +376,24 @@ def _validate(cfg: Config) -> None:
         (256 <= m.piggyback_bytes <= 16384, "mesh.piggyback_bytes", "must be in [256, 16384]"),
         (1 <= m.link_state_max_peers <= 1024, "mesh.link_state_max_peers", "must be in [1, 1024]"),
         (m.suspicion_confirmations >= 0, "mesh.suspicion_confirmations", "must be >= 0"),
+    ]  # fmt: skip
+    t = cfg.train
+    checks += [
+        (t.staleness_bound_steps >= 1, "train.staleness_bound_steps", "must be >= 1"),
+        (t.send_interval_steps >= 1, "train.send_interval_steps", "must be >= 1"),
+        (t.max_send_interval_steps >= t.send_interval_steps, "train.max_send_interval_steps",
+         "must be >= send_interval_steps"),
+        (t.max_send_interval_steps < t.staleness_bound_steps, "train.max_send_interval_steps",
+         "must be below staleness_bound_steps (or peers would always wait)"),
+        (0.0 < t.min_density <= c.density, "train.min_density", "must be in (0, codec.density]"),
+        (t.backlog_low_bytes < t.backlog_high_bytes, "train.backlog_low_bytes",
+         "must be below backlog_high_bytes"),
+        (t.consensus_interval_steps >= 0, "train.consensus_interval_steps", "must be >= 0"),
+        (0.0 <= t.consensus_mix <= 1.0, "train.consensus_mix", "must be in [0, 1]"),
+        (t.update_norm_max_ratio > 1.0, "train.update_norm_max_ratio", "must be > 1"),
+        (t.norm_warmup_chunks >= 1, "train.norm_warmup_chunks", "must be >= 1"),
+        (t.finish_timeout_s > 0, "train.finish_timeout_s", "must be > 0"),
+        (bool(t.socket_path), "train.socket_path", "must not be empty"),
     ]  # fmt: skip
     for ok, key, why in checks:
         if not ok:

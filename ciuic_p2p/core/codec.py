@@ -403,15 +403,20 @@ class DecodedChunk:
 
     header: ChunkHeader
     positions: torch.Tensor | None
-    """Sorted int64 positions relative to ``header.range_start``; None when dense."""
+    """Sorted int64 positions relative to ``header.range_start``; None when dense (or
+    not asked for)."""
     values: torch.Tensor
     """fp32 values, one per position (or per element of the range when dense)."""
 
 
 def decode_chunk(
-    chunk: bytes | bytearray | memoryview, device: torch.device | str = "cpu"
+    chunk: bytes | bytearray | memoryview,
+    device: torch.device | str = "cpu",
+    *,
+    positions: bool = True,
 ) -> DecodedChunk:
-    """Parse and fully validate a chunk; decode its values and positions on ``device``."""
+    """Parse and fully validate a chunk; decode its values and positions on ``device``
+    (with ``positions=False``, the values only: the index stream is not decoded)."""
     header, payload = parse_chunk(chunk)
     if payload.readonly:
         payload = memoryview(bytearray(payload))
@@ -437,14 +442,14 @@ def decode_chunk(
         values = value_bytes.view(_DENSE_DTYPES[codec]).to(torch.float32)
     if not codec.has_scales and not bool(torch.isfinite(values).all()):
         raise InconsistentChunkError("non-finite value in chunk")
-    positions = None
-    if codec.is_sparse:
+    found: torch.Tensor | None = None
+    if codec.is_sparse and positions:
         index = raw[scale_len + value_len :]
         rem_len = indexcode.remainder_bytes(header.count, header.rice_bits)
-        positions = indexcode.rice_decode(
+        found = indexcode.rice_decode(
             index[:rem_len], index[rem_len:], header.count, header.rice_bits, header.range_len
         )
-    return DecodedChunk(header=header, positions=positions, values=values)
+    return DecodedChunk(header=header, positions=found, values=values)
 
 
 def apply_chunk(

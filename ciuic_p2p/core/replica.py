@@ -1,0 +1,479 @@
+"""One training replica's side of the update rule: pure (no clock, no I/O).
+
+The trainer's model lives in flat fp32 buckets (core.layout); the model's parameters
+are views into them, so a chunk is applied where the model reads it, with no copy.
+With N the number of training replicas alive and ``w = 1/N``:
+
+    local step:   the optimizer moves the parameters; the replica keeps all of it
+    send:         delta = params - anchor; anchor = params
+                  chunks = C(residual + delta)       # top-k + INT8, error feedback
+    peer chunk:   params += w * c_j                  # on arrival, up to the bound late
+    settlement:   params -= (1 - w) * c_i(s)         # once every live replica's
+                                                     # stream has reached step s
+
+So every value sent ends up with weight ``w`` in every replica: each replica moves by
+the mean of all replicas' updates, as synchronous data parallelism with averaged
+gradients does, and with density 1 and no delay the two are the same computation.
+The replica sends the optimizer's delta, not the gradient, so that any optimizer works
+unchanged (momentum and Adam state stay local; what top-k leaves out waits in the
+residual: Lin et al. 2018, "Deep Gradient Compression").
+
+Why settle late: a replica must answer its own gradient at once and in full. Our
+first rule applied the own update at weight ``w`` immediately and the peers' when they
+came; then three quarters of every step's restoring force arrive late, and with
+momentum SGD on the digits task a delay of one step already cost 50% in evaluation
+loss and five steps diverged (tests/train, bench/results/training.txt). With late
+settlement, the late part is the difference between the peers' updates and one's
+own, which averages out: the same simulation reaches the dense loss with 20 steps of
+delay. This is delayed averaging of local updates: each replica runs local SGD and
+the average reaches it late, as in asynchronous decentralized SGD (AD-PSGD, Lian et
+al. 2018, which proves convergence under bounded staleness) and in DiLoCo (Douillard
+et al. 2023), whose replicas take local steps between averaged outer updates; with a
+send interval above one step the local deltas are merged, like DiLoCo's inner steps.
+
+Replicas differ by their unsent residuals, the chunks in flight and the unsettled own
+chunks, and drift for good when chunks are lost (an origin that died with chunks in
+flight, a partition, a refused chunk). The consensus mix bounds that: every
+``consensus_interval_steps`` a replica sends its parameters (dense INT8) and each
+receiver moves ``consensus_mix / (N - 1)`` of the way toward them (CHOCO-SGD,
+Koloskova et al. 2019, gossips compressed parameters with neighbours the same way).
+
+Every chunk is checked before anything changes: run, layout, bucket and range, exactly
+once (per origin, incarnation, step, bucket, range start), and its RMS against the
+running RMS of this replica's own chunks of that bucket; a refusal is counted under
+its reason and the step goes on.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ciuic_p2p.config import CodecSection, TrainSection
+from ciuic_p2p.core.codec import BucketEncoder, BucketSpec, ChunkSource, decode_chunk
+from ciuic_p2p.core.layout import BucketLayout
+from ciuic_p2p.core.origin import ReplayWindow
+from ciuic_p2p.core.trainwire import (
+    Kind,
+    TrainWireError,
+    decode_done,
+    decode_message,
+    envelope,
+)
+from ciuic_p2p.core.wire import ChunkHeader, Codec
+from ciuic_p2p.errors import CiuicError, CodecError, ReplayedChunkError
+
+STALENESS_BINS = 4096
+
+
+class RefusedChunk(CiuicError):
+    """A peer's chunk that this replica will not apply (reason in ``reason``)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A decoded, checked payload waiting to be applied."""
+
+    origin: str
+    kind: Kind
+    header: ChunkHeader | None
+    positions: torch.Tensor | None
+    values: torch.Tensor | None
+    rms: float
+    step: int
+    chunks: int
+    """DONE: update chunks the origin sent in all."""
+
+
+@dataclass(slots=True)
+class PeerState:
+    step: int = 0
+    """Newest step of this origin applied here (all replicas start at step 0)."""
+    done_at: int | None = None
+    chunks_sent: int = 0
+    """Update chunks the origin says it sent (from its DONE)."""
+    applied: int = 0
+    """Update chunks of this origin applied here."""
+
+
+@dataclass(slots=True)
+class ReplicaStats:
+    steps: int = 0
+    sends: int = 0
+    chunks_sent: int = 0
+    bytes_published: int = 0
+    applied: int = 0
+    params_mixed: int = 0
+    refused: collections.Counter[str] = field(default_factory=collections.Counter)
+    last_refusal: str = ""
+    residual_norm: float = 0.0
+    residual_norm_max: float = 0.0
+    staleness: np.ndarray = field(default_factory=lambda: np.zeros(STALENESS_BINS, np.int64))
+
+    def staleness_quantile(self, q: float) -> int:
+        total = int(self.staleness.sum())
+        if total == 0:
+            return 0
+        idx = int(np.searchsorted(np.cumsum(self.staleness), math.ceil(q * total)))
+        return min(idx, STALENESS_BINS - 1)
+
+
+class Replica:
+    """The update rule for one replica (see the module docstring)."""
+
+    def __init__(
+        self,
+        layout: BucketLayout,
+        buckets: Sequence[torch.Tensor],
+        source: ChunkSource,
+        peer: str,
+        codec: CodecSection,
+        train: TrainSection,
+        seed: int = 0,
+    ) -> None:
+        self.layout = layout
+        self.buckets = list(buckets)
+        self.source = source
+        self.peer = peer
+        self.train = train
+        self.codec = codec
+        device = self.buckets[0].device if self.buckets else torch.device("cpu")
+        self.anchor = [b.detach().clone() for b in self.buckets]
+        self._spare = [torch.zeros_like(b) for b in self.buckets]
+        self._spare_other = [torch.zeros_like(b) for b in self.buckets]
+        self._params_copy = [torch.zeros_like(b) for b in self.buckets]
+        self._debts: collections.deque[
+            tuple[int, int, int, int, torch.Tensor | None, torch.Tensor]
+        ] = collections.deque()
+        """Own sent chunks not yet settled (appended by the encoder thread)."""
+        self.encoders = [
+            BucketEncoder(
+                info.index,
+                info.numel,
+                BucketSpec.from_config(codec, info.numel, info.sparse),
+                source,
+                device,
+                seed=seed + info.index,
+            )
+            for info in layout.buckets
+        ]
+        self.param_encoders = [
+            BucketEncoder(
+                info.index,
+                info.numel,
+                BucketSpec(
+                    codec=Codec.DENSE_INT8,
+                    block_size=codec.block_size,
+                    chunk_payload_bytes=codec.chunk_payload_bytes,
+                ),
+                source,
+                device,
+            )
+            for info in layout.buckets
+        ]
+        self.density = codec.density
+        self.send_interval = train.send_interval_steps
+        self.step = 0
+        self.last_send_step = 0
+        self.replicas = 1
+        self.peers: dict[str, PeerState] = {}
+        self.stats = ReplicaStats()
+        self._updates = ReplayWindow(window_steps=1 << 16)
+        self._params = ReplayWindow(window_steps=1 << 16)
+        self._own_rms: list[float] = [0.0] * len(layout.buckets)
+        self._own_count: list[int] = [0] * len(layout.buckets)
+
+    # -- local side --------------------------------------------------------------------
+
+    @property
+    def weight(self) -> float:
+        return 1.0 / max(1, self.replicas)
+
+    def set_alive(self, peers: Iterable[str]) -> None:
+        """The training replicas alive now (this one included or not)."""
+        alive = set(peers) - {self.peer}
+        self.replicas = 1 + len(alive)
+        for name in alive:
+            self.peers.setdefault(name, PeerState())
+        for name in list(self.peers):
+            if name not in alive:
+                del self.peers[name]
+
+    def local_step(self) -> bool:
+        """Count one local step; True when an update is due (take and encode it)."""
+        self.step += 1
+        self.stats.steps += 1
+        return self.step - self.last_send_step >= self.send_interval
+
+    def take_update(self) -> list[torch.Tensor]:
+        """Take the local progress since the last send (training thread) for
+        :meth:`encode_update`; the model keeps all of it until :meth:`settle`. The
+        buffers alternate between two sets, so the encoder may still read the previous
+        set while this one fills."""
+        self.last_send_step = self.step
+        self._spare, deltas = self._spare_other, self._spare
+        self._spare_other = deltas
+        with torch.no_grad():
+            for bucket, anchor, delta in zip(self.buckets, self.anchor, deltas, strict=True):
+                torch.sub(bucket, anchor, out=delta)
+                anchor.copy_(bucket)
+        return deltas
+
+    def settle(self, everything: bool = False) -> int:
+        """Take back ``1 - w`` of each own sent chunk once every live replica's stream
+        has reached its step (then their chunks of that step have been added here), or
+        all of them with ``everything``; how many were settled."""
+        if everything:
+            floor = self.step
+        else:
+            floor = (
+                min(
+                    (p.step if p.done_at is None else max(p.step, p.done_at))
+                    for p in self.peers.values()
+                )
+                if self.peers
+                else self.step
+            )
+        n = 0
+        debts = self._debts
+        while debts and debts[0][0] <= floor:
+            _, bucket, start, length, positions, values = debts.popleft()
+            w = self.weight
+            if w < 1.0:
+                with torch.no_grad():
+                    for t in (self.buckets[bucket], self.anchor[bucket]):
+                        target = t[start : start + length]
+                        if positions is None:
+                            target.add_(values, alpha=w - 1.0)
+                        else:
+                            target.index_add_(0, positions, values, alpha=w - 1.0)
+            n += 1
+        return n
+
+    def encode_update(self, deltas: Sequence[torch.Tensor], step: int) -> list[bytes]:
+        """Encode a taken update into mesh payloads (may run on another thread: it
+        touches only the encoders, the residuals and the own-RMS reference)."""
+        payloads: list[bytes] = []
+        with torch.no_grad():
+            for enc, delta in zip(self.encoders, deltas, strict=True):
+                if enc.spec.codec.is_sparse and enc.spec.density != self.density:
+                    enc.spec = _with_density(enc.spec, self.density)
+                for chunk in enc.encode(delta, step):
+                    self._record_own(chunk)
+                    payloads.append(envelope(Kind.UPDATE) + chunk)
+                if enc.residual is not None:
+                    norm = float(torch.linalg.vector_norm(enc.residual))
+                    self.stats.residual_norm = norm
+                    self.stats.residual_norm_max = max(self.stats.residual_norm_max, norm)
+        self.stats.sends += 1
+        self.stats.chunks_sent += len(payloads)
+        self.stats.bytes_published += sum(len(p) for p in payloads)
+        return payloads
+
+    def snapshot_params(self) -> list[torch.Tensor]:
+        """A copy of the parameters (training thread) for :meth:`encode_params`."""
+        with torch.no_grad():
+            for spare, bucket in zip(self._params_copy, self.buckets, strict=True):
+                spare.copy_(bucket)
+        return self._params_copy
+
+    def encode_params(self, params: Sequence[torch.Tensor], step: int) -> list[bytes]:
+        """Parameters as dense INT8 chunks, for the consensus mix (any thread)."""
+        payloads: list[bytes] = []
+        with torch.no_grad():
+            for enc, bucket in zip(self.param_encoders, params, strict=True):
+                if enc.residual is not None:
+                    enc.residual.zero_()  # a snapshot, not a stream: no error feedback
+                payloads += [envelope(Kind.PARAMS) + c for c in enc.encode(bucket, step)]
+        return payloads
+
+    def wants_params(self) -> bool:
+        n = self.train.consensus_interval_steps
+        return n > 0 and self.replicas > 1 and self.step % n == 0
+
+    def adapt(self, backlog_bytes: int) -> None:
+        """Follow the daemon's unsent backlog: merge steps and lower the density while
+        it is above the high mark, recover one notch at a time below the low mark."""
+        t = self.train
+        if backlog_bytes > t.backlog_high_bytes:
+            self.send_interval = min(t.max_send_interval_steps, self.send_interval * 2)
+            self.density = max(t.min_density, self.density / 2)
+        elif backlog_bytes < t.backlog_low_bytes:
+            self.send_interval = max(t.send_interval_steps, self.send_interval // 2)
+            self.density = min(self.codec.density, self.density * 2)
+
+    def blocking(self) -> list[str]:
+        """Live replicas more than the staleness bound behind this one's next step."""
+        floor = self.step + 1 - self.train.staleness_bound_steps
+        return [name for name, p in self.peers.items() if p.done_at is None and p.step < floor]
+
+    # -- peers' messages -----------------------------------------------------------------
+
+    def receive(self, origin: str, payload: bytes | memoryview) -> None:
+        """Prepare and apply one mesh payload from ``origin``; raises
+        :class:`RefusedChunk` (and counts it) when refused, with nothing changed."""
+        self.apply(self.prepare(origin, payload))
+
+    def prepare(self, origin: str, payload: bytes | memoryview) -> Prepared | RefusedChunk:
+        """Decode and check what needs no replica state (any thread: the channel's
+        reader decodes while the trainer computes)."""
+        try:
+            return self._prepare(origin, payload)
+        except RefusedChunk as exc:
+            return exc
+
+    def _prepare(self, origin: str, payload: bytes | memoryview) -> Prepared:
+        try:
+            msg = decode_message(payload)
+        except TrainWireError as exc:
+            raise RefusedChunk("malformed", f"from {origin}: {exc}") from None
+        if msg.kind is Kind.DONE:
+            try:
+                run_id, step, chunks = decode_done(msg.body)
+            except TrainWireError as exc:
+                raise RefusedChunk("malformed", f"from {origin}: {exc}") from None
+            if run_id != self.source.run_id:
+                raise RefusedChunk("other_run", f"{origin} finished another run")
+            return Prepared(origin, Kind.DONE, None, None, None, 0.0, step, chunks)
+        try:
+            decoded = decode_chunk(msg.body, self.buckets[0].device)
+        except CodecError as exc:
+            raise RefusedChunk("malformed", f"chunk from {origin}: {exc}") from None
+        h = decoded.header
+        self._check(origin, h)
+        if msg.kind is Kind.PARAMS and h.codec.is_sparse:
+            raise RefusedChunk("malformed", f"parameters from {origin} are not dense")
+        rms = float(torch.linalg.vector_norm(decoded.values)) / math.sqrt(max(1, h.count))
+        return Prepared(origin, msg.kind, h, decoded.positions, decoded.values, rms, h.step, 0)
+
+    def apply(self, item: Prepared | RefusedChunk) -> None:
+        """Apply a prepared payload (training thread), exactly once; a refusal is
+        counted and raised."""
+        try:
+            self._apply(item)
+        except RefusedChunk as exc:
+            self.stats.refused[exc.reason] += 1
+            self.stats.last_refusal = str(exc)
+            raise
+
+    def _apply(self, item: Prepared | RefusedChunk) -> None:
+        if isinstance(item, RefusedChunk):
+            raise item
+        origin = item.origin
+        if item.kind is Kind.DONE:
+            state = self.peers.setdefault(origin, PeerState())
+            state.done_at, state.chunks_sent = item.step, item.chunks
+            return
+        h = item.header
+        assert h is not None and item.values is not None
+        if item.kind is Kind.PARAMS:
+            self._check_once(self._params, origin, h)
+            self._mix(h, item.values)
+            return
+        ref = self._own_rms[h.bucket]
+        if (
+            self._own_count[h.bucket] >= self.train.norm_warmup_chunks
+            and item.rms > self.train.update_norm_max_ratio * ref
+        ):
+            raise RefusedChunk(
+                "norm",
+                f"chunk from {origin} (step {h.step}) has RMS {item.rms:.3g}, over "
+                f"{self.train.update_norm_max_ratio:g} x this replica's own {ref:.3g}",
+            )
+        self._check_once(self._updates, origin, h)
+        self._add(h, item.positions, item.values, self.weight)
+        state = self.peers.setdefault(origin, PeerState())
+        state.step = max(state.step, h.step)
+        state.applied += 1
+        self.stats.applied += 1
+        self.stats.staleness[min(STALENESS_BINS - 1, max(0, self.step - h.step))] += 1
+
+    def _check(self, origin: str, h: ChunkHeader) -> None:
+        if h.run_id != self.source.run_id:
+            raise RefusedChunk(
+                "other_run", f"chunk from {origin} is of run {h.run_id.hex()}, not this one"
+            )
+        if h.layout_id != self.layout.layout_id:
+            raise RefusedChunk(
+                "layout",
+                f"chunk from {origin} is for parameter layout {h.layout_id:016x}; this "
+                f"model's is {self.layout.layout_id:016x} (another model shape?)",
+            )
+        if h.bucket >= len(self.buckets) or (
+            h.range_start + h.range_len > self.buckets[h.bucket].numel()
+        ):
+            raise RefusedChunk(
+                "range",
+                f"chunk from {origin} addresses bucket {h.bucket} "
+                f"[{h.range_start}, {h.range_start + h.range_len}) outside the model",
+            )
+
+    def _check_once(self, window: ReplayWindow, origin: str, h: ChunkHeader) -> None:
+        try:
+            window.check_and_record(h)
+        except ReplayedChunkError as exc:
+            raise RefusedChunk("duplicate", f"chunk from {origin}: {exc}") from None
+
+    def _record_own(self, chunk: bytes | bytearray) -> None:
+        decoded = decode_chunk(chunk, self.buckets[0].device)
+        h = decoded.header
+        self._debts.append(
+            (h.step, h.bucket, h.range_start, h.range_len, decoded.positions, decoded.values)
+        )
+        rms = float(torch.linalg.vector_norm(decoded.values)) / math.sqrt(max(1, h.count))
+        n = self._own_count[h.bucket]
+        if rms > 0.0:
+            old = self._own_rms[h.bucket]
+            self._own_rms[h.bucket] = rms if n == 0 else 0.9 * old + 0.1 * rms
+            self._own_count[h.bucket] = n + 1
+
+    def _add(
+        self, h: ChunkHeader, positions: torch.Tensor | None, values: torch.Tensor, w: float
+    ) -> None:
+        with torch.no_grad():
+            for t in (self.buckets[h.bucket], self.anchor[h.bucket]):
+                target = t[h.range_start : h.range_start + h.range_len]
+                if positions is None:
+                    target.add_(values, alpha=w)
+                else:
+                    target.index_add_(0, positions, values, alpha=w)
+
+    def _mix(self, h: ChunkHeader, values: torch.Tensor) -> None:
+        mix = self.train.consensus_mix / max(1, self.replicas - 1)
+        with torch.no_grad():
+            s = slice(h.range_start, h.range_start + h.range_len)
+            diff = values.sub(self.buckets[h.bucket][s]).mul_(mix)
+            self.buckets[h.bucket][s].add_(diff)
+            self.anchor[h.bucket][s].add_(diff)
+        self.stats.params_mixed += 1
+
+
+def _with_density(spec: BucketSpec, density: float) -> BucketSpec:
+    return BucketSpec(
+        codec=spec.codec,
+        density=density,
+        block_size=spec.block_size,
+        exact=spec.exact,
+        sample_size=spec.sample_size,
+        chunk_payload_bytes=spec.chunk_payload_bytes,
+        residual_max_ratio=spec.residual_max_ratio,
+    )
+
+
+def consensus_distance(replicas: Sequence[Sequence[torch.Tensor]]) -> float:
+    """RMS of each replica minus the mean, relative to the mean's RMS (0: identical)."""
+    flat = [torch.cat([b.detach().float().flatten().cpu() for b in r]) for r in replicas]
+    stack = torch.stack(flat)
+    mean = stack.mean(0)
+    spread = float((stack - mean).pow(2).mean().sqrt())
+    scale = float(mean.pow(2).mean().sqrt())
+    return spread / scale if scale > 0 else 0.0

@@ -1,0 +1,186 @@
+"""Wire formats of training: what a replica broadcasts over the mesh, and the frames
+between a trainer and its node's daemon (the trainer socket).
+
+Mesh payload (version 1), carried as the payload of a mesh ``CHUNK``::
+
+    off size field
+      0    2 magic      b"CT"
+      2    1 version    1
+      3    1 kind       UPDATE 1 | PARAMS 2 | DONE 3
+      4    .  body      UPDATE, PARAMS: one chunk (core.wire, signed by its origin)
+                        DONE: run_id (16) + last step (u64 LE) + update
+                        chunks sent in all (u64 LE)
+
+``UPDATE`` is one chunk of a step's compressed update; ``PARAMS`` one chunk of a
+replica's parameters (dense, for the consensus mix); ``DONE`` says the origin took its
+last step, so that nobody waits for it any more.
+
+Trainer socket frames (version 1)::
+
+    u32 LE length (of type + body) | u8 type | body
+
+with types below. ``HELLO``/``WELCOME``/``MEMBERS``/``STATS`` bodies are UTF-8 JSON
+objects; ``PUBLISH`` carries a mesh payload; ``DELIVER`` and ``DIRECT_*`` start with
+the peer (u8 length + ASCII peer ID). A frame is at most ``MAX_FRAME_BYTES``; the
+reader refuses a longer length before reading the body, and every malformed frame is a
+:class:`TrainWireError`. Numeric values only ever get appended.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import struct
+from dataclasses import dataclass
+from typing import Any
+
+from ciuic_p2p.core.wire import MAX_CHUNK_BYTES, RUN_ID_LEN
+from ciuic_p2p.errors import CiuicError
+
+MAGIC = b"CT"
+VERSION = 1
+ENVELOPE_LEN = 4
+MAX_PAYLOAD_BYTES = ENVELOPE_LEN + MAX_CHUNK_BYTES
+MAX_FRAME_BYTES = MAX_PAYLOAD_BYTES + 256
+MAX_JSON_BYTES = 1 << 20
+MAX_PEER_BYTES = 128
+_LEN = struct.Struct("<IB")
+_DONE = struct.Struct(f"<{RUN_ID_LEN}sQQ")
+
+
+class TrainWireError(CiuicError):
+    """A training message or trainer-socket frame that cannot be decoded."""
+
+
+class Kind(enum.IntEnum):
+    UPDATE = 1
+    PARAMS = 2
+    DONE = 3
+
+
+class FrameType(enum.IntEnum):
+    HELLO = 1  # trainer -> daemon: {"run_id": hex}
+    WELCOME = 2  # daemon -> trainer: {"peer", "public_key", "incarnation", "members"}
+    PUBLISH = 3  # trainer -> daemon: a mesh payload to broadcast
+    DELIVER = 4  # daemon -> trainer: peer + a mesh payload from that origin
+    MEMBERS = 5  # daemon -> trainer: {"alive": [peer, ...]}
+    STATS_REQUEST = 6  # trainer -> daemon: empty
+    STATS = 7  # daemon -> trainer: {"udp_bytes_sent", "backlog_bytes", ...}
+    DIRECT_OUT = 8  # trainer -> daemon: peer + bytes for that peer's trainer
+    DIRECT_IN = 9  # daemon -> trainer: peer + bytes from that peer's trainer
+
+
+@dataclass(frozen=True, slots=True)
+class TrainMessage:
+    kind: Kind
+    body: memoryview
+
+
+def envelope(kind: Kind) -> bytes:
+    """The 4 bytes that precede a body (sent as a separate buffer: no copy)."""
+    return MAGIC + bytes((VERSION, kind))
+
+
+def encode_done(run_id: bytes, step: int, chunks: int) -> bytes:
+    if len(run_id) != RUN_ID_LEN or not 0 <= step < 1 << 64 or not 0 <= chunks < 1 << 64:
+        raise ValueError("run_id is 16 bytes, step and chunks u64")
+    return envelope(Kind.DONE) + _DONE.pack(run_id, step, chunks)
+
+
+def decode_done(body: memoryview) -> tuple[bytes, int, int]:
+    """(run_id, last step, update chunks sent)."""
+    if len(body) != _DONE.size:
+        raise TrainWireError(f"DONE body of {len(body)} bytes, expected {_DONE.size}")
+    run_id, step, chunks = _DONE.unpack(body)
+    return bytes(run_id), int(step), int(chunks)
+
+
+def decode_message(data: bytes | bytearray | memoryview) -> TrainMessage:
+    view = memoryview(data)
+    if len(view) < ENVELOPE_LEN:
+        raise TrainWireError(f"training message of {len(view)} bytes is truncated")
+    if len(view) > MAX_PAYLOAD_BYTES:
+        raise TrainWireError(f"training message of {len(view)} bytes exceeds the limit")
+    if bytes(view[:2]) != MAGIC:
+        raise TrainWireError("not a training message (bad magic)")
+    if view[2] != VERSION:
+        raise TrainWireError(f"training message version {view[2]} is not supported")
+    try:
+        kind = Kind(view[3])
+    except ValueError:
+        raise TrainWireError(f"unknown training message kind {view[3]}") from None
+    return TrainMessage(kind, view[ENVELOPE_LEN:])
+
+
+# -- trainer socket frames ------------------------------------------------------------
+
+
+def frame_header(ftype: FrameType, body_len: int) -> bytes:
+    if body_len + 1 > MAX_FRAME_BYTES:
+        raise ValueError(f"frame body of {body_len} bytes exceeds {MAX_FRAME_BYTES}")
+    return _LEN.pack(body_len + 1, ftype)
+
+
+def json_frame(ftype: FrameType, obj: dict[str, Any]) -> bytes:
+    body = json.dumps(obj, separators=(",", ":")).encode()
+    return frame_header(ftype, len(body)) + body
+
+
+def peer_prefix(peer: str) -> bytes:
+    raw = peer.encode("ascii")
+    if not 0 < len(raw) <= MAX_PEER_BYTES:
+        raise ValueError(f"peer ID of {len(raw)} bytes")
+    return bytes((len(raw),)) + raw
+
+
+def split_peer(body: memoryview) -> tuple[str, memoryview]:
+    if not body:
+        raise TrainWireError("frame body lacks its peer")
+    n = body[0]
+    if n == 0 or n > MAX_PEER_BYTES or len(body) < 1 + n:
+        raise TrainWireError("frame body's peer ID is empty, too long or truncated")
+    try:
+        peer = bytes(body[1 : 1 + n]).decode("ascii")
+    except UnicodeDecodeError:
+        raise TrainWireError("peer ID is not ASCII") from None
+    return peer, body[1 + n :]
+
+
+def parse_json(body: memoryview) -> dict[str, Any]:
+    if len(body) > MAX_JSON_BYTES:
+        raise TrainWireError("JSON frame too large")
+    try:
+        obj = json.loads(bytes(body))
+    except ValueError:
+        raise TrainWireError("frame body is not JSON") from None
+    if not isinstance(obj, dict):
+        raise TrainWireError("JSON frame body is not an object")
+    return obj
+
+
+class FrameReader:
+    """Incremental frame decoder: :meth:`feed` bytes as they come, get whole frames.
+    Holds at most one frame (``MAX_FRAME_BYTES``) of unread input."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> list[tuple[FrameType, memoryview]]:
+        self._buf += data
+        frames: list[tuple[FrameType, memoryview]] = []
+        pos = 0
+        buf = self._buf
+        while len(buf) - pos >= _LEN.size:
+            length, raw_type = _LEN.unpack_from(buf, pos)
+            if length < 1 or length > MAX_FRAME_BYTES:
+                raise TrainWireError(f"frame length {length} outside [1, {MAX_FRAME_BYTES}]")
+            if len(buf) - pos < 4 + length:
+                break
+            try:
+                ftype = FrameType(raw_type)
+            except ValueError:
+                raise TrainWireError(f"unknown frame type {raw_type}") from None
+            frames.append((ftype, memoryview(bytes(buf[pos + 5 : pos + 4 + length]))))
+            pos += 4 + length
+        del buf[:pos]
+        return frames
