@@ -52,6 +52,9 @@ class FrameType(enum.IntEnum):
     """A clean close with a UTF-8 reason."""
     MESH_CHUNK = 9
     """A mesh dissemination message carrying a chunk (core.meshwire CHUNK); bulk."""
+    DIRECT = 10
+    """Bytes from one trainer to the peer's trainer, not forwarded (the dense
+    all-reduce baseline's segments); bulk."""
 
 
 MAX_PAYLOAD = {
@@ -64,8 +67,9 @@ MAX_PAYLOAD = {
     FrameType.GOSSIP: 64 * 1024,
     FrameType.CLOSE: 512,
     FrameType.MESH_CHUNK: MAX_CHUNK_MESSAGE_BYTES,
+    FrameType.DIRECT: MAX_CHUNK_MESSAGE_BYTES,
 }
-BULK_TYPES = frozenset({FrameType.CHUNK, FrameType.MESH_CHUNK})
+BULK_TYPES = frozenset({FrameType.CHUNK, FrameType.MESH_CHUNK, FrameType.DIRECT})
 MAX_BULK_FRAME = max(MAX_PAYLOAD[t] for t in BULK_TYPES) + FRAME_HEADER.size
 
 

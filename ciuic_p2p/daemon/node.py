@@ -5,8 +5,9 @@ decision. Messages leave as GOSSIP frames (control stream) or MESH_CHUNK frames 
 stream, credit flow control) to the link whose peer listens at the message's
 address, dialling it first when there is none. Each destination has its own outbox
 and sender task, so a slow or dead peer never holds up the others; an outbox that
-grows past ``MAX_OUTBOX`` messages drops its oldest control messages (membership
-repeats what matters) and counts them.
+grows past ``MAX_OUTBOX`` messages drops its oldest (membership repeats what matters,
+repair re-fetches chunks) and counts them. DIRECT frames carry bytes from this node's
+trainer to one peer's trainer (the dense baseline), outside the mesh.
 
 Every message that arrives is checked: its sender name must be the peer ID of the
 authenticated key of the link it came on, or it is dropped and counted, so that no
@@ -35,7 +36,7 @@ from cryptography import x509
 from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.broadcast import Delivery
-from ciuic_p2p.core.frames import FrameType
+from ciuic_p2p.core.frames import BULK_TYPES, FrameType
 from ciuic_p2p.core.members import State
 from ciuic_p2p.core.meshnode import MeshNode
 from ciuic_p2p.core.meshwire import Kind, MeshDecodeError, decode_message, encode_message
@@ -82,7 +83,8 @@ def next_incarnation(state_dir: Path) -> int:
 
 @dataclass
 class _Outbox:
-    queue: collections.deque[tuple[bool, bytes]] = field(default_factory=collections.deque)
+    queue: collections.deque[tuple[FrameType, bytes]] = field(default_factory=collections.deque)
+    queued_bytes: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
@@ -130,6 +132,8 @@ class MeshDaemon:
         """Delivered chunks for a consumer that reads them (unless ``on_delivery`` is
         set); bounded: past the bound new deliveries are dropped and counted."""
         self.on_delivery: Callable[[Delivery], None] | None = None
+        self.on_direct: Callable[[str, bytes], None] | None = None
+        """Called with (sender peer, payload) for each DIRECT frame (trainer to trainer)."""
         self.counters: collections.Counter[str] = collections.Counter()
         self.closed = asyncio.Event()
         self._joined = asyncio.Event()
@@ -250,7 +254,8 @@ class MeshDaemon:
             except ValueError as exc:  # our own message over a limit: a bug, not fatal
                 log.error("mesh_message_too_large", kind=msg.kind.name, error=str(exc))
                 continue
-            self._enqueue(address, msg.kind is Kind.CHUNK, data)
+            kind = FrameType.MESH_CHUNK if msg.kind is Kind.CHUNK else FrameType.GOSSIP
+            self._enqueue(address, kind, data)
         for delivery in node.take_deliveries():
             self.counters["chunks_delivered"] += 1
             if self.on_delivery is not None:
@@ -302,6 +307,10 @@ class MeshDaemon:
                 FrameType.MESH_CHUNK,
             ):
                 self._on_frame(event)
+            elif isinstance(event, FrameReceived) and event.type is FrameType.DIRECT:
+                self.counters["direct_received"] += 1
+                if self.on_direct is not None:
+                    self.on_direct(peer_id_of(event.peer), event.payload)
 
     def _on_frame(self, event: FrameReceived) -> None:
         try:
@@ -328,21 +337,30 @@ class MeshDaemon:
 
     # -- sending -----------------------------------------------------------------------------
 
-    def _enqueue(self, address: str, bulk: bool, data: bytes) -> None:
+    def send_direct(self, peer: str, payload: bytes) -> None:
+        """Queue bytes for one member's trainer (DIRECT frame, bulk, not forwarded)."""
+        address = self.mesh.address_of(peer)
+        if address is None:
+            raise ValueError(f"{peer} is not a member")
+        self._enqueue(address, FrameType.DIRECT, payload)
+
+    def backlog_bytes(self) -> int:
+        """Bulk bytes queued here and not yet handed to the transport."""
+        return sum(box.queued_bytes for (_, bulk), box in self._outboxes.items() if bulk)
+
+    def _enqueue(self, address: str, ftype: FrameType, data: bytes) -> None:
         # Control and bulk get separate outboxes: a chunk waiting for credit must
         # never hold up a probe.
+        bulk = ftype in BULK_TYPES
         box = self._outboxes.get((address, bulk))
         if box is None:
             box = self._outboxes[(address, bulk)] = _Outbox()
         if len(box.queue) >= MAX_OUTBOX:
-            for i, (is_bulk, _) in enumerate(box.queue):
-                if not is_bulk:
-                    del box.queue[i]
-                    break
-            else:
-                box.queue.popleft()
+            _, old = box.queue.popleft()
+            box.queued_bytes -= len(old)
             self.counters["outbox_dropped"] += 1
-        box.queue.append((bulk, data))
+        box.queue.append((ftype, data))
+        box.queued_bytes += len(data)
         box.wake.set()
         if box.task is None or box.task.done():
             box.task = asyncio.get_running_loop().create_task(self._sender(address, box))
@@ -358,14 +376,14 @@ class MeshDaemon:
             except (TransportError, OSError, ValueError) as exc:
                 dropped = len(box.queue)
                 box.queue.clear()
+                box.queued_bytes = 0
                 self.counters["unreachable_dropped"] += dropped
                 log.info("peer_unreachable", address=address, reason=str(exc))
                 continue
-            bulk, data = box.queue.popleft()
+            ftype, data = box.queue.popleft()
+            box.queued_bytes -= len(data)
             try:
-                await self.transport.send(
-                    key, FrameType.MESH_CHUNK if bulk else FrameType.GOSSIP, data
-                )
+                await self.transport.send(key, ftype, data)
                 self.counters["messages_sent"] += 1
             except TransportError:
                 self.counters["send_failed"] += 1
@@ -379,10 +397,15 @@ class MeshDaemon:
         if pending is None:
             pending = asyncio.ensure_future(self.transport.connect(parse_address(address)))
             self._dialing[address] = pending
-            pending.add_done_callback(lambda _: self._dialing.pop(address, None))
+            pending.add_done_callback(lambda f: self._dial_done(address, f))
         key = await asyncio.shield(pending)
         self._learn_peer(key, address)
         return key
+
+    def _dial_done(self, address: str, future: asyncio.Future[bytes]) -> None:
+        self._dialing.pop(address, None)
+        if not future.cancelled():
+            future.exception()  # retrieved: the waiters report it, not the loop
 
     # -- status --------------------------------------------------------------------------------
 
@@ -416,4 +439,6 @@ class MeshDaemon:
             "health_score": node.membership.awareness.score,
             "members": members,
             "counters": dict(self.counters),
+            "udp_bytes_sent": self.transport.udp_bytes_sent,
+            "backlog_bytes": self.backlog_bytes(),
         }

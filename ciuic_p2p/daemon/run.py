@@ -31,6 +31,7 @@ from ciuic_p2p.admission import Trust, load_certificate, load_crl
 from ciuic_p2p.config import Config, load_config
 from ciuic_p2p.daemon.control import ControlServer
 from ciuic_p2p.daemon.node import MeshDaemon, parse_address
+from ciuic_p2p.daemon.trainer import TrainerServer
 from ciuic_p2p.errors import CiuicError, ConfigError
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.logsetup import configure_logging, get_logger
@@ -58,10 +59,18 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--crl", help="revocation list (default STATE_DIR/revoked.pem if present)")
     p.add_argument("--join", metavar="HOST:PORT", help="join the mesh through this member")
     p.add_argument("--control", help="control socket path (default STATE_DIR/control.sock)")
+    p.add_argument(
+        "--trainer-socket",
+        metavar="PATH",
+        help="where the trainer hook connects (train.socket_path, default "
+        "/run/ciuic/trainer.sock); 'none' serves no trainer",
+    )
     p.add_argument("--emulate", metavar="SCENARIO", help=argparse.SUPPRESS)
     p.add_argument("--emulate-node", help=argparse.SUPPRESS)
     p.add_argument("--emulate-ports", type=int, help=argparse.SUPPRESS)
     p.add_argument("--emulate-start", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--emulate-nodes", help=argparse.SUPPRESS)
+    p.add_argument("--emulate-rate-scale", type=float, help=argparse.SUPPRESS)
 
 
 def build_config(args: argparse.Namespace) -> Config:
@@ -79,7 +88,10 @@ def build_config(args: argparse.Namespace) -> Config:
     for flag, key in (("name", "name"), ("region", "region"), ("state_dir", "state_dir")):
         if getattr(args, flag):
             changes[key] = getattr(args, flag)
-    return dataclasses.replace(config, node=dataclasses.replace(node, **changes))
+    train = config.train
+    if args.trainer_socket:
+        train = dataclasses.replace(train, socket_path=args.trainer_socket)
+    return dataclasses.replace(config, node=dataclasses.replace(node, **changes), train=train)
 
 
 def _credential(path: str | None, default: Path, what: str, how: str) -> Path:
@@ -155,7 +167,12 @@ async def serve(args: argparse.Namespace) -> int:
         from ciuic_p2p.emulator.mesh import EmulatedMesh  # noqa: PLC0415
 
         path = Path(args.emulate) if Path(args.emulate).exists() else scenario_path(args.emulate)
-        scenario = load_scenario(path)
+        overrides: dict[str, Any] = {}
+        if args.emulate_rate_scale:
+            overrides["rate_scale"] = args.emulate_rate_scale
+        scenario = load_scenario(path, **overrides)
+        if args.emulate_nodes:
+            scenario = scenario.subset(args.emulate_nodes.split(","))
         emulated = EmulatedMesh(scenario, start=args.emulate_start)
         for i, name in enumerate(scenario.node_names()):
             emulated.register(name, ("127.0.0.1", args.emulate_ports + i))
@@ -172,6 +189,15 @@ async def serve(args: argparse.Namespace) -> int:
         daemon, Path(args.control) if args.control else state_dir / "control.sock"
     )
     await control.start()
+    trainers: TrainerServer | None = None
+    if config.train.socket_path != "none":
+        trainers = TrainerServer(daemon, Path(config.train.socket_path))
+        try:
+            await trainers.start()
+        except (OSError, CiuicError) as exc:
+            await control.close()
+            await daemon.close()
+            raise CiuicError(f"trainer socket {config.train.socket_path}: {exc}") from None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, control.leave_requested.set)
@@ -182,11 +208,15 @@ async def serve(args: argparse.Namespace) -> int:
             print(f"ciuic-node: joined through {args.join}: {len(view)} members", flush=True)
         except (TransportError, TimeoutError, ValueError) as exc:
             print(f"ciuic-node: error: cannot join through {args.join}: {exc}", file=sys.stderr)
+            if trainers is not None:
+                await trainers.close()
             await control.close()
             await daemon.close()
             return 1
     await control.leave_requested.wait()
     log.info("leaving")
+    if trainers is not None:
+        await trainers.close()
     await daemon.leave()
     await control.close()
     return 0

@@ -126,6 +126,8 @@ class QuicTransport(AdmissionMixin, Transport):
         self.wallclock = wallclock
         self.wrap_udp = wrap_udp
         self._udp: asyncio.DatagramTransport | None = None
+        self.udp_bytes_sent = 0
+        """Every UDP payload byte this node's socket sent (all links, all frames)."""
         self._by_cid: dict[bytes, QuicLink] = {}
         self._links: dict[bytes, QuicLink] = {}
         self._events: asyncio.Queue[TransportEvent] = asyncio.Queue()
@@ -222,6 +224,7 @@ class QuicTransport(AdmissionMixin, Transport):
             return
         for data, addr in link.quic.datagrams_to_send(now=self.clock()):
             link.bytes_sent += len(data)
+            self.udp_bytes_sent += len(data)
             udp.sendto(data, addr)
         timer_at = link.quic.get_timer()
         if timer_at != link.timer_at:

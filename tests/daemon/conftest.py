@@ -84,6 +84,8 @@ class Fleet:
                     str(d),
                     "--name",
                     name,
+                    "--trainer-socket",
+                    str(d / "trainer.sock"),
                     *args,
                 ],
                 stdout=out,

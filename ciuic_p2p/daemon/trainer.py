@@ -1,0 +1,255 @@
+"""The trainer socket: where the node's trainer (ciuic_p2p.train) meets its daemon.
+
+One trainer at a time speaks the frames of core.trainwire on a Unix socket (mode
+0600, default ``/run/ciuic/trainer.sock``; in embedded mode, one end of a socket
+pair). The daemon:
+
+- signs each chunk the trainer publishes with the node key (the trainer never holds
+  it), keeps the newest parameter chunks (the snapshot a joining peer will be sent)
+  and broadcasts the payload over the mesh;
+- verifies each delivered chunk's origin signature against the mesh origin before the
+  trainer sees it (a relay cannot forge or alter another node's update);
+- tells the trainer which members are alive whenever that changes, and answers
+  statistics requests (UDP bytes sent, unsent backlog) so the trainer can adapt;
+- carries DIRECT bytes between trainers (the dense baseline's all-reduce).
+
+A trainer that stops reading cannot make the daemon grow without bound: past
+``MAX_WRITE_BUFFER`` unread bytes, deliveries are dropped and counted (the consensus
+mix repairs what they would have changed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import os
+import socket
+from pathlib import Path
+
+from ciuic_p2p.core.broadcast import Delivery
+from ciuic_p2p.core.origin import sign_chunk, verify_chunk
+from ciuic_p2p.core.trainwire import (
+    FrameReader,
+    FrameType,
+    Kind,
+    TrainWireError,
+    decode_message,
+    frame_header,
+    json_frame,
+    parse_json,
+    peer_prefix,
+    split_peer,
+)
+from ciuic_p2p.core.wire import parse_chunk
+from ciuic_p2p.daemon.node import MeshDaemon
+from ciuic_p2p.errors import CiuicError, CodecError
+from ciuic_p2p.identity import peer_id_of
+from ciuic_p2p.logsetup import get_logger
+
+MAX_WRITE_BUFFER = 64 * 1024 * 1024
+MAX_HELD = 4096
+"""Deliveries held while no trainer is attached (peers that started first), for the
+trainer that attaches next."""
+MEMBERS_POLL_S = 0.05
+log = get_logger("ciuic.trainer")
+
+
+class TrainerServer:
+    def __init__(self, daemon: MeshDaemon, path: Path | None = None) -> None:
+        self.daemon = daemon
+        self.path = path
+        self.server: asyncio.AbstractServer | None = None
+        self.writer: asyncio.StreamWriter | None = None
+        self.snapshot: dict[tuple[int, int], bytes] = {}
+        """Newest parameter chunk per (bucket, range start), as published."""
+        self.snapshot_step = -1
+        self._members: list[str] = []
+        self._held: collections.deque[tuple[bytes, ...]] = collections.deque(maxlen=MAX_HELD)
+        self._hello = False
+        self._tasks: list[asyncio.Task[None]] = []
+        daemon.on_delivery = self._deliver
+        daemon.on_direct = self._direct
+
+    async def start(self) -> None:
+        if self.path is None:
+            raise ValueError("no socket path")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        if self.path.exists() or self.path.is_symlink():
+            if _in_use(self.path):
+                raise CiuicError(f"{self.path}: another daemon serves trainers here")
+            self.path.unlink()
+        old = os.umask(0o177)
+        try:
+            self.server = await asyncio.start_unix_server(self._client, path=str(self.path))
+        finally:
+            os.umask(old)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._watch_members()))
+
+    async def serve_socket(self, sock: socket.socket) -> None:
+        """Serve one already connected socket (embedded mode)."""
+        reader, writer = await asyncio.open_unix_connection(sock=sock)
+        self._tasks.append(asyncio.get_running_loop().create_task(self._watch_members()))
+        self._tasks.append(asyncio.get_running_loop().create_task(self._client(reader, writer)))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.writer is not None:
+            self.writer.close()
+        if self.server is not None:
+            self.server.close()
+            with contextlib.suppress(Exception):
+                await self.server.wait_closed()
+        if self.path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.path.unlink()
+
+    # -- one trainer ---------------------------------------------------------------------
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.writer is not None and not self.writer.is_closing():
+            writer.write(json_frame(FrameType.WELCOME, {"error": "a trainer is attached"}))
+            writer.close()
+            return
+        self.writer = writer
+        self._hello = False
+        frames = FrameReader()
+        counters = self.daemon.counters
+        try:
+            while data := await reader.read(1 << 20):
+                for ftype, body in frames.feed(data):
+                    self._on_frame(ftype, body)
+        except TrainWireError as exc:
+            counters["trainer_protocol_errors"] += 1
+            log.warning("trainer_refused", reason=str(exc))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            counters["trainer_sessions"] += 1
+            writer.close()
+            if self.writer is writer:
+                self.writer = None
+                self._hello = False
+
+    def _on_frame(self, ftype: FrameType, body: memoryview) -> None:
+        d = self.daemon
+        if ftype is FrameType.HELLO:
+            parse_json(body)
+            self._members = d.mesh.view()
+            self._hello = True
+            self._write(
+                json_frame(
+                    FrameType.WELCOME,
+                    {
+                        "peer": d.peer_id,
+                        "public_key": d.key.public_key.hex(),
+                        "incarnation": d.mesh.membership.incarnation,
+                        "members": self._members,
+                    },
+                )
+            )
+            while self._held:
+                self._write(*self._held.popleft())
+        elif ftype is FrameType.PUBLISH:
+            self._publish(body)
+        elif ftype is FrameType.STATS_REQUEST:
+            self._write(
+                json_frame(
+                    FrameType.STATS,
+                    {
+                        "udp_bytes_sent": d.transport.udp_bytes_sent,
+                        "backlog_bytes": d.backlog_bytes(),
+                        "counters": dict(d.counters),
+                    },
+                )
+            )
+        elif ftype is FrameType.DIRECT_OUT:
+            peer, payload = split_peer(body)
+            try:
+                d.send_direct(peer, bytes(payload))
+            except ValueError:
+                d.counters["direct_unknown_peer"] += 1
+        else:
+            raise TrainWireError(f"a trainer does not send {ftype.name}")
+
+    def _publish(self, body: memoryview) -> None:
+        d = self.daemon
+        msg = decode_message(body)
+        if msg.kind is Kind.DONE:
+            d.broadcast(bytes(body))
+            return
+        chunk = bytearray(msg.body)
+        try:
+            header, _ = parse_chunk(chunk)
+            sign_chunk(chunk, d.key)
+        except (CodecError, CiuicError) as exc:
+            raise TrainWireError(f"published chunk refused: {exc}") from None
+        payload = bytes(body[:4]) + chunk
+        if msg.kind is Kind.PARAMS:
+            if header.step != self.snapshot_step:
+                self.snapshot.clear()
+                self.snapshot_step = header.step
+            self.snapshot[(header.bucket, header.range_start)] = payload
+        d.counters["chunks_published"] += 1
+        d.broadcast(payload)
+
+    # -- mesh to trainer -----------------------------------------------------------------
+
+    def _deliver(self, delivery: Delivery) -> None:
+        counters = self.daemon.counters
+        try:
+            msg = decode_message(delivery.payload)
+            if msg.kind is not Kind.DONE:
+                header = verify_chunk(msg.body)
+                if peer_id_of(header.origin) != delivery.origin:
+                    raise CiuicError("chunk origin differs from the mesh origin")
+        except (TrainWireError, CiuicError) as exc:
+            counters["deliveries_refused"] += 1
+            log.warning("delivery_refused", origin=delivery.origin, reason=str(exc))
+            return
+        prefix = peer_prefix(delivery.origin)
+        self._write(
+            frame_header(FrameType.DELIVER, len(prefix) + len(delivery.payload)),
+            prefix,
+            delivery.payload,
+        )
+
+    def _direct(self, peer: str, payload: bytes) -> None:
+        prefix = peer_prefix(peer)
+        self._write(frame_header(FrameType.DIRECT_IN, len(prefix) + len(payload)), prefix, payload)
+
+    def _write(self, *parts: bytes) -> None:
+        writer = self.writer
+        counters = self.daemon.counters
+        if writer is None or writer.is_closing() or not self._hello:
+            if len(self._held) == MAX_HELD:
+                counters["deliveries_without_trainer"] += 1
+            self._held.append(parts)
+            return
+        if writer.transport.get_write_buffer_size() > MAX_WRITE_BUFFER:
+            counters["deliveries_dropped"] += 1
+            return
+        writer.writelines(parts)
+
+    async def _watch_members(self) -> None:
+        while True:
+            await asyncio.sleep(MEMBERS_POLL_S)
+            if self.daemon.node is None or self.writer is None:
+                continue
+            view = self.daemon.mesh.view()
+            if view != self._members:
+                self._members = view
+                self._write(json_frame(FrameType.MEMBERS, {"alive": view}))
+
+
+def _in_use(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect(str(path))
+        except OSError:
+            return False
+        return True
