@@ -93,6 +93,15 @@ def build_parser() -> argparse.ArgumentParser:
     netem.add_argument("--pings", type=int, default=5, help="pings per pair")
     netem.add_argument("--dry-run", action="store_true", help="print the ip/tc commands only")
 
+    demo = sub.add_parser(
+        "demo",
+        help="train a model on N local nodes over the emulated 11-city WAN, beside a "
+        "dense synchronous baseline; summary table and plot",
+    )
+    from ciuic_p2p.train.demo import add_demo_arguments  # noqa: PLC0415
+
+    add_demo_arguments(demo)
+
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     check = config_sub.add_parser("check", help="validate a TOML config file and print it")
@@ -103,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _config_check(path: str) -> int:
     cfg: Config = load_config(path)
     print(f"{path}: ok (preset {cfg.preset})")
-    for section in ("node", "codec", "transport", "log"):
+    for section in ("node", "codec", "transport", "mesh", "train", "log"):
         values = getattr(cfg, section)
         for name in values.__dataclass_fields__:
             print(f"  {section}.{name} = {getattr(values, name)!r}")
@@ -321,6 +330,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run(args)
         if args.command in ("join", "leave", "status"):
             return _steer(args)
+        if args.command == "demo":
+            from ciuic_p2p.train.demo import run_demo  # noqa: PLC0415
+
+            return run_demo(args)
     except CiuicError as exc:
         print(f"ciuic-node: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,313 @@
+"""A local training cluster on the emulated WAN: one ``ciuic-node run`` daemon process
+and one trainer process (train.worker) per node, as in production, on loopback ports
+shaped by a scenario's links. What ``ciuic-node demo``, bench/training.py and the
+training tests run.
+
+Every process is started in its own session (a Ctrl+C in the terminal reaches only
+the orchestrator, which then ends them in order) and ended by its PID: SIGTERM, then
+SIGKILL after a grace period. Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import functools
+import itertools
+import json
+import os
+import selectors
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from ciuic_p2p.admission import ClusterCA, write_pem
+from ciuic_p2p.core.scenario import load_scenario
+from ciuic_p2p.daemon.control import ControlError, request
+from ciuic_p2p.data import scenario_path
+from ciuic_p2p.errors import CiuicError
+from ciuic_p2p.identity import NodeKey
+
+
+class ClusterError(CiuicError):
+    """A daemon or trainer of the local cluster failed or did not answer in time."""
+
+
+def free_port_block(count: int) -> int:
+    """A base port with ``count`` consecutive free UDP ports on loopback."""
+    for _ in range(100):
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind(("127.0.0.1", 0))
+            base = int(s.getsockname()[1])
+        if base + count >= 65535:
+            continue
+        try:
+            for port in range(base, base + count):
+                with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise ClusterError("no block of free UDP ports on loopback")
+
+
+def spread_nodes(scenario: str, count: int) -> list[str]:
+    """``count`` nodes of a scenario as far apart as possible: start from the pair with
+    the largest RTT, then add the node whose smallest RTT to those chosen is largest
+    (greedy max-min)."""
+    sc = load_scenario(scenario_path(scenario))
+    names = sc.node_names()
+    if not 2 <= count <= len(names):
+        raise ClusterError(f"the scenario has {len(names)} nodes: ask for 2 to {len(names)}")
+    a, b = max(
+        ((x, y) for i, x in enumerate(names) for y in names[i + 1 :]),
+        key=lambda p: sc.rtt_s(p[0], p[1]),
+    )
+    chosen = [a, b]
+    while len(chosen) < count:
+        rest = [n for n in names if n not in chosen]
+        chosen.append(max(rest, key=lambda n: min(sc.rtt_s(n, c) for c in chosen)))
+    return chosen
+
+
+class LocalCluster:
+    def __init__(
+        self,
+        scenario: str,
+        names: list[str],
+        workdir: Path,
+        config_toml: str = "",
+        rate_scale: float | None = None,
+    ) -> None:
+        self.scenario = str(scenario_path(scenario))
+        self.rate_scale = rate_scale
+        # Node i of the (subset) scenario listens on base + i, in the scenario's order.
+        self.names = load_scenario(self.scenario).subset(names).node_names()
+        self.workdir = workdir
+        self.config_path = workdir / "node.toml"
+        self.config_toml = config_toml
+        self.daemons: dict[str, subprocess.Popen[bytes]] = {}
+        self.trainers: list[subprocess.Popen[bytes]] = []
+        self.base_port = 0
+
+    def state_dir(self, name: str) -> Path:
+        return self.workdir / "nodes" / name
+
+    def trainer_socket(self, name: str) -> Path:
+        return self.state_dir(name) / "trainer.sock"
+
+    def control(self, name: str) -> Path:
+        return self.state_dir(name) / "control.sock"
+
+    # -- daemons -------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = 60.0) -> float:
+        """Start every daemon and join them into one mesh; seconds it took."""
+        t0 = time.monotonic()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(self.config_toml)
+        now = dt.datetime.now(dt.UTC)
+        ca = ClusterCA.create("ciuic-demo", now)
+        self.base_port = free_port_block(len(self.names))
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        for i, name in enumerate(self.names):
+            d = self.state_dir(name)
+            d.mkdir(parents=True, exist_ok=True)
+            key = NodeKey.generate()
+            key.save(d / "node.key")
+            write_pem(d / "node.pem", ca.issue(key.public_key, now))
+            write_pem(d / "ca.pem", ca.certificate)
+            cmd = [
+                sys.executable, "-m", "ciuic_p2p.cli", "run",
+                "--config", str(self.config_path),
+                "--state-dir", str(d),
+                "--name", name,
+                "--region", name,
+                "--listen", f"127.0.0.1:{self.base_port + i}",
+                "--control", str(self.control(name)),
+                "--trainer-socket", str(self.trainer_socket(name)),
+                "--emulate", self.scenario,
+                "--emulate-node", name,
+                "--emulate-nodes", ",".join(self.names),
+                "--emulate-ports", str(self.base_port),
+                "--emulate-start", repr(t0),
+            ]  # fmt: skip
+            if self.rate_scale:
+                cmd += ["--emulate-rate-scale", repr(self.rate_scale)]
+            with (d / "daemon.log").open("ab") as log:
+                self.daemons[name] = subprocess.Popen(
+                    cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
+        deadline = t0 + timeout_s
+        for name in self.names:
+            self._until(functools.partial(self._answers, name), deadline, f"{name} started")
+        seed = f"127.0.0.1:{self.base_port}"
+        for name in self.names[1:]:
+            answer = request(self.control(name), {"cmd": "join", "address": seed}, timeout_s=30)
+            if not answer.get("ok"):
+                raise ClusterError(f"{name} could not join: {answer.get('error')}")
+        self._until(self._formed, deadline, "the mesh to form")
+        return time.monotonic() - t0
+
+    def _status(self, name: str) -> dict[str, Any] | None:
+        proc = self.daemons[name]
+        if proc.poll() is not None:
+            log = (self.state_dir(name) / "daemon.log").read_text(errors="replace")
+            raise ClusterError(f"daemon {name} exited {proc.returncode}: {log[-1500:]}")
+        try:
+            answer = request(self.control(name), {"cmd": "status"}, timeout_s=5)
+        except ControlError:
+            return None
+        return answer if answer.get("ok") else None
+
+    def _answers(self, name: str) -> bool:
+        return self._status(name) is not None
+
+    def _formed(self) -> bool:
+        for name in self.names:
+            status = self._status(name)
+            if status is None or status["alive"] != len(self.names):
+                return False
+        return True
+
+    def status(self) -> dict[str, dict[str, Any] | None]:
+        return {name: self._status(name) for name in self.names}
+
+    @staticmethod
+    def _until(cond: Callable[[], bool], deadline: float, what: str) -> None:
+        while not cond():
+            if time.monotonic() > deadline:
+                raise ClusterError(f"timed out waiting for {what}")
+            time.sleep(0.05)
+
+    def ring_order(self) -> list[str]:
+        """The ring with the least total RTT (every ordering for up to 8 nodes)."""
+        sc = load_scenario(self.scenario).subset(self.names)
+        first, rest = self.names[0], self.names[1:]
+        if len(rest) > 7:
+            return self.names
+        best = min(
+            itertools.permutations(rest),
+            key=lambda p: sum(sc.rtt_s(a, b) for a, b in itertools.pairwise([first, *p, first])),
+        )
+        return [first, *best]
+
+    def ring_peers(self) -> list[str]:
+        peers = []
+        for name in self.ring_order():
+            status = self._status(name)
+            if status is None:
+                raise ClusterError(f"daemon {name} does not answer")
+            peers.append(str(status["peer"]))
+        return peers
+
+    # -- trainers ------------------------------------------------------------------------
+
+    def train(
+        self,
+        mode: str,
+        task: str,
+        steps: int,
+        seed: int,
+        out: Path,
+        on_progress: Callable[[str, dict[str, Any]], None] | None = None,
+        timeout_s: float = 1800.0,
+        evals: int = 20,
+        time_limit_s: float = 0.0,
+    ) -> list[dict[str, Any]]:
+        """Run one trainer per node (``single``: one trainer, no daemon); the results
+        in node order."""
+        names = self.names[:1] if mode == "single" else self.names
+        world = len(names)
+        run = f"{mode}-{task}-{seed}-{time.time_ns()}"
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        procs: dict[int, tuple[str, subprocess.Popen[bytes]]] = {}
+        sel = selectors.DefaultSelector()
+        for rank, name in enumerate(names):
+            cmd = [
+                sys.executable, "-m", "ciuic_p2p.train.worker",
+                "--mode", mode, "--task", task, "--steps", str(steps), "--seed", str(seed),
+                "--rank", str(rank), "--world", str(world), "--run", run,
+                "--config", str(self.config_path), "--out", str(out), "--evals", str(evals),
+            ]  # fmt: skip
+            if mode != "single":
+                cmd += ["--socket", str(self.trainer_socket(name))]
+            if mode == "dense":
+                cmd += ["--ring", ",".join(self.ring_peers())]
+                cmd += ["--time-limit-s", repr(time_limit_s)]
+            out.mkdir(parents=True, exist_ok=True)
+            with (out / f"trainer-{rank}.log").open("ab") as err:
+                proc = subprocess.Popen(
+                    cmd, stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True
+                )
+            self.trainers.append(proc)
+            procs[rank] = (name, proc)
+            assert proc.stdout is not None
+            os.set_blocking(proc.stdout.fileno(), False)
+            sel.register(proc.stdout, selectors.EVENT_READ, rank)
+        buffers = {rank: b"" for rank in procs}
+        deadline = time.monotonic() + timeout_s
+        open_pipes = len(procs)
+        while open_pipes:
+            if time.monotonic() > deadline:
+                raise ClusterError(f"{mode} training did not finish within {timeout_s:g} s")
+            for key, _ in sel.select(timeout=0.5):
+                rank = int(key.data)
+                chunk = key.fileobj.read()  # type: ignore[union-attr]
+                if not chunk:
+                    sel.unregister(key.fileobj)
+                    open_pipes -= 1
+                    continue
+                buffers[rank] += chunk
+                *lines, buffers[rank] = buffers[rank].split(b"\n")
+                for line in lines:
+                    try:
+                        obj = json.loads(line)
+                    except ValueError:
+                        continue
+                    if on_progress is not None and isinstance(obj, dict):
+                        on_progress(procs[rank][0], obj)
+        results = []
+        for rank, (name, proc) in procs.items():
+            code = proc.wait(60)
+            self.trainers.remove(proc)
+            path = out / f"result-{rank}.json"
+            if code != 0 or not path.exists():
+                log = (out / f"trainer-{rank}.log").read_text(errors="replace")
+                raise ClusterError(f"{mode} trainer on {name} exited {code}: {log[-2000:]}")
+            result = json.loads(path.read_text())
+            result["node"] = name
+            results.append(result)
+        return results
+
+    # -- teardown ------------------------------------------------------------------------
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        procs = list(self.trainers) + list(self.daemons.values())
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for proc in procs:
+            try:
+                proc.wait(max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        self.trainers.clear()
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()

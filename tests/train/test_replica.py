@@ -1,0 +1,212 @@
+"""The update rule (core.replica) without any network: replicas hand each other
+payloads directly, in any order, with duplicates and bad input."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+import torch
+
+from ciuic_p2p.config import CodecSection, TrainSection
+from ciuic_p2p.core.codec import BucketEncoder, BucketSpec, ChunkSource
+from ciuic_p2p.core.layout import BucketLayout
+from ciuic_p2p.core.replica import RefusedChunk, Replica, consensus_distance
+from ciuic_p2p.core.trainwire import Kind, encode_done, envelope
+from ciuic_p2p.core.wire import Codec
+from ciuic_p2p.train.hook import flatten_parameters, run_id_of
+from ciuic_p2p.train.tasks import DigitsTask
+
+CODEC = CodecSection(density=0.05, dense_below_numel=0)
+TRAIN = TrainSection(consensus_interval_steps=0, norm_warmup_chunks=3)
+
+
+def model(width: int = 64) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(32, width), torch.nn.ReLU(), torch.nn.Linear(width, 4)
+    )
+
+
+def replica(i: int, width: int = 64, run: str = "run", train: TrainSection = TRAIN) -> Replica:
+    m = model(width)
+    layout = BucketLayout.for_module(m, dense_below_numel=0)
+    buckets = flatten_parameters(m, layout)
+    source = ChunkSource(run_id_of(run), bytes([i + 1]) * 32, 0, layout.layout_id)
+    return Replica(layout, buckets, source, f"p{i}", CODEC, train, seed=i)
+
+
+def local_update(r: Replica, gen: torch.Generator, scale: float = 0.01) -> list[bytes]:
+    """Move the parameters as an optimizer would; return the payloads if a send is due."""
+    with torch.no_grad():
+        for b in r.buckets:
+            b.add_(torch.randn(b.shape, generator=gen) * scale)
+    if r.local_step():
+        return r.encode_update(r.take_update(), r.step)
+    return []
+
+
+def snapshot(r: Replica) -> list[torch.Tensor]:
+    return [b.clone() for b in r.buckets]
+
+
+def test_every_chunk_applies_exactly_once_in_any_order() -> None:
+    reps = [replica(i) for i in range(3)]
+    for r in reps:
+        r.set_alive(["p0", "p1", "p2"])
+    gen = torch.Generator().manual_seed(1)
+    rng = random.Random(2)
+    sent: dict[str, int] = {}
+    inbox: list[tuple[int, str, bytes]] = []
+    for _ in range(40):
+        for i, r in enumerate(reps):
+            payloads = local_update(r, gen)
+            sent[r.peer] = sent.get(r.peer, 0) + len(payloads)
+            for p in payloads:
+                for j in range(3):
+                    if j != i:
+                        inbox.append((j, r.peer, p))
+                        if rng.random() < 0.2:  # a duplicate, delivered again later
+                            inbox.append((j, r.peer, p))
+        rng.shuffle(inbox)
+        for j, origin, p in inbox[: len(inbox) // 2]:
+            try:
+                reps[j].receive(origin, p)
+            except RefusedChunk as exc:
+                assert exc.reason == "duplicate"
+        del inbox[: len(inbox) // 2]
+    for j, origin, p in inbox:
+        try:
+            reps[j].receive(origin, p)
+        except RefusedChunk as exc:
+            assert exc.reason == "duplicate"
+    for r in reps:
+        for origin, state in r.peers.items():
+            assert state.applied == sent[origin]
+        assert set(r.stats.refused) <= {"duplicate"}
+        assert r.settle() == r.stats.chunks_sent  # every peer reached every own step
+        assert not r._debts
+
+
+def test_bad_chunks_are_refused_counted_and_change_nothing() -> None:
+    me, peer = replica(0), replica(1)
+    for r in (me, peer):
+        r.set_alive(["p0", "p1"])
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(5):  # warm the norm reference up
+        local_update(me, gen)
+    good = local_update(peer, gen)
+
+    other_run = replica(2, run="another run")
+    other_shape = replica(3, width=48)
+    bad: dict[str, bytes] = {
+        "other_run": local_update(other_run, gen)[0],
+        "layout": local_update(other_shape, gen)[0],
+        "malformed": envelope(Kind.UPDATE) + b"\x00" * 200,
+    }
+    # A chunk of this layout for a bucket the model does not have.
+    src = ChunkSource(run_id_of("run"), b"\x05" * 32, 0, me.layout.layout_id)
+    enc = BucketEncoder(3, 100, BucketSpec(codec=Codec.SPARSE_INT8, exact=True), src)
+    bad["range"] = envelope(Kind.UPDATE) + enc.encode(torch.randn(100), 1)[0]
+    # A faulty node's update: a hundred times this replica's own.
+    loud = replica(4)
+    loud.set_alive(["p0", "p4"])
+    with torch.no_grad():
+        loud.buckets[0].add_(torch.randn(loud.buckets[0].shape, generator=gen) * 100)
+    loud.local_step()
+    bad["norm"] = loud.encode_update(loud.take_update(), 1)[0]
+    for reason, payload in bad.items():
+        before = snapshot(me)
+        with pytest.raises(RefusedChunk) as err:
+            me.receive(f"bad-{reason}", payload)
+        assert err.value.reason == reason, str(err.value)
+        assert all(torch.equal(a, b) for a, b in zip(before, me.buckets, strict=True))
+        assert me.stats.refused[reason] == 1
+    with pytest.raises(RefusedChunk, match="another run"):
+        me.receive("p1", encode_done(run_id_of("another run"), 5, 1))
+    for p in good:  # and training goes on
+        me.receive("p1", p)
+    assert me.peers["p1"].applied == len(good) > 0
+
+
+def test_the_residual_stays_bounded_over_a_training_run() -> None:
+    task = DigitsTask()
+    torch.manual_seed(0)
+    m = task.model()
+    layout = BucketLayout.for_module(m, dense_below_numel=0)
+    buckets = flatten_parameters(m, layout)
+    source = ChunkSource(run_id_of("r"), b"\x01" * 32, 0, layout.layout_id)
+    codec = CodecSection(density=0.01, dense_below_numel=0)
+    r = Replica(layout, buckets, source, "p0", codec, TRAIN)
+    opt = task.optimizer(list(m.parameters()))
+    gen = torch.Generator().manual_seed(0)
+    norms = []
+    for _ in range(300):
+        loss = task.loss(m, task.batch(0, 1, gen))
+        opt.zero_grad()
+        loss.backward()  # type: ignore[no-untyped-call]
+        opt.step()
+        assert r.local_step()
+        r.encode_update(r.take_update(), r.step)
+        norms.append(r.stats.residual_norm)
+    param_norm = float(torch.linalg.vector_norm(buckets[0]))
+    assert all(torch.isfinite(torch.tensor(norms)))
+    assert max(norms[200:]) <= 1.5 * max(norms[100:200])  # not growing
+    assert max(norms) < 0.5 * param_norm
+    assert task.evaluate(m)[1] > 0.9  # and it learnt, through the residual
+
+
+def test_the_consensus_mix_pulls_drifted_replicas_together() -> None:
+    train = dataclasses.replace(TRAIN, consensus_interval_steps=1, consensus_mix=0.5)
+    a, b = replica(0, train=train), replica(1, train=train)
+    for r in (a, b):
+        r.set_alive(["p0", "p1"])
+    with torch.no_grad():  # b lost chunks: its parameters drifted
+        b.buckets[0].add_(torch.randn(b.buckets[0].shape) * 0.05)
+    start = consensus_distance([a.buckets, b.buckets])
+    for _ in range(3):
+        pa = a.encode_params(a.snapshot_params(), a.step)
+        pb = b.encode_params(b.snapshot_params(), b.step)
+        for p in pb:
+            a.receive("p1", p)
+        for p in pa:
+            b.receive("p0", p)
+        a.step += 1
+        b.step += 1
+    end = consensus_distance([a.buckets, b.buckets])
+    assert end < 0.05 * start
+    assert a.stats.params_mixed == b.stats.params_mixed == 3
+
+
+def test_staleness_bound_waits_for_the_slowest_live_replica() -> None:
+    train = dataclasses.replace(TRAIN, staleness_bound_steps=4, max_send_interval_steps=2)
+    me, slow = replica(0, train=train), replica(1, train=train)
+    me.set_alive(["p0", "p1"])
+    slow.set_alive(["p0", "p1"])
+    gen = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        local_update(me, gen)
+    assert me.blocking() == []
+    local_update(me, gen)
+    assert me.blocking() == ["p1"]  # step 5 would be 5 ahead of p1, which sent nothing
+    for p in local_update(slow, gen):
+        me.receive("p1", p)
+    assert me.blocking() == []
+    for _ in range(4):
+        local_update(me, gen)
+    assert me.blocking() == ["p1"]
+    me.receive("p1", encode_done(run_id_of("run"), slow.step, slow.stats.chunks_sent))
+    assert me.blocking() == []  # a finished replica holds nobody back
+    me.set_alive(["p0"])
+    assert me.replicas == 1 and me.weight == 1.0
+
+
+def test_backlog_merges_steps_and_lowers_density_then_recovers() -> None:
+    r = replica(0)
+    r.adapt(TRAIN.backlog_high_bytes + 1)
+    r.adapt(TRAIN.backlog_high_bytes + 1)
+    assert r.send_interval == 4 and r.density == pytest.approx(CODEC.density / 4)
+    for _ in range(5):
+        r.adapt(0)
+    assert r.send_interval == 1 and r.density == CODEC.density
