@@ -74,9 +74,19 @@ STALENESS_BINS = 4096
 class RefusedChunk(CiuicError):
     """A peer's chunk that this replica will not apply (reason in ``reason``)."""
 
-    def __init__(self, reason: str, message: str) -> None:
+    def __init__(self, reason: str, message: str, origin: str = "") -> None:
         super().__init__(message)
         self.reason = reason
+        self.origin = origin
+
+
+@dataclass(frozen=True, slots=True)
+class _Range:
+    """The part of a chunk header that says where its values go."""
+
+    bucket: int
+    range_start: int
+    range_len: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +113,8 @@ class PeerState:
     """Update chunks the origin says it sent (from its DONE)."""
     applied: int = 0
     """Update chunks of this origin applied here."""
+    refused: int = 0
+    """Chunks of this origin refused here (duplicates not counted)."""
 
 
 @dataclass(slots=True)
@@ -151,6 +163,7 @@ class Replica:
         self._spare = [torch.zeros_like(b) for b in self.buckets]
         self._spare_other = [torch.zeros_like(b) for b in self.buckets]
         self._params_copy = [torch.zeros_like(b) for b in self.buckets]
+        self._queued: dict[tuple[int, float], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._debts: collections.deque[
             tuple[int, int, int, int, torch.Tensor | None, torch.Tensor]
         ] = collections.deque()
@@ -219,6 +232,7 @@ class Replica:
         :meth:`encode_update`; the model keeps all of it until :meth:`settle`. The
         buffers alternate between two sets, so the encoder may still read the previous
         set while this one fills."""
+        self.flush()
         self.last_send_step = self.step
         self._spare, deltas = self._spare_other, self._spare
         self._spare_other = deltas
@@ -245,18 +259,14 @@ class Replica:
             )
         n = 0
         debts = self._debts
+        w = self.weight
         while debts and debts[0][0] <= floor:
             _, bucket, start, length, positions, values = debts.popleft()
-            w = self.weight
             if w < 1.0:
-                with torch.no_grad():
-                    for t in (self.buckets[bucket], self.anchor[bucket]):
-                        target = t[start : start + length]
-                        if positions is None:
-                            target.add_(values, alpha=w - 1.0)
-                        else:
-                            target.index_add_(0, positions, values, alpha=w - 1.0)
+                h = _Range(bucket, start, length)
+                self._add(h, positions, values, w - 1.0)
             n += 1
+        self.flush()
         return n
 
     def encode_update(self, deltas: Sequence[torch.Tensor], step: int) -> list[bytes]:
@@ -281,6 +291,7 @@ class Replica:
 
     def snapshot_params(self) -> list[torch.Tensor]:
         """A copy of the parameters (training thread) for :meth:`encode_params`."""
+        self.flush()
         with torch.no_grad():
             for spare, bucket in zip(self._params_copy, self.buckets, strict=True):
                 spare.copy_(bucket)
@@ -321,7 +332,10 @@ class Replica:
     def receive(self, origin: str, payload: bytes | memoryview) -> None:
         """Prepare and apply one mesh payload from ``origin``; raises
         :class:`RefusedChunk` (and counts it) when refused, with nothing changed."""
-        self.apply(self.prepare(origin, payload))
+        try:
+            self.apply(self.prepare(origin, payload))
+        finally:
+            self.flush()
 
     def prepare(self, origin: str, payload: bytes | memoryview) -> Prepared | RefusedChunk:
         """Decode and check what needs no replica state (any thread: the channel's
@@ -329,6 +343,7 @@ class Replica:
         try:
             return self._prepare(origin, payload)
         except RefusedChunk as exc:
+            exc.origin = origin
             return exc
 
     def _prepare(self, origin: str, payload: bytes | memoryview) -> Prepared:
@@ -363,6 +378,8 @@ class Replica:
         except RefusedChunk as exc:
             self.stats.refused[exc.reason] += 1
             self.stats.last_refusal = str(exc)
+            if exc.reason != "duplicate" and exc.origin in self.peers:
+                self.peers[exc.origin].refused += 1
             raise
 
     def _apply(self, item: Prepared | RefusedChunk) -> None:
@@ -388,6 +405,7 @@ class Replica:
                 "norm",
                 f"chunk from {origin} (step {h.step}) has RMS {item.rms:.3g}, over "
                 f"{self.train.update_norm_max_ratio:g} x this replica's own {ref:.3g}",
+                origin,
             )
         self._check_once(self._updates, origin, h)
         self._add(h, item.positions, item.values, self.weight)
@@ -421,7 +439,7 @@ class Replica:
         try:
             window.check_and_record(h)
         except ReplayedChunkError as exc:
-            raise RefusedChunk("duplicate", f"chunk from {origin}: {exc}") from None
+            raise RefusedChunk("duplicate", f"chunk from {origin}: {exc}", origin) from None
 
     def _record_own(self, chunk: bytes | bytearray) -> None:
         decoded = decode_chunk(chunk, self.buckets[0].device)
@@ -437,17 +455,40 @@ class Replica:
             self._own_count[h.bucket] = n + 1
 
     def _add(
-        self, h: ChunkHeader, positions: torch.Tensor | None, values: torch.Tensor, w: float
+        self,
+        h: ChunkHeader | _Range,
+        positions: torch.Tensor | None,
+        values: torch.Tensor,
+        w: float,
     ) -> None:
+        """Queue ``w * values`` for the bucket and the anchor; :meth:`flush` adds all
+        queued chunks with two ``index_add_`` per bucket, however many arrived."""
+        if positions is None:
+            with torch.no_grad():
+                for t in (self.buckets[h.bucket], self.anchor[h.bucket]):
+                    t[h.range_start : h.range_start + h.range_len].add_(values, alpha=w)
+            return
+        if h.range_start:
+            positions = positions + h.range_start
+        self._queued.setdefault((h.bucket, w), []).append((positions, values))
+
+    def flush(self) -> None:
+        """Add every queued chunk (call before the parameters are read)."""
+        if not self._queued:
+            return
         with torch.no_grad():
-            for t in (self.buckets[h.bucket], self.anchor[h.bucket]):
-                target = t[h.range_start : h.range_start + h.range_len]
-                if positions is None:
-                    target.add_(values, alpha=w)
+            for (bucket, w), parts in self._queued.items():
+                if len(parts) == 1:
+                    positions, values = parts[0]
                 else:
-                    target.index_add_(0, positions, values, alpha=w)
+                    positions = torch.cat([p for p, _ in parts])
+                    values = torch.cat([v for _, v in parts])
+                self.buckets[bucket].index_add_(0, positions, values, alpha=w)
+                self.anchor[bucket].index_add_(0, positions, values, alpha=w)
+        self._queued.clear()
 
     def _mix(self, h: ChunkHeader, values: torch.Tensor) -> None:
+        self.flush()
         mix = self.train.consensus_mix / max(1, self.replicas - 1)
         with torch.no_grad():
             s = slice(h.range_start, h.range_start + h.range_len)

@@ -255,6 +255,10 @@ class LocalCluster:
         open_pipes = len(procs)
         while open_pipes:
             if time.monotonic() > deadline:
+                sel.close()
+                for _, proc in procs.values():
+                    if proc.stdout is not None:
+                        proc.stdout.close()
                 raise ClusterError(f"{mode} training did not finish within {timeout_s:g} s")
             for key, _ in sel.select(timeout=0.5):
                 rank = int(key.data)
@@ -272,8 +276,11 @@ class LocalCluster:
                         continue
                     if on_progress is not None and isinstance(obj, dict):
                         on_progress(procs[rank][0], obj)
+        sel.close()
         results = []
         for rank, (name, proc) in procs.items():
+            if proc.stdout is not None:
+                proc.stdout.close()
             code = proc.wait(60)
             self.trainers.remove(proc)
             path = out / f"result-{rank}.json"

@@ -52,7 +52,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         help="multiply the measured link rates (default 0.1: 33-110 Mbit/s)",
     )
     p.add_argument("--density", type=float, default=0.01, help="fraction of values sent")
-    p.add_argument("--send-interval", type=int, default=1, help="steps per update sent")
+    p.add_argument("--send-interval", type=int, default=2, help="steps per update sent")
     p.add_argument("--staleness-bound", type=int, default=64, help="steps (default 64)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--no-baseline", action="store_true", help="skip the dense baseline")

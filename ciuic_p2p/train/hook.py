@@ -206,7 +206,7 @@ class MeshSync:
                 n += 1
             except RefusedChunk as exc:
                 log.warning("chunk_refused", reason=exc.reason, error=str(exc))
-        r.settle()
+        r.settle()  # and flushes what was applied
         return n
 
     def finish(self, timeout_s: float | None = None) -> bool:
@@ -227,7 +227,8 @@ class MeshSync:
         def all_in() -> bool:
             self.poll()
             return all(
-                p.done_at is not None and p.applied >= p.chunks_sent for p in r.peers.values()
+                p.done_at is not None and p.applied + p.refused >= p.chunks_sent
+                for p in r.peers.values()
             )
 
         deadline = time.monotonic() + limit
@@ -253,6 +254,7 @@ class MeshSync:
             "bytes_published": s.bytes_published,
             "applied": s.applied,
             "applied_by_origin": {k: p.applied for k, p in r.peers.items()},
+            "refused_by_origin": {k: p.refused for k, p in r.peers.items()},
             "sent_by_origin": {k: p.chunks_sent for k, p in r.peers.items()},
             "params_mixed": s.params_mixed,
             "refused": dict(s.refused),

@@ -45,7 +45,7 @@ def load_digits() -> tuple[np.ndarray, np.ndarray]:
 @dataclass
 class DigitsTask:
     name: str = "digits"
-    batch_size: int = 64
+    batch_size: int = 256
     lr: float = 0.1
     hidden: int = 256
     held_out: int = 360

@@ -47,6 +47,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     sys.setswitchinterval(args.switch_interval_s)
     config = load_config(args.config) if args.config else Config.wan()
     task = make_task(args.task)
+    if args.hidden:
+        task.hidden = args.hidden  # type: ignore[attr-defined]
     torch.manual_seed(args.seed)
     model = task.model()
     gen = torch.Generator().manual_seed(args.seed * 1000 + args.rank + 1)
@@ -218,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--time-limit-s", type=float, default=0.0, help="dense: stop after this much training"
     )
+    p.add_argument("--hidden", type=int, default=0, help="digits: hidden width")
     p.add_argument("--ring", help="dense: the ring's peer IDs in order (default: sorted)")
     p.add_argument("--switch-interval-s", type=float, default=0.0005)
     args = p.parse_args(argv)
