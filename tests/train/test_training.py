@@ -103,7 +103,7 @@ def test_demo_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
             "100000",
             "--out",
             str(tmp_path),
-        ],  # fmt: skip
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
