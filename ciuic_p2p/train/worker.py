@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if sync is not None:
             sync.step()
         done_steps = step
-        lf = float(loss)
+        lf = float(loss.detach())
         train_loss = lf if math.isnan(train_loss) else 0.9 * train_loss + 0.1 * lf
         if step % eval_every == 0 or step == args.steps:
             if channel is not None:
