@@ -240,8 +240,8 @@ class TrainSection:
       and every receiver moves ``consensus_mix`` of the way toward them.
     """
 
-    socket_path: str = "/run/ciuic/trainer.sock"
-    """The daemon's trainer socket (the systemd unit's RuntimeDirectory)."""
+    socket_path: str = ""
+    """The daemon's trainer socket; empty: ``trainer.sock`` in ``node.state_dir``."""
     staleness_bound_steps: int = 64
     send_interval_steps: int = 1
     max_send_interval_steps: int = 16
@@ -393,7 +393,6 @@ def _validate(cfg: Config) -> None:
         (t.update_norm_max_ratio > 1.0, "train.update_norm_max_ratio", "must be > 1"),
         (t.norm_warmup_chunks >= 1, "train.norm_warmup_chunks", "must be >= 1"),
         (t.finish_timeout_s > 0, "train.finish_timeout_s", "must be > 0"),
-        (bool(t.socket_path), "train.socket_path", "must not be empty"),
     ]  # fmt: skip
     for ok, key, why in checks:
         if not ok:

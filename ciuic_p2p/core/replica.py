@@ -63,6 +63,7 @@ from ciuic_p2p.core.trainwire import (
     TrainWireError,
     decode_done,
     decode_message,
+    decode_presence,
     envelope,
 )
 from ciuic_p2p.core.wire import ChunkHeader, Codec
@@ -74,10 +75,15 @@ STALENESS_BINS = 4096
 class RefusedChunk(CiuicError):
     """A peer's chunk that this replica will not apply (reason in ``reason``)."""
 
-    def __init__(self, reason: str, message: str, origin: str = "") -> None:
+    def __init__(
+        self, reason: str, message: str, origin: str = "", kind: Kind | None = None
+    ) -> None:
         super().__init__(message)
         self.reason = reason
         self.origin = origin
+        self.kind = kind
+        """What was refused, when known (only refused updates count toward the
+        origin's total at the end of a run)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +205,10 @@ class Replica:
         self.last_send_step = 0
         self.replicas = 1
         self.peers: dict[str, PeerState] = {}
+        self.mesh_alive: set[str] = set()
+        self._gone: set[str] = set()
+        self.joined: list[str] = []
+        """Replicas registered since the caller last cleared this (it answers JOIN)."""
         self.stats = ReplicaStats()
         self._updates = ReplayWindow(window_steps=1 << 16)
         self._params = ReplayWindow(window_steps=1 << 16)
@@ -211,15 +221,26 @@ class Replica:
     def weight(self) -> float:
         return 1.0 / max(1, self.replicas)
 
-    def set_alive(self, peers: Iterable[str]) -> None:
-        """The training replicas alive now (this one included or not)."""
-        alive = set(peers) - {self.peer}
-        self.replicas = 1 + len(alive)
-        for name in alive:
-            self.peers.setdefault(name, PeerState())
+    def set_alive(self, members: Iterable[str]) -> None:
+        """The mesh members alive now. The replicas of this run are those of them whose
+        trainer said so (JOIN, or any message of the run): a member without a trainer,
+        or with one of another run, is not waited for and not counted in N."""
+        self.mesh_alive = set(members) - {self.peer}
         for name in list(self.peers):
-            if name not in alive:
+            if name not in self.mesh_alive:
                 del self.peers[name]
+        self.replicas = 1 + len(self.peers)
+
+    def _replica(self, origin: str) -> PeerState | None:
+        """The state of a replica of this run, registering it on first word; None for
+        a member that is not alive or whose trainer went away (a late chunk of a
+        removed replica does not bring it back)."""
+        state = self.peers.get(origin)
+        if state is None and origin in self.mesh_alive and origin not in self._gone:
+            state = self.peers[origin] = PeerState()
+            self.replicas = 1 + len(self.peers)
+            self.joined.append(origin)
+        return state
 
     def local_step(self) -> bool:
         """Count one local step; True when an update is due (take and encode it)."""
@@ -359,12 +380,24 @@ class Replica:
             if run_id != self.source.run_id:
                 raise RefusedChunk("other_run", f"{origin} finished another run")
             return Prepared(origin, Kind.DONE, None, None, None, 0.0, step, chunks)
+        if msg.kind in (Kind.JOIN, Kind.GONE):
+            try:
+                run_id = decode_presence(msg.body)
+            except TrainWireError as exc:
+                raise RefusedChunk("malformed", f"from {origin}: {exc}") from None
+            if run_id != self.source.run_id:
+                raise RefusedChunk("other_run", f"{origin} trains another run")
+            return Prepared(origin, msg.kind, None, None, None, 0.0, 0, 0)
         try:
             decoded = decode_chunk(msg.body, self.buckets[0].device)
         except CodecError as exc:
             raise RefusedChunk("malformed", f"chunk from {origin}: {exc}") from None
         h = decoded.header
-        self._check(origin, h)
+        try:
+            self._check(origin, h)
+        except RefusedChunk as exc:
+            exc.kind = msg.kind
+            raise
         if msg.kind is Kind.PARAMS and h.codec.is_sparse:
             raise RefusedChunk("malformed", f"parameters from {origin} are not dense")
         rms = float(torch.linalg.vector_norm(decoded.values)) / math.sqrt(max(1, h.count))
@@ -378,7 +411,7 @@ class Replica:
         except RefusedChunk as exc:
             self.stats.refused[exc.reason] += 1
             self.stats.last_refusal = str(exc)
-            if exc.reason != "duplicate" and exc.origin in self.peers:
+            if exc.kind is Kind.UPDATE and exc.reason != "duplicate" and exc.origin in self.peers:
                 self.peers[exc.origin].refused += 1
             raise
 
@@ -386,13 +419,24 @@ class Replica:
         if isinstance(item, RefusedChunk):
             raise item
         origin = item.origin
+        if item.kind is Kind.GONE:
+            self._gone.add(origin)
+            if self.peers.pop(origin, None) is not None:
+                self.replicas = 1 + len(self.peers)
+            return
+        if item.kind is Kind.JOIN:
+            self._gone.discard(origin)  # a restarted trainer joins again
+            self._replica(origin)
+            return
+        state = self._replica(origin)
         if item.kind is Kind.DONE:
-            state = self.peers.setdefault(origin, PeerState())
-            state.done_at, state.chunks_sent = item.step, item.chunks
+            if state is not None:
+                state.done_at, state.chunks_sent = item.step, item.chunks
             return
         h = item.header
         assert h is not None and item.values is not None
         if item.kind is Kind.PARAMS:
+            self._check_params(origin, h, item.values)
             self._check_once(self._params, origin, h)
             self._mix(h, item.values)
             return
@@ -406,12 +450,13 @@ class Replica:
                 f"chunk from {origin} (step {h.step}) has RMS {item.rms:.3g}, over "
                 f"{self.train.update_norm_max_ratio:g} x this replica's own {ref:.3g}",
                 origin,
+                Kind.UPDATE,
             )
         self._check_once(self._updates, origin, h)
         self._add(h, item.positions, item.values, self.weight)
-        state = self.peers.setdefault(origin, PeerState())
-        state.step = max(state.step, h.step)
-        state.applied += 1
+        if state is not None:
+            state.step = max(state.step, h.step)
+            state.applied += 1
         self.stats.applied += 1
         self.stats.staleness[min(STALENESS_BINS - 1, max(0, self.step - h.step))] += 1
 
@@ -439,7 +484,9 @@ class Replica:
         try:
             window.check_and_record(h)
         except ReplayedChunkError as exc:
-            raise RefusedChunk("duplicate", f"chunk from {origin}: {exc}", origin) from None
+            raise RefusedChunk(
+                "duplicate", f"chunk from {origin}: {exc}", origin, Kind.UPDATE
+            ) from None
 
     def _record_own(self, chunk: bytes | bytearray) -> None:
         decoded = decode_chunk(chunk, self.buckets[0].device)
@@ -486,6 +533,23 @@ class Replica:
                 self.buckets[bucket].index_add_(0, positions, values, alpha=w)
                 self.anchor[bucket].index_add_(0, positions, values, alpha=w)
         self._queued.clear()
+
+    def _check_params(self, origin: str, h: ChunkHeader, values: torch.Tensor) -> None:
+        """Parameters far from ours (RMS distance over the bound times our own
+        updates' RMS) come from a faulty node, not from drift: refused."""
+        ref = self._own_rms[h.bucket]
+        if self._own_count[h.bucket] < self.train.norm_warmup_chunks:
+            return
+        own = self.buckets[h.bucket][h.range_start : h.range_start + h.range_len]
+        dist = float(torch.linalg.vector_norm(values - own)) / math.sqrt(max(1, h.range_len))
+        if dist > self.train.update_norm_max_ratio * ref:
+            raise RefusedChunk(
+                "norm",
+                f"parameters from {origin} (step {h.step}) are {dist:.3g} RMS away, over "
+                f"{self.train.update_norm_max_ratio:g} x this replica's own updates {ref:.3g}",
+                origin,
+                Kind.PARAMS,
+            )
 
     def _mix(self, h: ChunkHeader, values: torch.Tensor) -> None:
         self.flush()

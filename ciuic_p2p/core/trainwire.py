@@ -6,14 +6,18 @@ Mesh payload (version 1), carried as the payload of a mesh ``CHUNK``::
     off size field
       0    2 magic      b"CT"
       2    1 version    1
-      3    1 kind       UPDATE 1 | PARAMS 2 | DONE 3
+      3    1 kind       UPDATE 1 | PARAMS 2 | DONE 3 | JOIN 4 | GONE 5
       4    .  body      UPDATE, PARAMS: one chunk (core.wire, signed by its origin)
                         DONE: run_id (16) + last step (u64 LE) + update
                         chunks sent in all (u64 LE)
+                        JOIN, GONE: run_id (16)
 
 ``UPDATE`` is one chunk of a step's compressed update; ``PARAMS`` one chunk of a
 replica's parameters (dense, for the consensus mix); ``DONE`` says the origin took its
-last step, so that nobody waits for it any more.
+last step, so that nobody waits for it any more; ``JOIN`` says a trainer of the run is
+attached to the origin (the replicas of a run are the members that sent it, not every
+member of the mesh); ``GONE``, sent by a daemon whose trainer went away without
+``DONE``, says it no longer is.
 
 Trainer socket frames (version 1)::
 
@@ -29,6 +33,7 @@ reader refuses a longer length before reading the body, and every malformed fram
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 import struct
 from dataclasses import dataclass
@@ -56,10 +61,12 @@ class Kind(enum.IntEnum):
     UPDATE = 1
     PARAMS = 2
     DONE = 3
+    JOIN = 4
+    GONE = 5
 
 
 class FrameType(enum.IntEnum):
-    HELLO = 1  # trainer -> daemon: {"run_id": hex}
+    HELLO = 1  # trainer -> daemon: {"run": name}
     WELCOME = 2  # daemon -> trainer: {"peer", "public_key", "incarnation", "members"}
     PUBLISH = 3  # trainer -> daemon: a mesh payload to broadcast
     DELIVER = 4  # daemon -> trainer: peer + a mesh payload from that origin
@@ -93,6 +100,24 @@ def decode_done(body: memoryview) -> tuple[bytes, int, int]:
         raise TrainWireError(f"DONE body of {len(body)} bytes, expected {_DONE.size}")
     run_id, step, chunks = _DONE.unpack(body)
     return bytes(run_id), int(step), int(chunks)
+
+
+def run_id_of(run: str) -> bytes:
+    """The 16-byte run ID every chunk of a run carries (two runs never mix)."""
+    return hashlib.blake2b(run.encode(), digest_size=16).digest()
+
+
+def encode_presence(kind: Kind, run_id: bytes) -> bytes:
+    """A JOIN or GONE message."""
+    if kind not in (Kind.JOIN, Kind.GONE) or len(run_id) != RUN_ID_LEN:
+        raise ValueError("JOIN or GONE, with a 16-byte run_id")
+    return envelope(kind) + run_id
+
+
+def decode_presence(body: memoryview) -> bytes:
+    if len(body) != RUN_ID_LEN:
+        raise TrainWireError(f"JOIN/GONE body of {len(body)} bytes, expected {RUN_ID_LEN}")
+    return bytes(body)
 
 
 def decode_message(data: bytes | bytearray | memoryview) -> TrainMessage:
@@ -151,7 +176,7 @@ def parse_json(body: memoryview) -> dict[str, Any]:
         raise TrainWireError("JSON frame too large")
     try:
         obj = json.loads(bytes(body))
-    except ValueError:
+    except (ValueError, RecursionError):
         raise TrainWireError("frame body is not JSON") from None
     if not isinstance(obj, dict):
         raise TrainWireError("JSON frame body is not an object")

@@ -63,7 +63,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "--trainer-socket",
         metavar="PATH",
         help="where the trainer hook connects (train.socket_path, default "
-        "/run/ciuic/trainer.sock); 'none' serves no trainer",
+        "STATE_DIR/trainer.sock); 'none' serves no trainer",
     )
     p.add_argument("--emulate", metavar="SCENARIO", help=argparse.SUPPRESS)
     p.add_argument("--emulate-node", help=argparse.SUPPRESS)
@@ -191,13 +191,14 @@ async def serve(args: argparse.Namespace) -> int:
     await control.start()
     trainers: TrainerServer | None = None
     if config.train.socket_path != "none":
-        trainers = TrainerServer(daemon, Path(config.train.socket_path))
+        path = Path(config.train.socket_path or state_dir / "trainer.sock").expanduser()
+        trainers = TrainerServer(daemon, path)
         try:
             await trainers.start()
         except (OSError, CiuicError) as exc:
             await control.close()
             await daemon.close()
-            raise CiuicError(f"trainer socket {config.train.socket_path}: {exc}") from None
+            raise CiuicError(f"trainer socket {path}: {exc}") from None
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, control.leave_requested.set)

@@ -1,12 +1,16 @@
 """The trainer socket: where the node's trainer (ciuic_p2p.train) meets its daemon.
 
 One trainer at a time speaks the frames of core.trainwire on a Unix socket (mode
-0600, default ``/run/ciuic/trainer.sock``; in embedded mode, one end of a socket
-pair). The daemon:
+0660: the daemon's account and group; default ``STATE_DIR/trainer.sock``; in embedded
+mode, one end of a socket pair). The daemon:
 
 - signs each chunk the trainer publishes with the node key (the trainer never holds
-  it), keeps the newest parameter chunks (the snapshot a joining peer will be sent)
-  and broadcasts the payload over the mesh;
+  it), keeps the newest parameter chunks (the snapshot that the elastic-training
+  work will hand to joining peers; nothing reads it yet) and broadcasts the payload
+  over the mesh;
+- gives each trainer session its own incarnation (the daemon's, times 2^20, plus the
+  session number), so that a restarted trainer's steps 1, 2, ... are new to its
+  peers; when a trainer goes away without DONE, tells the run's replicas (GONE);
 - verifies each delivered chunk's origin signature against the mesh origin before the
   trainer sees it (a relay cannot forge or alter another node's update);
 - tells the trainer which members are alive whenever that changes, and answers
@@ -14,8 +18,10 @@ pair). The daemon:
 - carries DIRECT bytes between trainers (the dense baseline's all-reduce).
 
 A trainer that stops reading cannot make the daemon grow without bound: past
-``MAX_WRITE_BUFFER`` unread bytes, deliveries are dropped and counted (the consensus
-mix repairs what they would have changed).
+``MAX_WRITE_BUFFER`` unread bytes, chunk deliveries are dropped and counted (the
+consensus mix repairs what they would have changed); membership and end-of-run
+messages are not. Deliveries held for a trainer that has not attached yet are
+dropped when a session ends, so a new session never sees an old one's.
 """
 
 from __future__ import annotations
@@ -35,10 +41,12 @@ from ciuic_p2p.core.trainwire import (
     Kind,
     TrainWireError,
     decode_message,
+    encode_presence,
     frame_header,
     json_frame,
     parse_json,
     peer_prefix,
+    run_id_of,
     split_peer,
 )
 from ciuic_p2p.core.wire import parse_chunk
@@ -65,8 +73,13 @@ class TrainerServer:
         """Newest parameter chunk per (bucket, range start), as published."""
         self.snapshot_step = -1
         self._members: list[str] = []
-        self._held: collections.deque[tuple[bytes, ...]] = collections.deque(maxlen=MAX_HELD)
+        self._held: collections.deque[tuple[bool, tuple[bytes, ...]]] = collections.deque(
+            maxlen=MAX_HELD
+        )
         self._hello = False
+        self._sessions = 0
+        self._run_id: bytes | None = None
+        self._done = False
         self._tasks: list[asyncio.Task[None]] = []
         daemon.on_delivery = self._deliver
         daemon.on_direct = self._direct
@@ -79,7 +92,7 @@ class TrainerServer:
             if _in_use(self.path):
                 raise CiuicError(f"{self.path}: another daemon serves trainers here")
             self.path.unlink()
-        old = os.umask(0o177)
+        old = os.umask(0o117)
         try:
             self.server = await asyncio.start_unix_server(self._client, path=str(self.path))
         finally:
@@ -134,11 +147,22 @@ class TrainerServer:
             if self.writer is writer:
                 self.writer = None
                 self._hello = False
+                self._held.clear()
+                if self._run_id is not None and not self._done and self.daemon.node is not None:
+                    # The trainer went away mid-run: its replicas stop waiting for it.
+                    self.daemon.broadcast(encode_presence(Kind.GONE, self._run_id))
+                    counters["trainer_gone"] += 1
+                self._run_id = None
 
     def _on_frame(self, ftype: FrameType, body: memoryview) -> None:
         d = self.daemon
         if ftype is FrameType.HELLO:
-            parse_json(body)
+            run = parse_json(body).get("run")
+            if not isinstance(run, str) or not run:
+                raise TrainWireError("HELLO names no run")
+            self._run_id = run_id_of(run)
+            self._done = False
+            self._sessions += 1
             self._members = d.mesh.view()
             self._hello = True
             self._write(
@@ -147,13 +171,14 @@ class TrainerServer:
                     {
                         "peer": d.peer_id,
                         "public_key": d.key.public_key.hex(),
-                        "incarnation": d.mesh.membership.incarnation,
+                        "incarnation": (d.mesh.membership.incarnation << 20) + self._sessions,
                         "members": self._members,
                     },
                 )
             )
             while self._held:
-                self._write(*self._held.popleft())
+                droppable, parts = self._held.popleft()
+                self._write(*parts, droppable=droppable)
         elif ftype is FrameType.PUBLISH:
             self._publish(body)
         elif ftype is FrameType.STATS_REQUEST:
@@ -179,7 +204,8 @@ class TrainerServer:
     def _publish(self, body: memoryview) -> None:
         d = self.daemon
         msg = decode_message(body)
-        if msg.kind is Kind.DONE:
+        if msg.kind in (Kind.DONE, Kind.JOIN, Kind.GONE):
+            self._done = self._done or msg.kind is Kind.DONE
             d.broadcast(bytes(body))
             return
         chunk = bytearray(msg.body)
@@ -203,7 +229,7 @@ class TrainerServer:
         counters = self.daemon.counters
         try:
             msg = decode_message(delivery.payload)
-            if msg.kind is not Kind.DONE:
+            if msg.kind in (Kind.UPDATE, Kind.PARAMS):
                 header = verify_chunk(msg.body)
                 if peer_id_of(header.origin) != delivery.origin:
                     raise CiuicError("chunk origin differs from the mesh origin")
@@ -216,21 +242,22 @@ class TrainerServer:
             frame_header(FrameType.DELIVER, len(prefix) + len(delivery.payload)),
             prefix,
             delivery.payload,
+            droppable=msg.kind in (Kind.UPDATE, Kind.PARAMS),
         )
 
     def _direct(self, peer: str, payload: bytes) -> None:
         prefix = peer_prefix(peer)
         self._write(frame_header(FrameType.DIRECT_IN, len(prefix) + len(payload)), prefix, payload)
 
-    def _write(self, *parts: bytes) -> None:
+    def _write(self, *parts: bytes, droppable: bool = False) -> None:
         writer = self.writer
         counters = self.daemon.counters
         if writer is None or writer.is_closing() or not self._hello:
             if len(self._held) == MAX_HELD:
                 counters["deliveries_without_trainer"] += 1
-            self._held.append(parts)
+            self._held.append((droppable, parts))
             return
-        if writer.transport.get_write_buffer_size() > MAX_WRITE_BUFFER:
+        if droppable and writer.transport.get_write_buffer_size() > MAX_WRITE_BUFFER:
             counters["deliveries_dropped"] += 1
             return
         writer.writelines(parts)

@@ -56,7 +56,7 @@ class DaemonChannel:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                sock.connect(str(path))
+                sock.connect(str(Path(path).expanduser()))
                 return cls(sock)
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 if time.monotonic() > deadline:
@@ -153,6 +153,8 @@ class DaemonChannel:
                     self._on_frame(ftype, body)
         except (OSError, TrainWireError) as exc:
             self._fail(f"trainer socket: {exc}")
+        except Exception as exc:  # e.g. out of device memory while decoding: never die silently
+            self._fail(f"trainer socket reader failed: {exc!r}")
 
     def _on_frame(self, ftype: FrameType, body: memoryview) -> None:
         item: Any = None

@@ -10,6 +10,7 @@ SIGKILL after a grace period. Every wait is bounded.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import functools
 import itertools
@@ -20,8 +21,9 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -54,6 +56,19 @@ def free_port_block(count: int) -> int:
             continue
         return base
     raise ClusterError("no block of free UDP ports on loopback")
+
+
+@contextlib.contextmanager
+def _signals_deferred() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM while processes are being ended (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def spread_nodes(scenario: str, count: int) -> list[str]:
@@ -260,6 +275,16 @@ class LocalCluster:
                     if proc.stdout is not None:
                         proc.stdout.close()
                 raise ClusterError(f"{mode} training did not finish within {timeout_s:g} s")
+            for rank, (name, proc) in procs.items():
+                if proc.poll() not in (None, 0):  # one failed: do not wait out the others
+                    sel.close()
+                    for _, other in procs.values():
+                        if other.stdout is not None:
+                            other.stdout.close()
+                    log = (out / f"trainer-{rank}.log").read_text(errors="replace")
+                    raise ClusterError(
+                        f"{mode} trainer on {name} exited {proc.returncode}: {log[-2000:]}"
+                    )
             for key, _ in sel.select(timeout=0.5):
                 rank = int(key.data)
                 chunk = key.fileobj.read()  # type: ignore[union-attr]
@@ -295,17 +320,23 @@ class LocalCluster:
     # -- teardown ------------------------------------------------------------------------
 
     def stop(self, grace_s: float = 10.0) -> None:
+        """End every process started here, by PID: SIGTERM, then SIGKILL. Survives a
+        second Ctrl+C and errors: each process is seen to, whatever happens to one."""
         procs = list(self.trainers) + list(self.daemons.values())
-        for proc in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for proc in procs:
-            try:
-                proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(5)
+        with _signals_deferred():
+            for proc in procs:
+                if proc.poll() is None:
+                    with contextlib.suppress(OSError):
+                        proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for proc in procs:
+                try:
+                    proc.wait(max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(OSError):
+                        proc.kill()
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        proc.wait(5)
         self.trainers.clear()
 
     def __enter__(self) -> LocalCluster:

@@ -9,6 +9,7 @@ Ctrl+C stops everything: the orchestrator ends every process it started, by PID.
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import tempfile
 import time
@@ -42,7 +43,13 @@ TASK_STEPS = {"digits": 150, "shakespeare": 300}
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=4, help="nodes to start (2-11, default 4)")
-    p.add_argument("--task", choices=["digits", "shakespeare"], default="digits")
+    p.add_argument(
+        "--task",
+        choices=["digits", "shakespeare"],
+        default="digits",
+        help="digits: an MLP on 8x8 handwritten digits (default); shakespeare: a small "
+        "character-level transformer on twelve plays",
+    )
     p.add_argument("--steps", type=int, help="steps per node (digits 150, shakespeare 300)")
     p.add_argument("--scenario", default="cities11", help="emulated WAN (default cities11)")
     p.add_argument(
@@ -51,10 +58,12 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
         default=0.1,
         help="multiply the measured link rates (default 0.1: 33-110 Mbit/s)",
     )
-    p.add_argument("--density", type=float, default=0.01, help="fraction of values sent")
-    p.add_argument("--send-interval", type=int, default=2, help="steps per update sent")
+    p.add_argument(
+        "--density", type=float, default=0.01, help="fraction of values sent (default 0.01)"
+    )
+    p.add_argument("--send-interval", type=int, default=2, help="steps per update sent (default 2)")
     p.add_argument("--staleness-bound", type=int, default=64, help="steps (default 64)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="model, data and sampling seed")
     p.add_argument("--no-baseline", action="store_true", help="skip the dense baseline")
     p.add_argument(
         "--baseline-s",
@@ -115,7 +124,15 @@ def _row(label: str, s: dict[str, Any]) -> str:
     )
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(args: argparse.Namespace) -> int:
+    # A closed terminal (SIGHUP) or `kill` (SIGTERM) stops everything like Ctrl+C: the
+    # nodes run in their own sessions and would outlive the orchestrator otherwise.
+    signal.signal(signal.SIGTERM, _interrupt)
+    signal.signal(signal.SIGHUP, _interrupt)
     steps = args.steps or TASK_STEPS[args.task]
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="ciuic-demo-"))
     names = spread_nodes(args.scenario, args.nodes)

@@ -20,7 +20,6 @@ The update rule and its references: core.replica.
 
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
 import time
@@ -33,18 +32,14 @@ from ciuic_p2p.config import Config
 from ciuic_p2p.core.codec import ChunkSource
 from ciuic_p2p.core.layout import BucketLayout
 from ciuic_p2p.core.replica import RefusedChunk, Replica
-from ciuic_p2p.core.trainwire import encode_done
+from ciuic_p2p.core.trainwire import Kind, encode_done, encode_presence, run_id_of
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel
 from ciuic_p2p.train.embedded import EmbeddedDaemon
 
 STATS_EVERY_STEPS = 8
+STALL_WARNING_S = 10.0
 log = get_logger("ciuic.train")
-
-
-def run_id_of(run: str) -> bytes:
-    """The 16-byte run ID every chunk of a run carries (two runs never mix)."""
-    return hashlib.blake2b(run.encode(), digest_size=16).digest()
 
 
 def flatten_parameters(model: torch.nn.Module, layout: BucketLayout) -> list[torch.Tensor]:
@@ -107,7 +102,12 @@ class _Encoder:
             raise self.error
 
     def close(self) -> None:
-        self.jobs.put(None)
+        # The channel is closed first, so a publish blocked in sendmsg fails and the
+        # thread reaches the queue; never block here.
+        try:
+            self.jobs.put(None, timeout=10)
+        except queue.Full:
+            return
         self._thread.join(timeout=10)
 
 
@@ -146,18 +146,34 @@ class MeshSync:
             self.layout, self.buckets, source, self.peer, config.codec, config.train, seed
         )
         channel.prepare = self.replica.prepare
-        if not channel.wait(lambda: len(channel.alive) >= min_replicas, join_timeout_s):
-            raise ChannelError(
-                f"only {len(channel.alive)} of {min_replicas} replicas joined within "
-                f"{join_timeout_s:g} s"
-            )
-        self.replica.set_alive(channel.alive)
-        self._alive_seen = channel.alive
+        self._alive_seen: list[str] | None = None
+        self._join = encode_presence(Kind.JOIN, source.run_id)
+        self._await_replicas(min_replicas, join_timeout_s)
         self.encoder = _Encoder(self.replica, channel)
         self.wait_s = 0.0
         self.hook_s = 0.0
         self.merged_steps = 0
+        self.params_skipped = 0
         self.finished = False
+
+    def _await_replicas(self, count: int, timeout_s: float) -> None:
+        """Say JOIN (again every second: a trainer that attaches later hears it) until
+        ``count`` replicas of this run, this one included, are known."""
+        deadline = time.monotonic() + timeout_s
+        self.channel.publish(self._join)
+        said = time.monotonic()
+        while self.replica.replicas < count:
+            if time.monotonic() - said >= 1.0:
+                self.channel.publish(self._join)
+                said = time.monotonic()
+            if time.monotonic() > deadline or self.channel.closed:
+                raise ChannelError(
+                    f"only {self.replica.replicas} of {count} replicas of this run joined "
+                    f"within {timeout_s:g} s"
+                    + (f" ({self.channel.error})" if self.channel.error else "")
+                )
+            self.channel.wait_any(0.1)
+            self.poll()
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -173,20 +189,31 @@ class MeshSync:
                 enc.submit("update", r.take_update(), r.step)
             else:
                 self.merged_steps += 1
-        if r.wants_params() and enc.idle.wait(1.0):
-            enc.submit("params", r.snapshot_params(), r.step)
+        if r.wants_params():
+            if enc.idle.is_set():
+                enc.submit("params", r.snapshot_params(), r.step)
+            else:  # the encoder is behind: this round of the mix is skipped, counted
+                self.params_skipped += 1
         if r.step % STATS_EVERY_STEPS == 0:
             if ch.stats:
                 r.adapt(int(ch.stats.get("backlog_bytes", 0)))
             ch.request_stats()
         self.poll()
         if r.blocking():
-            w0 = time.perf_counter()
+            w0 = warned = time.perf_counter()
             while r.blocking():
                 if ch.closed:
                     raise ChannelError(ch.error or "the daemon went away")
                 ch.wait_any(0.05)
                 self.poll()
+                if time.perf_counter() - warned > STALL_WARNING_S:
+                    warned = time.perf_counter()
+                    log.warning(
+                        "waiting_for_replicas",
+                        step=r.step,
+                        behind=r.blocking(),
+                        waited_s=round(warned - w0, 1),
+                    )
             self.wait_s += time.perf_counter() - w0
         self.hook_s += time.perf_counter() - t0
 
@@ -207,6 +234,9 @@ class MeshSync:
             except RefusedChunk as exc:
                 log.warning("chunk_refused", reason=exc.reason, error=str(exc))
         r.settle()  # and flushes what was applied
+        if r.joined:  # a replica that just joined learns of this one
+            r.joined.clear()
+            ch.publish(self._join)
         return n
 
     def finish(self, timeout_s: float | None = None) -> bool:
@@ -217,11 +247,14 @@ class MeshSync:
         limit = self.config.train.finish_timeout_s if timeout_s is None else timeout_s
         if not self.finished:
             self.finished = True
-            self.encoder.idle.wait(limit)
+            enc = self.encoder
+            if not enc.idle.wait(limit):
+                raise ChannelError(f"the encoder did not finish within {limit:g} s")
             if r.last_send_step < r.step:  # merged steps still pending: send them
-                self.encoder.submit("update", r.take_update(), r.step)
-                self.encoder.idle.wait(limit)
-            self.encoder.check()
+                enc.submit("update", r.take_update(), r.step)
+                if not enc.idle.wait(limit):
+                    raise ChannelError(f"the encoder did not finish within {limit:g} s")
+            enc.check()
             ch.publish(encode_done(r.source.run_id, r.step, r.stats.chunks_sent))
 
         def all_in() -> bool:
@@ -250,6 +283,7 @@ class MeshSync:
             "replicas": r.replicas,
             "sends": s.sends,
             "merged_steps": self.merged_steps,
+            "params_skipped": self.params_skipped,
             "chunks_sent": s.chunks_sent,
             "bytes_published": s.bytes_published,
             "applied": s.applied,
@@ -273,8 +307,8 @@ class MeshSync:
         }
 
     def close(self) -> None:
-        self.encoder.close()
         self.channel.close()
+        self.encoder.close()
         if self.embedded is not None:
             self.embedded.stop()
 
@@ -299,7 +333,10 @@ def attach(
 ) -> MeshSync:
     """Attach a model to the node's daemon (see the module docstring).
 
-    ``socket_path`` defaults to ``config.train.socket_path``; pass ``daemon`` (an
+    ``config`` should be the node's (``ciuic_p2p.config.load_config(path)``): its
+    ``codec`` and ``train`` sections steer the hook; the default is the WAN preset.
+    ``socket_path`` defaults to ``train.socket_path``, or ``trainer.sock`` in
+    ``node.state_dir`` (``/var/lib/ciuic``) when that is unset; pass ``daemon`` (an
     :class:`EmbeddedDaemon`) to run the daemon in this process instead. Call before
     the optimizer's first step (its state must not exist yet: parameters become views
     into the buckets). ``run`` names the training run: chunks of other runs are
@@ -307,12 +344,19 @@ def attach(
     cfg = config or Config.wan()
     if optimizer is not None and optimizer.state:
         raise ValueError("attach before the optimizer's first step")
+    started = False
     if daemon is not None:
         if not daemon.address:
             daemon.start()
-        channel = daemon.connect()
+            started = True
+        try:
+            channel = daemon.connect()
+        except BaseException:
+            if started:
+                daemon.stop(leave=False)
+            raise
     else:
-        channel = DaemonChannel.connect(socket_path or cfg.train.socket_path)
+        channel = DaemonChannel.connect(socket_path or trainer_socket_path(cfg))
     try:
         return MeshSync(
             model,
@@ -326,4 +370,11 @@ def attach(
         )
     except BaseException:
         channel.close()
+        if started and daemon is not None:
+            daemon.stop(leave=False)
         raise
+
+
+def trainer_socket_path(config: Config) -> Path:
+    """``train.socket_path``, or ``trainer.sock`` in ``node.state_dir`` when unset."""
+    return Path(config.train.socket_path or Path(config.node.state_dir) / "trainer.sock")

@@ -45,15 +45,28 @@ def test_three_embedded_replicas_train_and_apply_every_chunk_once(tmp_path: Path
             )
             daemon.start()
             daemons.append(daemon)
-        for daemon in daemons:
+        for _ in daemons:
             torch.manual_seed(0)
             model = torch.nn.Sequential(
                 torch.nn.Linear(16, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
             )
-            opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
-            syncs.append(attach(model, opt, run="t", daemon=daemon, config=config, min_replicas=3))
             models.append(model)
-            optimizers.append(opt)
+            optimizers.append(torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9))
+        # attach() waits until all three trainers joined the run: attach them at once.
+        attached: dict[int, MeshSync] = {}
+
+        def attach_one(i: int) -> None:
+            attached[i] = attach(
+                models[i], optimizers[i], run="t", daemon=daemons[i], config=config,
+                min_replicas=3, join_timeout_s=60,
+            )  # fmt: skip
+
+        threads = [threading.Thread(target=attach_one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        syncs.extend(attached[i] for i in range(3))
         gen = torch.Generator().manual_seed(1)
         target = torch.randn(16, 1, generator=gen)
         first = last = 0.0
@@ -62,7 +75,7 @@ def test_three_embedded_replicas_train_and_apply_every_chunk_once(tmp_path: Path
                 x = torch.randn(32, 16, generator=gen)
                 loss = ((model(x) - x @ target) ** 2).mean()
                 opt.zero_grad()
-                loss.backward()  # type: ignore[no-untyped-call]
+                loss.backward()
                 opt.step()
                 sync.step()
                 if step == 0:

@@ -13,9 +13,9 @@ from ciuic_p2p.config import CodecSection, TrainSection
 from ciuic_p2p.core.codec import BucketEncoder, BucketSpec, ChunkSource
 from ciuic_p2p.core.layout import BucketLayout
 from ciuic_p2p.core.replica import RefusedChunk, Replica, consensus_distance
-from ciuic_p2p.core.trainwire import Kind, encode_done, envelope
+from ciuic_p2p.core.trainwire import Kind, encode_done, encode_presence, envelope, run_id_of
 from ciuic_p2p.core.wire import Codec
-from ciuic_p2p.train.hook import flatten_parameters, run_id_of
+from ciuic_p2p.train.hook import flatten_parameters
 from ciuic_p2p.train.tasks import DigitsTask
 
 CODEC = CodecSection(density=0.05, dense_below_numel=0)
@@ -55,6 +55,10 @@ def test_every_chunk_applies_exactly_once_in_any_order() -> None:
     reps = [replica(i) for i in range(3)]
     for r in reps:
         r.set_alive(["p0", "p1", "p2"])
+        for other in ("p0", "p1", "p2"):
+            if other != r.peer:
+                r.receive(other, encode_presence(Kind.JOIN, run_id_of("run")))
+        assert r.replicas == 3
     gen = torch.Generator().manual_seed(1)
     rng = random.Random(2)
     sent: dict[str, int] = {}
@@ -182,8 +186,10 @@ def test_the_consensus_mix_pulls_drifted_replicas_together() -> None:
 def test_staleness_bound_waits_for_the_slowest_live_replica() -> None:
     train = dataclasses.replace(TRAIN, staleness_bound_steps=4, max_send_interval_steps=2)
     me, slow = replica(0, train=train), replica(1, train=train)
-    me.set_alive(["p0", "p1"])
+    me.set_alive(["p0", "p1", "p2"])
     slow.set_alive(["p0", "p1"])
+    me.receive("p1", encode_presence(Kind.JOIN, run_id_of("run")))  # p2 trains nothing
+    assert me.replicas == 2
     gen = torch.Generator().manual_seed(5)
     for _ in range(3):
         local_update(me, gen)
@@ -200,6 +206,27 @@ def test_staleness_bound_waits_for_the_slowest_live_replica() -> None:
     assert me.blocking() == []  # a finished replica holds nobody back
     me.set_alive(["p0"])
     assert me.replicas == 1 and me.weight == 1.0
+
+
+def test_replicas_are_the_members_that_train_this_run() -> None:
+    me = replica(0)
+    me.set_alive(["p0", "p1", "p2", "p3"])
+    run = run_id_of("run")
+    me.receive("p1", encode_presence(Kind.JOIN, run))
+    with pytest.raises(RefusedChunk, match="another run"):
+        me.receive("p2", encode_presence(Kind.JOIN, run_id_of("another run")))
+    assert sorted(me.peers) == ["p1"] and me.replicas == 2 and me.joined == ["p1"]
+    me.receive("p1", encode_presence(Kind.GONE, run))  # its trainer went away
+    assert me.peers == {} and me.replicas == 1
+    gen = torch.Generator().manual_seed(6)
+    late = replica(1)
+    late.set_alive(["p0", "p1"])
+    for p in local_update(late, gen):  # a chunk it sent before going: applied, and it
+        me.receive("p1", p)  # does not come back as a replica
+    assert me.peers == {} and me.stats.applied == 1
+    me.receive("p1", encode_presence(Kind.JOIN, run))  # a restarted trainer does
+    me.receive("p4", encode_presence(Kind.JOIN, run))  # not a live member: ignored
+    assert sorted(me.peers) == ["p1"]
 
 
 def test_backlog_merges_steps_and_lowers_density_then_recovers() -> None:
