@@ -131,6 +131,8 @@ class ReplicaStats:
     bytes_published: int = 0
     applied: int = 0
     params_mixed: int = 0
+    other_runs: int = 0
+    """JOIN, GONE and DONE of other runs on the same mesh, ignored."""
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     last_refusal: str = ""
     residual_norm: float = 0.0
@@ -378,7 +380,7 @@ class Replica:
             except TrainWireError as exc:
                 raise RefusedChunk("malformed", f"from {origin}: {exc}") from None
             if run_id != self.source.run_id:
-                raise RefusedChunk("other_run", f"{origin} finished another run")
+                raise RefusedChunk("other_run", f"{origin} finished another run", origin, Kind.DONE)
             return Prepared(origin, Kind.DONE, None, None, None, 0.0, step, chunks)
         if msg.kind in (Kind.JOIN, Kind.GONE):
             try:
@@ -386,7 +388,7 @@ class Replica:
             except TrainWireError as exc:
                 raise RefusedChunk("malformed", f"from {origin}: {exc}") from None
             if run_id != self.source.run_id:
-                raise RefusedChunk("other_run", f"{origin} trains another run")
+                raise RefusedChunk("other_run", f"{origin} trains another run", origin, msg.kind)
             return Prepared(origin, msg.kind, None, None, None, 0.0, 0, 0)
         try:
             decoded = decode_chunk(msg.body, self.buckets[0].device)
@@ -406,6 +408,18 @@ class Replica:
     def apply(self, item: Prepared | RefusedChunk) -> None:
         """Apply a prepared payload (training thread), exactly once; a refusal is
         counted and raised."""
+        if (
+            isinstance(item, RefusedChunk)
+            and item.reason == "other_run"
+            and item.kind
+            in (
+                Kind.JOIN,
+                Kind.GONE,
+                Kind.DONE,
+            )
+        ):
+            self.stats.other_runs += 1  # runs share a mesh: their presence is not an error
+            return
         try:
             self._apply(item)
         except RefusedChunk as exc:

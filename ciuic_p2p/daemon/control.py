@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import socket
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,18 +41,7 @@ class ControlServer:
         self.leave_requested = asyncio.Event()
 
     async def start(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists() or self.path.is_symlink():
-            if _in_use(self.path):
-                raise ControlError(f"{self.path}: another daemon is running on this socket")
-            self.path.unlink()
-        old = os.umask(0o177)
-        try:
-            self.server = await asyncio.start_unix_server(
-                self._client, path=str(self.path), limit=MAX_REQUEST_BYTES
-            )
-        finally:
-            os.umask(old)
+        self.server = await serve_unix(self.path, self._client, 0o600, MAX_REQUEST_BYTES)
 
     async def close(self) -> None:
         if self.server is not None:
@@ -100,6 +90,26 @@ class ControlServer:
         except (TimeoutError, ValueError) as exc:
             return {"ok": False, "error": str(exc)}
         return {"ok": False, "error": f"unknown command {cmd!r}"}
+
+
+async def serve_unix(
+    path: Path,
+    client: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]],
+    mode: int,
+    limit: int = 1 << 16,
+) -> asyncio.AbstractServer:
+    """A Unix socket server at ``path`` created with ``mode`` (no window in which it is
+    more open); a stale socket left by a dead daemon is replaced, a live one refused."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists() or path.is_symlink():
+        if _in_use(path):
+            raise ControlError(f"{path}: another daemon is running on this socket")
+        path.unlink()
+    old = os.umask(0o777 & ~mode)
+    try:
+        return await asyncio.start_unix_server(client, path=str(path), limit=limit)
+    finally:
+        os.umask(old)
 
 
 def _in_use(path: Path) -> bool:

@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import os
 import socket
 from pathlib import Path
 
@@ -50,6 +49,7 @@ from ciuic_p2p.core.trainwire import (
     split_peer,
 )
 from ciuic_p2p.core.wire import parse_chunk
+from ciuic_p2p.daemon.control import serve_unix
 from ciuic_p2p.daemon.node import MeshDaemon
 from ciuic_p2p.errors import CiuicError, CodecError
 from ciuic_p2p.identity import peer_id_of
@@ -87,16 +87,7 @@ class TrainerServer:
     async def start(self) -> None:
         if self.path is None:
             raise ValueError("no socket path")
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        if self.path.exists() or self.path.is_symlink():
-            if _in_use(self.path):
-                raise CiuicError(f"{self.path}: another daemon serves trainers here")
-            self.path.unlink()
-        old = os.umask(0o117)
-        try:
-            self.server = await asyncio.start_unix_server(self._client, path=str(self.path))
-        finally:
-            os.umask(old)
+        self.server = await serve_unix(self.path, self._client, 0o660, 1 << 20)
         self._tasks.append(asyncio.get_running_loop().create_task(self._watch_members()))
 
     async def serve_socket(self, sock: socket.socket) -> None:
@@ -271,12 +262,3 @@ class TrainerServer:
             if view != self._members:
                 self._members = view
                 self._write(json_frame(FrameType.MEMBERS, {"alive": view}))
-
-
-def _in_use(path: Path) -> bool:
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
-        try:
-            s.connect(str(path))
-        except OSError:
-            return False
-        return True

@@ -291,6 +291,7 @@ class MeshSync:
             "refused_by_origin": {k: p.refused for k, p in r.peers.items()},
             "sent_by_origin": {k: p.chunks_sent for k, p in r.peers.items()},
             "params_mixed": s.params_mixed,
+            "other_runs": s.other_runs,
             "refused": dict(s.refused),
             "last_refusal": s.last_refusal,
             "staleness_p50": s.staleness_quantile(0.5),

@@ -7,7 +7,6 @@ from __future__ import annotations
 import datetime as dt
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,29 +19,11 @@ import pytest
 from ciuic_p2p.admission import ClusterCA, write_pem
 from ciuic_p2p.daemon.control import ControlError, request
 from ciuic_p2p.identity import NodeKey
+from ciuic_p2p.train.cluster import free_port_block
+
+__all__ = ["NOW", "Fleet", "free_port_block"]
 
 NOW = dt.datetime.now(dt.UTC)
-
-
-def free_port_block(count: int) -> int:
-    """A base port with ``count`` consecutive free UDP ports (best effort)."""
-    for _ in range(50):
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.bind(("127.0.0.1", 0))
-            base = int(s.getsockname()[1])
-        if base + count >= 65535:
-            continue
-        ok = True
-        for port in range(base, base + count):
-            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no block of free UDP ports")
 
 
 class Fleet:
