@@ -83,14 +83,17 @@ def plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> Path 
             curve = r["curve"]
             if not curve:
                 continue
-            t = [c[0] for c in curve]
+            if mode != "single":  # before the first byte there is no point on a log axis
+                curve = [c for c in curve if c[4] > 0] or curve
+            t = [max(c[0], 1e-3) for c in curve]
             loss = [c[2] for c in curve]
             sent = [max(c[4], 1) / 1e6 for c in curve]
             label = labels.get(mode, mode) if i == 0 else None
             ax_t.plot(t, loss, color=colors.get(mode), alpha=0.8, lw=1.2, label=label)
             if mode != "single":
                 ax_b.plot(sent, loss, color=colors.get(mode), alpha=0.8, lw=1.2, label=label)
-    ax_t.set_xlabel("training time (s)")
+    ax_t.set_xlabel("training time (s, log)")
+    ax_t.set_xscale("log")
     ax_b.set_xlabel("bytes sent per node (MB, log)")
     ax_b.set_xscale("log")
     for ax in (ax_t, ax_b):

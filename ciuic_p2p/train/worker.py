@@ -104,8 +104,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model.train()
         eval_s += time.perf_counter() - e0
         sent = 0
-        if channel is not None and channel.stats:
-            sent = int(channel.stats.get("udp_bytes_sent", 0)) - bytes0
+        if channel is not None:  # a fresh count: the plot's x axis must not lag
+            sent = int(channel.fetch_stats().get("udp_bytes_sent", 0)) - bytes0
         curve.append((time.perf_counter() - t_start - eval_s, step, loss, acc, sent))
 
     stop_votes = 0.0
@@ -140,8 +140,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         lf = float(loss.detach())
         train_loss = lf if math.isnan(train_loss) else 0.9 * train_loss + 0.1 * lf
         if step % eval_every == 0 or step == args.steps:
-            if channel is not None:
-                channel.request_stats()
             evaluate(step)
         if stop_votes > 0.5:  # the time limit: everyone stops after this step
             evaluate(step)
