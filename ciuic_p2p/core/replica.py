@@ -21,11 +21,12 @@ residual: Lin et al. 2018, "Deep Gradient Compression").
 Why settle late: a replica must answer its own gradient at once and in full. Our
 first rule applied the own update at weight ``w`` immediately and the peers' when they
 came; then three quarters of every step's restoring force arrive late, and with
-momentum SGD on the digits task a delay of one step already cost 50% in evaluation
-loss and five steps diverged (tests/train, bench/results/training.txt). With late
-settlement, the late part is the difference between the peers' updates and one's
-own, which averages out: the same simulation reaches the dense loss with 20 steps of
-delay. This is delayed averaging of local updates: each replica runs local SGD and
+momentum SGD on the digits task (4 replicas, in-process, fixed delay) a delay of one
+step already cost 50% in evaluation loss and five steps diverged (measured while
+developing; that rule is gone). With late settlement, the late part is the
+difference between the peers' updates and one's own, which averages out:
+bench/staleness.py gives +5% against dense at no delay (compression), -8% at 5
+steps, +2% at 20, +14% at 40 and +23% at 64 (bench/results/staleness-2core.txt). This is delayed averaging of local updates: each replica runs local SGD and
 the average reaches it late, as in asynchronous decentralized SGD (AD-PSGD, Lian et
 al. 2018, which proves convergence under bounded staleness) and in DiLoCo (Douillard
 et al. 2023), whose replicas take local steps between averaged outer updates; with a
