@@ -26,10 +26,12 @@ step already cost 50% in evaluation loss and five steps diverged (measured while
 developing; that rule is gone). With late settlement, the late part is the
 difference between the peers' updates and one's own, which averages out:
 bench/staleness.py gives +5% against dense at no delay (compression), -8% at 5
-steps, +2% at 20, +14% at 40 and +23% at 64 (bench/results/staleness-2core.txt). This is delayed averaging of local updates: each replica runs local SGD and
-the average reaches it late, as in asynchronous decentralized SGD (AD-PSGD, Lian et
-al. 2018, which proves convergence under bounded staleness) and in DiLoCo (Douillard
-et al. 2023), whose replicas take local steps between averaged outer updates; with a
+steps, +2% at 20, +14% at 40 and +23% at 64 (bench/results/staleness-2core.txt).
+
+This is delayed averaging of local updates: each replica runs local SGD and the
+average reaches it late, as in asynchronous decentralized SGD (AD-PSGD, Lian et al.
+2018, which proves convergence under bounded staleness) and in DiLoCo (Douillard et
+al. 2023), whose replicas take local steps between averaged outer updates; with a
 send interval above one step the local deltas are merged, like DiLoCo's inner steps.
 
 Replicas differ by their unsent residuals, the chunks in flight and the unsettled own
