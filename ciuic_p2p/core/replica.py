@@ -52,106 +52,39 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ciuic_p2p.config import CodecSection, TrainSection
 from ciuic_p2p.core.codec import BucketEncoder, BucketSpec, ChunkSource, decode_chunk
+from ciuic_p2p.core.intake import (
+    STALENESS_BINS,
+    Intake,
+    PeerState,
+    Prepared,
+    Range,
+    RefusedChunk,
+    ReplicaStats,
+)
 from ciuic_p2p.core.layout import BucketLayout
 from ciuic_p2p.core.origin import ReplayWindow
-from ciuic_p2p.core.trainwire import (
-    Kind,
-    TrainWireError,
-    decode_done,
-    decode_message,
-    decode_presence,
-    envelope,
-)
-from ciuic_p2p.core.wire import ChunkHeader, Codec
-from ciuic_p2p.errors import CiuicError, CodecError, ReplayedChunkError
+from ciuic_p2p.core.trainwire import Kind, envelope
+from ciuic_p2p.core.wire import Codec
 
-STALENESS_BINS = 4096
-
-
-class RefusedChunk(CiuicError):
-    """A peer's chunk that this replica will not apply (reason in ``reason``)."""
-
-    def __init__(
-        self, reason: str, message: str, origin: str = "", kind: Kind | None = None
-    ) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.origin = origin
-        self.kind = kind
-        """What was refused, when known (only refused updates count toward the
-        origin's total at the end of a run)."""
+__all__ = [
+    "STALENESS_BINS",
+    "PeerState",
+    "Prepared",
+    "RefusedChunk",
+    "Replica",
+    "ReplicaStats",
+    "consensus_distance",
+]
 
 
-@dataclass(frozen=True, slots=True)
-class _Range:
-    """The part of a chunk header that says where its values go."""
-
-    bucket: int
-    range_start: int
-    range_len: int
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A decoded, checked payload waiting to be applied."""
-
-    origin: str
-    kind: Kind
-    header: ChunkHeader | None
-    positions: torch.Tensor | None
-    values: torch.Tensor | None
-    rms: float
-    step: int
-    chunks: int
-    """DONE: update chunks the origin sent in all."""
-
-
-@dataclass(slots=True)
-class PeerState:
-    step: int = 0
-    """Newest step of this origin applied here (all replicas start at step 0)."""
-    done_at: int | None = None
-    chunks_sent: int = 0
-    """Update chunks the origin says it sent (from its DONE)."""
-    applied: int = 0
-    """Update chunks of this origin applied here."""
-    refused: int = 0
-    """Chunks of this origin refused here (duplicates not counted)."""
-
-
-@dataclass(slots=True)
-class ReplicaStats:
-    steps: int = 0
-    sends: int = 0
-    chunks_sent: int = 0
-    bytes_published: int = 0
-    applied: int = 0
-    params_mixed: int = 0
-    other_runs: int = 0
-    """JOIN, GONE and DONE of other runs on the same mesh, ignored."""
-    refused: collections.Counter[str] = field(default_factory=collections.Counter)
-    last_refusal: str = ""
-    residual_norm: float = 0.0
-    residual_norm_max: float = 0.0
-    staleness: np.ndarray = field(default_factory=lambda: np.zeros(STALENESS_BINS, np.int64))
-
-    def staleness_quantile(self, q: float) -> int:
-        total = int(self.staleness.sum())
-        if total == 0:
-            return 0
-        idx = int(np.searchsorted(np.cumsum(self.staleness), math.ceil(q * total)))
-        return min(idx, STALENESS_BINS - 1)
-
-
-class Replica:
-    """The update rule for one replica (see the module docstring)."""
+class Replica(Intake):
+    """The update rule for one replica (see the module docstring); peers' payloads
+    come in through :class:`~ciuic_p2p.core.intake.Intake`."""
 
     def __init__(
         self,
@@ -222,10 +155,6 @@ class Replica:
 
     # -- local side --------------------------------------------------------------------
 
-    @property
-    def weight(self) -> float:
-        return 1.0 / max(1, self.replicas)
-
     def set_alive(self, members: Iterable[str]) -> None:
         """The mesh members alive now. The replicas of this run are those of them whose
         trainer said so (JOIN, or any message of the run): a member without a trainer,
@@ -289,7 +218,7 @@ class Replica:
         while debts and debts[0][0] <= floor:
             _, bucket, start, length, positions, values = debts.popleft()
             if w < 1.0:
-                h = _Range(bucket, start, length)
+                h = Range(bucket, start, length)
                 self._add(h, positions, values, w - 1.0)
             n += 1
         self.flush()
@@ -353,158 +282,6 @@ class Replica:
         floor = self.step + 1 - self.train.staleness_bound_steps
         return [name for name, p in self.peers.items() if p.done_at is None and p.step < floor]
 
-    # -- peers' messages -----------------------------------------------------------------
-
-    def receive(self, origin: str, payload: bytes | memoryview) -> None:
-        """Prepare and apply one mesh payload from ``origin``; raises
-        :class:`RefusedChunk` (and counts it) when refused, with nothing changed."""
-        try:
-            self.apply(self.prepare(origin, payload))
-        finally:
-            self.flush()
-
-    def prepare(self, origin: str, payload: bytes | memoryview) -> Prepared | RefusedChunk:
-        """Decode and check what needs no replica state (any thread: the channel's
-        reader decodes while the trainer computes)."""
-        try:
-            return self._prepare(origin, payload)
-        except RefusedChunk as exc:
-            exc.origin = origin
-            return exc
-
-    def _prepare(self, origin: str, payload: bytes | memoryview) -> Prepared:
-        try:
-            msg = decode_message(payload)
-        except TrainWireError as exc:
-            raise RefusedChunk("malformed", f"from {origin}: {exc}") from None
-        if msg.kind is Kind.DONE:
-            try:
-                run_id, step, chunks = decode_done(msg.body)
-            except TrainWireError as exc:
-                raise RefusedChunk("malformed", f"from {origin}: {exc}") from None
-            if run_id != self.source.run_id:
-                raise RefusedChunk("other_run", f"{origin} finished another run", origin, Kind.DONE)
-            return Prepared(origin, Kind.DONE, None, None, None, 0.0, step, chunks)
-        if msg.kind in (Kind.JOIN, Kind.GONE):
-            try:
-                run_id = decode_presence(msg.body)
-            except TrainWireError as exc:
-                raise RefusedChunk("malformed", f"from {origin}: {exc}") from None
-            if run_id != self.source.run_id:
-                raise RefusedChunk("other_run", f"{origin} trains another run", origin, msg.kind)
-            return Prepared(origin, msg.kind, None, None, None, 0.0, 0, 0)
-        try:
-            decoded = decode_chunk(msg.body, self.buckets[0].device)
-        except CodecError as exc:
-            raise RefusedChunk("malformed", f"chunk from {origin}: {exc}") from None
-        h = decoded.header
-        try:
-            self._check(origin, h)
-        except RefusedChunk as exc:
-            exc.kind = msg.kind
-            raise
-        if msg.kind is Kind.PARAMS and h.codec.is_sparse:
-            raise RefusedChunk("malformed", f"parameters from {origin} are not dense")
-        rms = float(torch.linalg.vector_norm(decoded.values)) / math.sqrt(max(1, h.count))
-        return Prepared(origin, msg.kind, h, decoded.positions, decoded.values, rms, h.step, 0)
-
-    def apply(self, item: Prepared | RefusedChunk) -> None:
-        """Apply a prepared payload (training thread), exactly once; a refusal is
-        counted and raised."""
-        if (
-            isinstance(item, RefusedChunk)
-            and item.reason == "other_run"
-            and item.kind
-            in (
-                Kind.JOIN,
-                Kind.GONE,
-                Kind.DONE,
-            )
-        ):
-            self.stats.other_runs += 1  # runs share a mesh: their presence is not an error
-            return
-        try:
-            self._apply(item)
-        except RefusedChunk as exc:
-            self.stats.refused[exc.reason] += 1
-            self.stats.last_refusal = str(exc)
-            if exc.kind is Kind.UPDATE and exc.reason != "duplicate" and exc.origin in self.peers:
-                self.peers[exc.origin].refused += 1
-            raise
-
-    def _apply(self, item: Prepared | RefusedChunk) -> None:
-        if isinstance(item, RefusedChunk):
-            raise item
-        origin = item.origin
-        if item.kind is Kind.GONE:
-            self._gone.add(origin)
-            if self.peers.pop(origin, None) is not None:
-                self.replicas = 1 + len(self.peers)
-            return
-        if item.kind is Kind.JOIN:
-            self._gone.discard(origin)  # a restarted trainer joins again
-            self._replica(origin)
-            return
-        state = self._replica(origin)
-        if item.kind is Kind.DONE:
-            if state is not None:
-                state.done_at, state.chunks_sent = item.step, item.chunks
-            return
-        h = item.header
-        assert h is not None and item.values is not None
-        if item.kind is Kind.PARAMS:
-            self._check_params(origin, h, item.values)
-            self._check_once(self._params, origin, h)
-            self._mix(h, item.values)
-            return
-        ref = self._own_rms[h.bucket]
-        if (
-            self._own_count[h.bucket] >= self.train.norm_warmup_chunks
-            and item.rms > self.train.update_norm_max_ratio * ref
-        ):
-            raise RefusedChunk(
-                "norm",
-                f"chunk from {origin} (step {h.step}) has RMS {item.rms:.3g}, over "
-                f"{self.train.update_norm_max_ratio:g} x this replica's own {ref:.3g}",
-                origin,
-                Kind.UPDATE,
-            )
-        self._check_once(self._updates, origin, h)
-        self._add(h, item.positions, item.values, self.weight)
-        if state is not None:
-            state.step = max(state.step, h.step)
-            state.applied += 1
-        self.stats.applied += 1
-        self.stats.staleness[min(STALENESS_BINS - 1, max(0, self.step - h.step))] += 1
-
-    def _check(self, origin: str, h: ChunkHeader) -> None:
-        if h.run_id != self.source.run_id:
-            raise RefusedChunk(
-                "other_run", f"chunk from {origin} is of run {h.run_id.hex()}, not this one"
-            )
-        if h.layout_id != self.layout.layout_id:
-            raise RefusedChunk(
-                "layout",
-                f"chunk from {origin} is for parameter layout {h.layout_id:016x}; this "
-                f"model's is {self.layout.layout_id:016x} (another model shape?)",
-            )
-        if h.bucket >= len(self.buckets) or (
-            h.range_start + h.range_len > self.buckets[h.bucket].numel()
-        ):
-            raise RefusedChunk(
-                "range",
-                f"chunk from {origin} addresses bucket {h.bucket} "
-                f"[{h.range_start}, {h.range_start + h.range_len}) outside the model",
-            )
-
-    def _check_once(self, window: ReplayWindow, origin: str, h: ChunkHeader) -> None:
-        try:
-            window.check_and_record(h)
-        except ReplayedChunkError as exc:
-            raise RefusedChunk(
-                "duplicate", f"chunk from {origin}: {exc}", origin, Kind.UPDATE
-            ) from None
-
     def _record_own(self, chunk: bytes | bytearray) -> None:
         decoded = decode_chunk(chunk, self.buckets[0].device)
         h = decoded.header
@@ -517,66 +294,6 @@ class Replica:
             old = self._own_rms[h.bucket]
             self._own_rms[h.bucket] = rms if n == 0 else 0.9 * old + 0.1 * rms
             self._own_count[h.bucket] = n + 1
-
-    def _add(
-        self,
-        h: ChunkHeader | _Range,
-        positions: torch.Tensor | None,
-        values: torch.Tensor,
-        w: float,
-    ) -> None:
-        """Queue ``w * values`` for the bucket and the anchor; :meth:`flush` adds all
-        queued chunks with two ``index_add_`` per bucket, however many arrived."""
-        if positions is None:
-            with torch.no_grad():
-                for t in (self.buckets[h.bucket], self.anchor[h.bucket]):
-                    t[h.range_start : h.range_start + h.range_len].add_(values, alpha=w)
-            return
-        if h.range_start:
-            positions = positions + h.range_start
-        self._queued.setdefault((h.bucket, w), []).append((positions, values))
-
-    def flush(self) -> None:
-        """Add every queued chunk (call before the parameters are read)."""
-        if not self._queued:
-            return
-        with torch.no_grad():
-            for (bucket, w), parts in self._queued.items():
-                if len(parts) == 1:
-                    positions, values = parts[0]
-                else:
-                    positions = torch.cat([p for p, _ in parts])
-                    values = torch.cat([v for _, v in parts])
-                self.buckets[bucket].index_add_(0, positions, values, alpha=w)
-                self.anchor[bucket].index_add_(0, positions, values, alpha=w)
-        self._queued.clear()
-
-    def _check_params(self, origin: str, h: ChunkHeader, values: torch.Tensor) -> None:
-        """Parameters far from ours (RMS distance over the bound times our own
-        updates' RMS) come from a faulty node, not from drift: refused."""
-        ref = self._own_rms[h.bucket]
-        if self._own_count[h.bucket] < self.train.norm_warmup_chunks:
-            return
-        own = self.buckets[h.bucket][h.range_start : h.range_start + h.range_len]
-        dist = float(torch.linalg.vector_norm(values - own)) / math.sqrt(max(1, h.range_len))
-        if dist > self.train.update_norm_max_ratio * ref:
-            raise RefusedChunk(
-                "norm",
-                f"parameters from {origin} (step {h.step}) are {dist:.3g} RMS away, over "
-                f"{self.train.update_norm_max_ratio:g} x this replica's own updates {ref:.3g}",
-                origin,
-                Kind.PARAMS,
-            )
-
-    def _mix(self, h: ChunkHeader, values: torch.Tensor) -> None:
-        self.flush()
-        mix = self.train.consensus_mix / max(1, self.replicas - 1)
-        with torch.no_grad():
-            s = slice(h.range_start, h.range_start + h.range_len)
-            diff = values.sub(self.buckets[h.bucket][s]).mul_(mix)
-            self.buckets[h.bucket][s].add_(diff)
-            self.anchor[h.bucket][s].add_(diff)
-        self.stats.params_mixed += 1
 
 
 def _with_density(spec: BucketSpec, density: float) -> BucketSpec:
