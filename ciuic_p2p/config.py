@@ -402,6 +402,14 @@ def _validate(cfg: Config) -> None:
 _PRESETS = {"lan": Config.lan, "wan": Config.wan}
 
 
+def trainer_socket_path(config: Config) -> Path:
+    """``train.socket_path``, or ``trainer.sock`` in ``node.state_dir`` when unset; the
+    daemon serves it and the hook dials it."""
+    return Path(
+        config.train.socket_path or Path(config.node.state_dir) / "trainer.sock"
+    ).expanduser()
+
+
 def load_config(path: str | Path) -> Config:
     """Read a TOML file into a :class:`Config` (see the module docstring)."""
     p = Path(path)

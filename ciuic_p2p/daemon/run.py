@@ -28,7 +28,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ciuic_p2p.admission import Trust, load_certificate, load_crl
-from ciuic_p2p.config import Config, load_config
+from ciuic_p2p.config import Config, load_config, trainer_socket_path
 from ciuic_p2p.daemon.control import ControlServer
 from ciuic_p2p.daemon.node import MeshDaemon, parse_address
 from ciuic_p2p.daemon.trainer import TrainerServer
@@ -191,7 +191,7 @@ async def serve(args: argparse.Namespace) -> int:
     await control.start()
     trainers: TrainerServer | None = None
     if config.train.socket_path != "none":
-        path = Path(config.train.socket_path or state_dir / "trainer.sock").expanduser()
+        path = trainer_socket_path(config)
         trainers = TrainerServer(daemon, path)
         try:
             await trainers.start()

@@ -265,22 +265,45 @@ class LocalCluster:
             assert proc.stdout is not None
             os.set_blocking(proc.stdout.fileno(), False)
             sel.register(proc.stdout, selectors.EVENT_READ, rank)
+        try:
+            self._read_progress(procs, sel, mode, out, timeout_s, on_progress)
+        finally:  # on every path: no pipe left open
+            sel.close()
+            for _, proc in procs.values():
+                if proc.stdout is not None:
+                    proc.stdout.close()
+        results = []
+        for rank, (name, proc) in procs.items():
+            code = proc.wait(60)
+            self.trainers.remove(proc)
+            path = out / f"result-{rank}.json"
+            if code != 0 or not path.exists():
+                log = (out / f"trainer-{rank}.log").read_text(errors="replace")
+                raise ClusterError(f"{mode} trainer on {name} exited {code}: {log[-2000:]}")
+            result = json.loads(path.read_text())
+            result["node"] = name
+            results.append(result)
+        return results
+
+    @staticmethod
+    def _read_progress(
+        procs: dict[int, tuple[str, subprocess.Popen[bytes]]],
+        sel: selectors.BaseSelector,
+        mode: str,
+        out: Path,
+        timeout_s: float,
+        on_progress: Callable[[str, dict[str, Any]], None] | None,
+    ) -> None:
+        """Read the trainers' JSON lines until every pipe closes; raise as soon as one
+        trainer fails or the time is up."""
         buffers = {rank: b"" for rank in procs}
         deadline = time.monotonic() + timeout_s
         open_pipes = len(procs)
         while open_pipes:
             if time.monotonic() > deadline:
-                sel.close()
-                for _, proc in procs.values():
-                    if proc.stdout is not None:
-                        proc.stdout.close()
                 raise ClusterError(f"{mode} training did not finish within {timeout_s:g} s")
             for rank, (name, proc) in procs.items():
                 if proc.poll() not in (None, 0):  # one failed: do not wait out the others
-                    sel.close()
-                    for _, other in procs.values():
-                        if other.stdout is not None:
-                            other.stdout.close()
                     log = (out / f"trainer-{rank}.log").read_text(errors="replace")
                     raise ClusterError(
                         f"{mode} trainer on {name} exited {proc.returncode}: {log[-2000:]}"
@@ -301,21 +324,6 @@ class LocalCluster:
                         continue
                     if on_progress is not None and isinstance(obj, dict):
                         on_progress(procs[rank][0], obj)
-        sel.close()
-        results = []
-        for rank, (name, proc) in procs.items():
-            if proc.stdout is not None:
-                proc.stdout.close()
-            code = proc.wait(60)
-            self.trainers.remove(proc)
-            path = out / f"result-{rank}.json"
-            if code != 0 or not path.exists():
-                log = (out / f"trainer-{rank}.log").read_text(errors="replace")
-                raise ClusterError(f"{mode} trainer on {name} exited {code}: {log[-2000:]}")
-            result = json.loads(path.read_text())
-            result["node"] = name
-            results.append(result)
-        return results
 
     # -- teardown ------------------------------------------------------------------------
 

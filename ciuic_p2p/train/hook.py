@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ciuic_p2p.config import Config
+from ciuic_p2p.config import Config, trainer_socket_path
 from ciuic_p2p.core.codec import ChunkSource
 from ciuic_p2p.core.layout import BucketLayout
 from ciuic_p2p.core.replica import RefusedChunk, Replica
@@ -374,8 +374,3 @@ def attach(
         if started and daemon is not None:
             daemon.stop(leave=False)
         raise
-
-
-def trainer_socket_path(config: Config) -> Path:
-    """``train.socket_path``, or ``trainer.sock`` in ``node.state_dir`` when unset."""
-    return Path(config.train.socket_path or Path(config.node.state_dir) / "trainer.sock")

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from ciuic_p2p.config import Config, load_config
+from ciuic_p2p.core.layout import BucketLayout
 from ciuic_p2p.train.channel import DaemonChannel
 from ciuic_p2p.train.hook import MeshSync, attach, flatten_parameters
 from ciuic_p2p.train.ring import RingAllReduce
@@ -68,20 +69,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             seed=args.seed,
         )
         channel = sync.channel
-        flat = None
+        buckets = sync.buckets
     else:
-        layout_model = model
         if args.mode == "dense":
             channel = DaemonChannel.connect(args.socket)
             welcome = channel.hello(args.run)
             channel.wait(lambda: len(channel.alive) >= args.world, 120)
             order = args.ring.split(",") if args.ring else sorted(channel.alive)
             ring = RingAllReduce(channel, order, str(welcome["peer"]))
-        from ciuic_p2p.core.layout import BucketLayout  # noqa: PLC0415
-
-        layout = BucketLayout.for_module(layout_model, dense_below_numel=0)
-        flat_buckets = flatten_parameters(model, layout)
-        flat = flat_buckets
+        # Flat buckets here too, only so that every mode saves its parameters alike.
+        buckets = flatten_parameters(model, BucketLayout.for_module(model, dense_below_numel=0))
         optimizer = task.optimizer(list(model.parameters()))
     numel = sum(p.numel() for p in model.parameters())
     # One extra element rides along: the first trainer's "stop now" vote, so that a
@@ -188,9 +185,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     }
     if sync is not None:
         result["sync"] = sync.stats
-        buckets = sync.buckets
-    else:
-        buckets = flat or []
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.save([b.detach().cpu() for b in buckets], out / f"params-{args.rank}.pt")
