@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _config_check(path: str) -> int:
     cfg: Config = load_config(path)
     print(f"{path}: ok (preset {cfg.preset})")
-    for section in ("node", "codec", "transport", "mesh", "train", "log"):
+    for section in ("node", "codec", "transport", "mesh", "train", "store", "log"):
         values = getattr(cfg, section)
         for name in values.__dataclass_fields__:
             print(f"  {section}.{name} = {getattr(values, name)!r}")

@@ -1,7 +1,7 @@
 """The node's configuration: one frozen dataclass with documented defaults.
 
 ``Config`` groups its settings in sections (``node``, ``codec``, ``transport``,
-``log``); each section is itself frozen. Two presets exist: :meth:`Config.lan` for
+``mesh``, ``train``, ``store``, ``log``); each section is itself frozen. Two presets exist: :meth:`Config.lan` for
 nodes in one data centre and :meth:`Config.wan` (the default) for nodes continents
 apart. A TOML file may name a preset and then override single keys::
 
@@ -260,6 +260,43 @@ class TrainSection:
 
 
 @dataclass(frozen=True, slots=True)
+class StoreSection:
+    """The shared store and state sync (core.store, daemon.store)."""
+
+    piece_bytes: int = 256 * 1024
+    """Objects travel in pieces of this size, each verified by its BLAKE2b digest."""
+    window_pieces: int = 8
+    """Piece requests in flight per donor."""
+    max_donors: int = 4
+    """Donors one fetch stripes over (those holding the exact same content)."""
+    upload_slots: int = 1
+    """Fetchers a holder serves at once; the others are told BUSY and go elsewhere."""
+    upload_idle_s: float = 5.0
+    query_timeout_s: float = 2.0
+    """How long a fetch waits for members to say what they hold."""
+    piece_timeout_s: float = 3.0
+    """A donor that sends nothing for this long while asked is replaced."""
+    retry_s: float = 0.5
+    fetch_timeout_s: float = 120.0
+    unknown_rtt_s: float = 0.5
+    """RTT assumed for a donor the RTT map does not know yet."""
+    max_corrupt_per_donor: int = 3
+    """Pieces with a wrong digest after which a donor is no longer asked."""
+    replicas: int = 2
+    """Other members a ``put`` has hold a copy before it returns."""
+    state_version_slack_steps: int = 1000
+    """State sync takes any replica's state at most this many steps behind the newest
+    offered (the nearest of those, by RTT and load)."""
+    sync_optimizer_state: bool = True
+    """State sync and checkpoints carry the optimizer's state (momentum, Adam moments)
+    besides the parameters."""
+    checkpoint_dir: str = ""
+    """Where the hook writes checkpoints; empty: ``checkpoints`` in ``node.state_dir``."""
+    checkpoint_interval_s: float = 300.0
+    """0: only on SIGTERM and at the end."""
+
+
+@dataclass(frozen=True, slots=True)
 class LogSection:
     """Logging (see ciuic_p2p.logsetup)."""
 
@@ -282,6 +319,7 @@ class Config:
     transport: TransportSection = field(default_factory=TransportSection)
     mesh: MeshSection = field(default_factory=MeshSection)
     train: TrainSection = field(default_factory=TrainSection)
+    store: StoreSection = field(default_factory=StoreSection)
     log: LogSection = field(default_factory=LogSection)
 
     def __post_init__(self) -> None:
@@ -394,6 +432,22 @@ def _validate(cfg: Config) -> None:
         (t.norm_warmup_chunks >= 1, "train.norm_warmup_chunks", "must be >= 1"),
         (t.finish_timeout_s > 0, "train.finish_timeout_s", "must be > 0"),
     ]  # fmt: skip
+    st = cfg.store
+    checks += [
+        (4096 <= st.piece_bytes <= 1 << 20, "store.piece_bytes", "must be in [4096, 1048576]"),
+        (1 <= st.window_pieces <= 256, "store.window_pieces", "must be in [1, 256]"),
+        (st.max_donors >= 1, "store.max_donors", "must be >= 1"),
+        (st.upload_slots >= 1, "store.upload_slots", "must be >= 1"),
+        (st.replicas >= 0, "store.replicas", "must be >= 0"),
+        (st.max_corrupt_per_donor >= 1, "store.max_corrupt_per_donor", "must be >= 1"),
+        (st.state_version_slack_steps >= 0, "store.state_version_slack_steps", "must be >= 0"),
+        (st.checkpoint_interval_s >= 0, "store.checkpoint_interval_s", "must be >= 0"),
+    ]  # fmt: skip
+    checks += [
+        (getattr(st, k) > 0, f"store.{k}", "must be > 0")
+        for k in ("upload_idle_s", "query_timeout_s", "piece_timeout_s", "retry_s",
+                  "fetch_timeout_s", "unknown_rtt_s")
+    ]  # fmt: skip
     for ok, key, why in checks:
         if not ok:
             raise ConfigError(f"{key}: {why}")
@@ -445,7 +499,7 @@ def config_from_mapping(data: dict[str, Any], source: str = "<mapping>") -> Conf
         if key not in hints or not dataclasses.is_dataclass(hints[key]):
             raise ConfigError(
                 f"{source}: {key}: unknown key (top-level keys: preset, and the sections "
-                "node, codec, transport, log)"
+                "node, codec, transport, mesh, train, store, log)"
             )
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key}: must be a table")

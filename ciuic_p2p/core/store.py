@@ -1,0 +1,455 @@
+"""The shared store: named, versioned objects held by members and fetched in pieces,
+verified by hash, from the nearest holders. Pure: no clock, no I/O (``now`` comes in,
+messages to send come out; the daemon's adapter is daemon.store).
+
+Two parts:
+
+- :class:`Holder` keeps this node's objects (the newest version of each name, and an
+  older one while an upload still reads it) and answers queries and piece requests.
+  It serves ``upload_slots`` fetchers at a time and answers the rest BUSY, so that
+  several joiners at once spread over several donors instead of choking one (the
+  failure hivemind's state download has, its issue #169).
+- :class:`Fetch` gets one object: it asks every member which version it holds, picks
+  donors by RTT and load (score ``rtt * (1 + load)``) among those with a version no
+  more than ``version_slack`` behind the newest, keeps ``window_pieces`` requests in
+  flight per donor, and stripes over every donor holding the exact same content. A
+  piece whose digest is wrong is fetched again; a donor that goes quiet, dies or is
+  busy is replaced and its pieces reassigned. Pieces already verified are kept across
+  donors whose ``compat`` digest is the same: for an exact object that is its content
+  digest; for a training replica's state it is the state's layout, since replicas
+  hold nearly the same values (within the consensus bound) and a state assembled
+  from two of them is, element by element, one replica's or the other's.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from ciuic_p2p.config import StoreSection
+from ciuic_p2p.core.storewire import (
+    Get,
+    Kind,
+    Manifest,
+    Message,
+    NoneHeld,
+    Offer,
+    Piece,
+    Query,
+    Ref,
+)
+
+
+@dataclass(slots=True)
+class Held:
+    manifest: Manifest
+    data: bytes
+    root: bytes
+
+
+@dataclass(slots=True)
+class _Upload:
+    root: bytes
+    last_s: float
+
+
+class Holder:
+    """This node's objects and its side of uploads."""
+
+    def __init__(self, settings: StoreSection) -> None:
+        self.settings = settings
+        self.objects: dict[str, list[Held]] = {}
+        self.uploads: dict[str, _Upload] = {}
+        self.counters: collections.Counter[str] = collections.Counter()
+
+    def put(
+        self, name: str, version: int, data: bytes, compat: bytes | None = None
+    ) -> Manifest:
+        """Hold ``data`` as ``name`` at ``version`` (replacing older versions once no
+        upload reads them)."""
+        manifest = Manifest.build(name, version, data, self.settings.piece_bytes, compat)
+        held = Held(manifest, bytes(data), manifest.root)
+        versions = [h for h in self.objects.get(name, []) if h.manifest.version != version]
+        self.objects[name] = versions + [held]
+        self._trim(name)
+        return manifest
+
+    def newest(self, name: str) -> Held | None:
+        versions = self.objects.get(name)
+        return max(versions, key=lambda h: h.manifest.version) if versions else None
+
+    def find(self, name: str, version: int, root: bytes) -> Held | None:
+        for held in self.objects.get(name, ()):
+            if held.manifest.version == version and held.root == root:
+                return held
+        return None
+
+    def load(self, now: float) -> int:
+        self._expire(now)
+        return len(self.uploads)
+
+    def on_query(self, query: Query, now: float) -> Offer | NoneHeld:
+        held = self.newest(query.name)
+        self.counters["queries"] += 1
+        if held is None or held.manifest.version < query.min_version:
+            return NoneHeld(query.name, query.token)
+        return Offer(query.token, self.load(now), held.manifest)
+
+    def on_get(self, peer: str, get: Get, now: float) -> list[Piece] | Ref:
+        """The pieces asked for, or BUSY; an unknown object or index is answered BUSY
+        too (the fetcher then asks elsewhere)."""
+        held = self.find(get.name, get.version, get.root)
+        self._expire(now)
+        upload = self.uploads.get(peer)
+        busy = Ref(Kind.BUSY, get.name, get.version, get.root)
+        if held is None or any(i >= held.manifest.pieces for i in get.indices):
+            self.counters["gets_unknown"] += 1
+            return busy
+        if upload is None and len(self.uploads) >= self.settings.upload_slots:
+            self.counters["gets_busy"] += 1
+            return busy
+        self.uploads[peer] = _Upload(held.root, now)
+        view = memoryview(held.data)
+        pieces = []
+        for i in get.indices:
+            start, end = held.manifest.piece_span(i)
+            pieces.append(Piece(get.name, get.version, get.root, i, view[start:end]))
+        self.counters["pieces_served"] += len(pieces)
+        return pieces
+
+    def finished(self, peer: str) -> None:
+        self.uploads.pop(peer, None)
+
+    def _expire(self, now: float) -> None:
+        idle = self.settings.upload_idle_s
+        for peer in [p for p, u in self.uploads.items() if now - u.last_s > idle]:
+            del self.uploads[peer]
+        for name in list(self.objects):
+            self._trim(name)
+
+    def _trim(self, name: str) -> None:
+        versions = self.objects[name]
+        newest = max(h.manifest.version for h in versions)
+        reading = {u.root for u in self.uploads.values()}
+        self.objects[name] = [
+            h for h in versions if h.manifest.version == newest or h.root in reading
+        ]
+
+
+class FetchState(enum.Enum):
+    QUERYING = "querying"
+    FETCHING = "fetching"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(slots=True)
+class FetchStats:
+    pieces_by_donor: collections.Counter[str] = field(default_factory=collections.Counter)
+    corrupt: int = 0
+    stray: int = 0
+    donor_timeouts: int = 0
+    donors_lost: int = 0
+    busy: int = 0
+    queries: int = 0
+    restarts: int = 0
+    """Times verified pieces were thrown away (no holder of a compatible state left)."""
+
+
+class Fetch:
+    """Get one object (see the module docstring). Drive it with the ``on_*`` methods
+    and :meth:`handle_timer`; send what :meth:`take_messages` returns."""
+
+    def __init__(
+        self,
+        name: str,
+        min_version: int,
+        peers: Iterable[str],
+        now: float,
+        *,
+        settings: StoreSection,
+        rtt_s: Callable[[str], float | None],
+        token: int = 1,
+        version_slack: int = 0,
+    ) -> None:
+        self.name = name
+        self.min_version = min_version
+        self.settings = settings
+        self.rtt_s = rtt_s
+        self.version_slack = version_slack
+        self.peers = list(dict.fromkeys(peers))
+        self.state = FetchState.QUERYING
+        self.error = ""
+        self.stats = FetchStats()
+        self.deadline = now + settings.fetch_timeout_s
+        self.offers: dict[str, Offer] = {}
+        self.version = -1
+        self.manifest: Manifest | None = None
+        """The manifest of the first donor chosen (the group's shape)."""
+        self.result: bytearray | None = None
+        self._token = token
+        self._answered: set[str] = set()
+        self._query_until = 0.0
+        self._requery_at: float | None = None
+        self._group: tuple[bytes, int, int] | None = None
+        self._pieces: list[bool] = []
+        self._buffer = bytearray()
+        self._todo: collections.deque[int] = collections.deque()
+        self._active: dict[str, dict[int, float]] = {}
+        self._heard: dict[str, float] = {}
+        self._strikes: collections.Counter[str] = collections.Counter()
+        self._failed: set[str] = set()
+        self._busy_until: dict[str, float] = {}
+        self._out: list[tuple[str, Message]] = []
+        self._query(now)
+
+    # -- inputs ---------------------------------------------------------------------------
+
+    def on_offer(self, peer: str, offer: Offer, now: float) -> None:
+        if offer.token != self._token or offer.manifest.name != self.name:
+            self.stats.stray += 1
+            return
+        self.offers[peer] = offer
+        self._answered.add(peer)
+        self._maybe_choose(now)
+
+    def on_none(self, peer: str, msg: NoneHeld, now: float) -> None:
+        if msg.token == self._token:
+            self._answered.add(peer)
+            self._maybe_choose(now)
+
+    def on_busy(self, peer: str, now: float) -> None:
+        if peer in self._active:
+            self.stats.busy += 1
+            self._drop(peer)
+            self._busy_until[peer] = now + self.settings.retry_s
+            self._activate(now)
+
+    def on_piece(self, peer: str, piece: Piece, now: float) -> None:
+        sent = self._active.get(peer)
+        offer = self.offers.get(peer)
+        if (
+            sent is None
+            or offer is None
+            or piece.index not in sent
+            or piece.version != offer.manifest.version
+            or piece.root != offer.manifest.root
+        ):
+            self.stats.stray += 1
+            return
+        del sent[piece.index]
+        self._heard[peer] = now
+        manifest = offer.manifest
+        if not manifest.check_piece(piece.index, piece.data):
+            self.stats.corrupt += 1
+            self._strikes[peer] += 1
+            self._todo.appendleft(piece.index)
+            if self._strikes[peer] >= self.settings.max_corrupt_per_donor:
+                self._fail_donor(peer)
+            self._activate(now)
+            return
+        start, end = manifest.piece_span(piece.index)
+        self._buffer[start:end] = piece.data
+        self._pieces[piece.index] = True
+        self.stats.pieces_by_donor[peer] += 1
+        if all(self._pieces):
+            self.state = FetchState.DONE
+            self.result = self._buffer
+            self._active.clear()
+            return
+        self._fill(now)
+
+    def peer_gone(self, peer: str, now: float) -> None:
+        """The mesh declared ``peer`` dead or left."""
+        if peer in self.peers:
+            self.peers.remove(peer)
+        self.offers.pop(peer, None)
+        if peer in self._active:
+            self.stats.donors_lost += 1
+            self._drop(peer)
+            self._activate(now)
+        else:
+            self._maybe_choose(now)
+
+    def handle_timer(self, now: float) -> None:
+        if self.done:
+            return
+        if now >= self.deadline:
+            self._fail(f"no complete copy of {self.name!r} within the fetch timeout")
+            return
+        if self.state is FetchState.QUERYING:
+            if self._requery_at is not None and now >= self._requery_at:
+                self._query(now)
+            elif self._requery_at is None and now >= self._query_until:
+                self._choose(now)
+            return
+        for peer in [p for p, t in self._busy_until.items() if t <= now]:
+            del self._busy_until[peer]
+        for peer, sent in list(self._active.items()):
+            if sent and now - self._heard.get(peer, now) >= self.settings.piece_timeout_s:
+                self.stats.donor_timeouts += 1
+                self._fail_donor(peer)
+        if not self._active:
+            self._activate(now)
+
+    def get_timer(self) -> float | None:
+        if self.done:
+            return None
+        times = [self.deadline]
+        if self.state is FetchState.QUERYING:
+            times.append(self._requery_at if self._requery_at is not None else self._query_until)
+        else:
+            times += [
+                self._heard.get(p, self.deadline) + self.settings.piece_timeout_s
+                for p, sent in self._active.items()
+                if sent
+            ]
+            times += self._busy_until.values()
+        return min(times)
+
+    def take_messages(self) -> list[tuple[str, Message]]:
+        out, self._out = self._out, []
+        return out
+
+    @property
+    def done(self) -> bool:
+        return self.state in (FetchState.DONE, FetchState.FAILED)
+
+    @property
+    def donors(self) -> list[str]:
+        return list(self._active)
+
+    @property
+    def received_pieces(self) -> int:
+        return sum(self._pieces)
+
+    # -- choosing donors -----------------------------------------------------------------
+
+    def _query(self, now: float) -> None:
+        self._token += 1
+        self._answered = set()
+        # A donor that went quiet may be back; one that sent bad pieces stays out.
+        limit = self.settings.max_corrupt_per_donor
+        self._failed = {p for p in self._failed if self._strikes[p] >= limit}
+        self._requery_at = None
+        self.offers = {}
+        self.state = FetchState.QUERYING
+        self.stats.queries += 1
+        self._query_until = now + self.settings.query_timeout_s
+        query = Query(self.name, self.min_version, self._token)
+        self._out += [(p, query) for p in self.peers]
+        if not self.peers:
+            self._requery_at = now + self.settings.retry_s
+
+    def _maybe_choose(self, now: float) -> None:
+        if self.state is FetchState.QUERYING and self._requery_at is None:
+            if all(p in self._answered for p in self.peers):
+                self._choose(now)
+
+    def _score(self, peer: str) -> float:
+        rtt = self.rtt_s(peer)
+        rtt = self.settings.unknown_rtt_s if rtt is None else rtt
+        return rtt * (1 + self.offers[peer].load)
+
+    def _candidates(self, now: float) -> list[str]:
+        """Usable donors, best first: up to date, compatible with what is held."""
+        usable = {
+            p: o
+            for p, o in self.offers.items()
+            if o.manifest.version >= self.min_version
+            and p not in self._failed
+            and self._busy_until.get(p, 0.0) <= now
+        }
+        if not usable:
+            return []
+        newest = max(o.manifest.version for o in usable.values())
+        fresh = [p for p, o in usable.items() if o.manifest.version >= newest - self.version_slack]
+        if self._group is not None:
+            fresh = [p for p in fresh if _group(self.offers[p].manifest) == self._group]
+        return sorted(fresh, key=lambda p: (self._score(p), p))
+
+    def _choose(self, now: float) -> None:
+        """The query round ended: start (or resume) fetching."""
+        best = self._candidates(now)
+        if not best and self._group is not None and self.received_pieces and not any(
+            self._busy_until.get(p, 0.0) > now for p in self.offers
+        ):
+            if self.offers:  # nobody holds a compatible state any more: start over
+                self.stats.restarts += 1
+                self._group = None
+                best = self._candidates(now)
+        if not best:
+            self._requery_at = now + self.settings.retry_s
+            return
+        if self._group is None:
+            manifest = self.offers[best[0]].manifest
+            self._group = _group(manifest)
+            self.manifest = manifest
+            self.version = manifest.version
+            self._pieces = [False] * manifest.pieces
+            self._buffer = bytearray(manifest.total_bytes)
+            self._todo = collections.deque(range(manifest.pieces))
+            if manifest.pieces == 0:
+                self.state = FetchState.DONE
+                self.result = self._buffer
+                return
+        self.state = FetchState.FETCHING
+        self._activate(now)
+
+    def _activate(self, now: float) -> None:
+        """Bring the donor set up to strength: the best candidate, plus every other
+        holder of the same exact content (striping), up to ``max_donors``."""
+        if self.done or self.state is not FetchState.FETCHING:
+            return
+        if not self._active:
+            best = self._candidates(now)
+            if not best:
+                if any(t > now for t in self._busy_until.values()):
+                    return  # the timer retries when a busy donor's wait ends
+                self._query(now)  # every known donor failed: ask again
+                return
+            self._start_donor(best[0], now)
+        root = self.offers[next(iter(self._active))].manifest.root
+        for peer in self._candidates(now):
+            if len(self._active) >= self.settings.max_donors:
+                break
+            if peer not in self._active and self.offers[peer].manifest.root == root:
+                self._start_donor(peer, now)
+        self._fill(now)
+
+    def _start_donor(self, peer: str, now: float) -> None:
+        self._active[peer] = {}
+        self._heard[peer] = now
+
+    def _fill(self, now: float) -> None:
+        window = self.settings.window_pieces
+        for peer, sent in self._active.items():
+            room = window - len(sent)
+            if room <= 0 or not self._todo:
+                continue
+            take = [self._todo.popleft() for _ in range(min(room, len(self._todo)))]
+            if not sent:
+                self._heard[peer] = now
+            for i in take:
+                sent[i] = now
+            m = self.offers[peer].manifest
+            self._out.append((peer, Get(self.name, m.version, m.root, tuple(take))))
+
+    def _drop(self, peer: str) -> None:
+        sent = self._active.pop(peer, {})
+        self._todo.extendleft(sorted(sent, reverse=True))
+
+    def _fail_donor(self, peer: str) -> None:
+        self._failed.add(peer)
+        self._drop(peer)
+
+    def _fail(self, why: str) -> None:
+        self.state = FetchState.FAILED
+        self.error = why
+        self._active.clear()
+
+
+def _group(m: Manifest) -> tuple[bytes, int, int]:
+    return (m.compat, m.total_bytes, m.piece_bytes)

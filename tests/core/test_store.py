@@ -1,0 +1,322 @@
+"""The shared store's state machines (core.store) and wire format (core.storewire),
+on virtual time: every message goes through the wire codec."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ciuic_p2p.config import StoreSection
+from ciuic_p2p.core import storewire
+from ciuic_p2p.core.store import Fetch, FetchState, Holder
+from ciuic_p2p.core.storewire import (
+    Get,
+    Kind,
+    Manifest,
+    NoneHeld,
+    Offer,
+    Piece,
+    Query,
+    Ref,
+    StoreWireError,
+    decode,
+    encode,
+)
+
+S = StoreSection(piece_bytes=4096, window_pieces=4, query_timeout_s=1.0, piece_timeout_s=2.0)
+
+
+class Net:
+    """Holders answering one fetch, with one-way latency per peer (virtual time)."""
+
+    def __init__(self, holders: dict[str, Holder], latency_s: dict[str, float]) -> None:
+        self.holders = holders
+        self.latency_s = latency_s
+        self.now = 0.0
+        self.dead: set[str] = set()
+        self.corrupt_next: dict[str, int] = {}
+        self.events: list[tuple[float, int, str, object]] = []
+        self.seq = 0
+        self.kill_after_pieces: tuple[str, int] | None = None
+        self.served: dict[str, int] = {}
+
+    def send(self, fetch: Fetch) -> None:
+        for peer, msg in fetch.take_messages():
+            msg = decode(encode(msg))  # every message crosses the wire codec
+            if peer in self.dead:
+                continue
+            h = self.holders[peer]
+            replies: list[object]
+            if isinstance(msg, Query):
+                replies = [h.on_query(msg, self.now)]
+            elif isinstance(msg, Get):
+                got = h.on_get("fetcher", msg, self.now)
+                replies = list(got) if isinstance(got, list) else [got]
+            else:
+                raise AssertionError(msg)
+            for i, r in enumerate(replies):
+                wire = decode(encode(r))  # type: ignore[arg-type]
+                if isinstance(wire, Piece) and self.corrupt_next.get(peer, 0) > 0:
+                    self.corrupt_next[peer] -= 1
+                    data = bytearray(wire.data)
+                    data[0] ^= 0xFF
+                    wire = dataclasses.replace(wire, data=bytes(data))
+                at = self.now + 2 * self.latency_s[peer] + 0.001 * i
+                self.seq += 1
+                self.events.append((at, self.seq, peer, wire))
+
+    def run(self, fetch: Fetch, limit_s: float = 300.0) -> None:
+        self.send(fetch)
+        for _ in range(100_000):  # bounded: a fetch that stops progressing fails here
+            if fetch.done or self.now >= limit_s:
+                return
+            self.events.sort(key=lambda e: (e[0], e[1]))
+            timer = fetch.get_timer()
+            if self.events and (timer is None or self.events[0][0] <= timer):
+                at, _, peer, msg = self.events.pop(0)
+                self.now = max(self.now, at)
+                if peer in self.dead:
+                    continue
+                if isinstance(msg, Offer):
+                    fetch.on_offer(peer, msg, self.now)
+                elif isinstance(msg, NoneHeld):
+                    fetch.on_none(peer, msg, self.now)
+                elif isinstance(msg, Piece):
+                    self.served[peer] = self.served.get(peer, 0) + 1
+                    fetch.on_piece(peer, msg, self.now)
+                    kill = self.kill_after_pieces
+                    if kill and kill[0] == peer and self.served[peer] >= kill[1]:
+                        self.dead.add(peer)
+                elif isinstance(msg, Ref) and msg.kind is Kind.BUSY:
+                    fetch.on_busy(peer, self.now)
+            else:
+                assert timer is not None
+                self.now = max(self.now, timer)
+                fetch.handle_timer(self.now)
+            self.send(fetch)
+        raise AssertionError("the fetch loops without progress")
+
+
+def make(peers: dict[str, float], data: dict[str, bytes], version: dict[str, int] | None = None,
+         compat: bytes | None = None, slots: int = 1) -> tuple[Net, dict[str, Holder]]:  # fmt: skip
+    holders = {}
+    for p in peers:
+        h = Holder(dataclasses.replace(S, upload_slots=slots))
+        if p in data:
+            h.put("obj", (version or {}).get(p, 5), data[p], compat)
+        holders[p] = h
+    return Net(holders, peers), holders
+
+
+def fetch_for(net: Net, **kw: object) -> Fetch:
+    args: dict[str, object] = {"settings": S, "rtt_s": lambda p: 2 * net.latency_s[p]}
+    args.update(kw)
+    return Fetch("obj", int(args.pop("min_version", 0)), list(net.holders), 0.0, **args)  # type: ignore[arg-type]
+
+
+def test_fetches_from_the_nearest_and_stripes_over_exact_copies() -> None:
+    data = os.urandom(40_000)
+    net, _ = make({"a": 0.05, "b": 0.01, "c": 0.02, "d": 0.03}, {"a": data, "b": data, "c": data})
+    f = fetch_for(net)
+    net.run(f)
+    assert f.state is FetchState.DONE and bytes(f.result or b"") == data
+    # Every holder of the same content served; the nearest was chosen first.
+    assert set(f.stats.pieces_by_donor) == {"a", "b", "c"}
+    assert f.stats.pieces_by_donor["b"] >= f.stats.pieces_by_donor["a"]
+
+
+def test_a_corrupted_piece_is_detected_and_fetched_again() -> None:
+    data = os.urandom(20_000)
+    net, _ = make({"a": 0.01, "b": 0.02}, {"a": data})
+    net.corrupt_next["a"] = 2
+    f = fetch_for(net)
+    net.run(f)
+    assert f.state is FetchState.DONE and bytes(f.result or b"") == data
+    assert f.stats.corrupt == 2
+
+
+def test_a_donor_that_keeps_sending_bad_pieces_is_dropped_for_another() -> None:
+    data = os.urandom(20_000)
+    net, _ = make({"a": 0.01, "b": 0.02}, {"a": data, "b": data})
+    net.corrupt_next["a"] = 10**6
+    f = fetch_for(net, settings=dataclasses.replace(S, max_donors=1))
+    net.run(f)
+    assert f.state is FetchState.DONE and bytes(f.result or b"") == data
+    assert f.stats.corrupt == S.max_corrupt_per_donor
+    assert f.stats.pieces_by_donor["b"] == 5 and "a" not in f.stats.pieces_by_donor
+
+
+def test_a_donor_killed_mid_transfer_is_replaced_without_starting_over() -> None:
+    """Two replicas' states (different bytes, same layout: same compat): the joiner
+    keeps what it verified from the first and takes the rest from the second."""
+    layout = b"L" * 32
+    a, b = os.urandom(64_000), os.urandom(64_000)
+    net, _ = make({"a": 0.01, "b": 0.03}, {"a": a, "b": b}, compat=layout)
+    net.kill_after_pieces = ("a", 6)
+    f = fetch_for(net)
+    net.run(f)
+    assert f.state is FetchState.DONE
+    assert f.stats.pieces_by_donor["a"] == 6 and f.stats.pieces_by_donor["b"] == 16 - 6
+    assert f.stats.restarts == 0 and f.stats.donor_timeouts == 1
+    got = bytes(f.result or b"")
+    for i in range(16):
+        span = slice(i * 4096, (i + 1) * 4096)
+        assert got[span] in (a[span], b[span])
+    assert sum(got[i * 4096 : (i + 1) * 4096] == a[i * 4096 : (i + 1) * 4096]
+               for i in range(16)) == 6  # fmt: skip
+    # A content that is not compatible is never mixed in: it starts over instead.
+    net2, _ = make({"a": 0.01, "b": 0.03}, {"a": a, "b": b})
+    net2.kill_after_pieces = ("a", 6)
+    f2 = fetch_for(net2)
+    net2.run(f2)
+    assert f2.state is FetchState.DONE and bytes(f2.result or b"") == b
+    assert f2.stats.restarts == 1
+
+
+def test_mesh_death_notice_replaces_the_donor_at_once() -> None:
+    data = os.urandom(64_000)
+    net, _ = make({"a": 0.01, "b": 0.03}, {"a": data, "b": data})
+    f = fetch_for(net, settings=dataclasses.replace(S, max_donors=1))
+    net.send(f)
+    net.run(f, limit_s=0.05)  # the offers and a few pieces
+    assert f.donors == ["a"]
+    net.dead.add("a")
+    f.peer_gone("a", net.now)
+    assert f.donors == ["b"]
+    net.run(f)
+    assert f.state is FetchState.DONE and bytes(f.result or b"") == data
+    assert f.stats.donor_timeouts == 0
+
+
+def test_two_fetchers_at_once_spread_over_two_donors() -> None:
+    data = os.urandom(64_000)
+    net, holders = make({"a": 0.01, "b": 0.02, "c": 0.04}, {"a": data, "b": data, "c": data})
+    s1 = dataclasses.replace(S, max_donors=1)
+    f1 = fetch_for(net, settings=s1)
+    net.send(f1)
+    net.run(f1, limit_s=0.1)  # f1 holds a's upload slot
+    assert f1.donors == ["a"]
+    # The second fetcher runs against the same holders (named differently).
+    f2 = Fetch("obj", 0, list(holders), net.now, settings=s1, rtt_s=lambda p: 0.01, token=7)
+    for peer, msg in f2.take_messages():
+        assert isinstance(msg, Query)
+        f2.on_offer(peer, holders[peer].on_query(msg, net.now), net.now)  # type: ignore[arg-type]
+    # Offers carry load: a is busy, so the second goes to the next best.
+    assert f2.donors == ["b"]
+
+
+def test_busy_donor_is_left_for_the_next_and_retried() -> None:
+    data = os.urandom(20_000)
+    net, holders = make({"a": 0.01, "b": 0.02}, {"a": data, "b": data})
+    held = holders["a"].newest("obj")
+    assert held is not None  # another fetcher takes a's only upload slot
+    holders["a"].on_get("someone", Get("obj", 5, held.root, (0,)), 0.0)
+    f = fetch_for(net, settings=dataclasses.replace(S, max_donors=1))
+    net.run(f)
+    assert f.state is FetchState.DONE and f.stats.pieces_by_donor["b"] == 5
+
+
+def test_newest_version_is_taken_and_min_version_respected() -> None:
+    old, new = os.urandom(9000), os.urandom(9000)
+    net, _ = make({"a": 0.01, "b": 0.05}, {"a": old, "b": new}, version={"a": 3, "b": 9})
+    f = fetch_for(net)
+    net.run(f)
+    assert bytes(f.result or b"") == new and f.version == 9
+    # With slack, the nearer holder of a slightly older version is good enough.
+    net, _ = make({"a": 0.01, "b": 0.05}, {"a": old, "b": new}, version={"a": 8, "b": 9},
+                  compat=b"x" * 32)  # fmt: skip
+    f = fetch_for(net, version_slack=2)
+    net.run(f)
+    assert bytes(f.result or b"") == old and f.version == 8
+    net, _ = make({"a": 0.01}, {"a": old}, version={"a": 3})
+    f = fetch_for(net, min_version=4, settings=dataclasses.replace(S, fetch_timeout_s=5.0))
+    net.run(f)
+    assert f.state is FetchState.FAILED and "fetch timeout" in f.error
+
+
+def test_nobody_holds_it_fails_after_the_deadline_and_retries_until_then() -> None:
+    net, _ = make({"a": 0.01, "b": 0.01}, {})
+    f = fetch_for(net, settings=dataclasses.replace(S, fetch_timeout_s=3.0))
+    net.run(f)
+    assert f.state is FetchState.FAILED
+    assert f.stats.queries >= 3
+
+
+def test_holder_keeps_an_old_version_while_an_upload_reads_it() -> None:
+    h = Holder(S)
+    m1 = h.put("x", 1, os.urandom(10_000))
+    got = h.on_get("p", Get("x", 1, m1.root, (0,)), 0.0)
+    assert isinstance(got, list) and len(got) == 1
+    h.put("x", 2, os.urandom(10_000))
+    assert h.find("x", 1, m1.root) is not None  # p still reads version 1
+    assert isinstance(h.on_get("q", Get("x", 1, m1.root, (1,)), 0.1), Ref)  # one slot
+    h.finished("p")
+    h.put("x", 3, os.urandom(10_000))
+    assert h.find("x", 1, m1.root) is None and [v.manifest.version for v in h.objects["x"]] == [3]
+    assert h.load(100.0) == 0
+
+
+# -- wire format ----------------------------------------------------------------------------
+
+
+def test_every_message_round_trips() -> None:
+    m = Manifest.build("run/state", 7, os.urandom(10_000), 4096)
+    for msg in [
+        Query("n", 3, 9),
+        NoneHeld("n", 9),
+        Offer(9, 2, m),
+        Get("n", 3, m.root, (0, 5, 7)),
+        Piece("n", 3, m.root, 2, b"abc"),
+        Ref(Kind.HOLD, "n", 3, m.root),
+    ]:
+        back = decode(encode(msg))
+        if isinstance(msg, Piece):
+            assert isinstance(back, Piece) and bytes(back.data) == b"abc"
+        else:
+            assert back == msg
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=600))
+def test_garbage_gets_a_typed_error(data: bytes) -> None:
+    try:
+        decode(data)
+    except StoreWireError:
+        pass
+
+
+def test_mutated_messages_get_a_typed_error_or_decode() -> None:
+    rng = random.Random(3)
+    m = Manifest.build("n", 1, os.urandom(9000), 4096)
+    samples = [encode(x) for x in (Offer(1, 0, m), Get("n", 1, m.root, (1, 2)), Query("n", 1, 2))]
+    for _ in range(3000):
+        raw = bytearray(rng.choice(samples))
+        for _ in range(rng.randint(1, 4)):
+            op = rng.random()
+            pos = rng.randrange(len(raw))
+            if op < 0.5:
+                raw[pos] = rng.randrange(256)
+            elif op < 0.8:
+                del raw[pos:]
+                if not raw:
+                    raw = bytearray(b"C")
+            else:
+                raw[pos:pos] = os.urandom(rng.randint(1, 8))
+        try:
+            decode(bytes(raw))
+        except StoreWireError:
+            pass
+
+
+def test_limits_are_enforced() -> None:
+    with pytest.raises(StoreWireError):
+        decode(b"CS\x01" + bytes([Kind.PIECE]) + b"\x01n" + bytes(8 + 32 + 4) + bytes(2 << 20))
+    with pytest.raises(ValueError):
+        Manifest("n", 1, 10, 4096, b"x" * 32, ())
+    with pytest.raises(ValueError):
+        encode(Get("n", 1, b"r" * 32, tuple(range(storewire.MAX_GET_PIECES + 1))))
