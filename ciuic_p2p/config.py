@@ -1,9 +1,9 @@
 """The node's configuration: one frozen dataclass with documented defaults.
 
 ``Config`` groups its settings in sections (``node``, ``codec``, ``transport``,
-``mesh``, ``train``, ``store``, ``log``); each section is itself frozen. Two presets exist: :meth:`Config.lan` for
-nodes in one data centre and :meth:`Config.wan` (the default) for nodes continents
-apart. A TOML file may name a preset and then override single keys::
+``mesh``, ``train``, ``store``, ``log``); each section is itself frozen. Two presets
+exist: :meth:`Config.lan` for nodes in one data centre and :meth:`Config.wan` (the
+default) for nodes continents apart. A TOML file may name a preset and then override single keys::
 
     preset = "wan"
 
@@ -257,6 +257,10 @@ class TrainSection:
     """Own chunks seen before the norm bound applies."""
     finish_timeout_s: float = 60.0
     """How long :meth:`finish` waits for the other replicas' last chunks."""
+    stall_grace_s: float = 0.5
+    """A step waits at most this long for replicas past the staleness bound; then it
+    goes on without them (counted as ``excused``) until their chunks catch up, so a
+    node that dies stalls the others this long, not until the mesh declares it dead."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -291,7 +295,8 @@ class StoreSection:
     """State sync and checkpoints carry the optimizer's state (momentum, Adam moments)
     besides the parameters."""
     checkpoint_dir: str = ""
-    """Where the hook writes checkpoints; empty: ``checkpoints`` in ``node.state_dir``."""
+    """Where the hook writes checkpoints (the trainer's account must be able to write
+    there); empty: no checkpoints unless ``attach(checkpoint_dir=...)`` names one."""
     checkpoint_interval_s: float = 300.0
     """0: only on SIGTERM and at the end."""
 
@@ -431,6 +436,7 @@ def _validate(cfg: Config) -> None:
         (t.update_norm_max_ratio > 1.0, "train.update_norm_max_ratio", "must be > 1"),
         (t.norm_warmup_chunks >= 1, "train.norm_warmup_chunks", "must be >= 1"),
         (t.finish_timeout_s > 0, "train.finish_timeout_s", "must be > 0"),
+        (t.stall_grace_s > 0, "train.stall_grace_s", "must be > 0"),
     ]  # fmt: skip
     st = cfg.store
     checks += [

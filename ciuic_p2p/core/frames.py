@@ -19,6 +19,7 @@ import struct
 from dataclasses import dataclass
 
 from ciuic_p2p.core.meshwire import MAX_CHUNK_MESSAGE_BYTES
+from ciuic_p2p.core.storewire import MAX_CONTROL_BYTES, MAX_DATA_BYTES
 from ciuic_p2p.core.wire import MAX_CHUNK_BYTES
 from ciuic_p2p.errors import CiuicError
 
@@ -55,6 +56,10 @@ class FrameType(enum.IntEnum):
     DIRECT = 10
     """Bytes from one trainer to the peer's trainer, not forwarded (the dense
     all-reduce baseline's segments); bulk."""
+    STORE_CONTROL = 11
+    """Shared-store queries and requests (core.storewire), not forwarded."""
+    STORE_DATA = 12
+    """Shared-store offers and pieces (core.storewire); bulk."""
 
 
 MAX_PAYLOAD = {
@@ -68,8 +73,12 @@ MAX_PAYLOAD = {
     FrameType.CLOSE: 512,
     FrameType.MESH_CHUNK: MAX_CHUNK_MESSAGE_BYTES,
     FrameType.DIRECT: MAX_CHUNK_MESSAGE_BYTES,
+    FrameType.STORE_CONTROL: MAX_CONTROL_BYTES,
+    FrameType.STORE_DATA: MAX_DATA_BYTES,
 }
-BULK_TYPES = frozenset({FrameType.CHUNK, FrameType.MESH_CHUNK, FrameType.DIRECT})
+BULK_TYPES = frozenset(
+    {FrameType.CHUNK, FrameType.MESH_CHUNK, FrameType.DIRECT, FrameType.STORE_DATA}
+)
 MAX_BULK_FRAME = max(MAX_PAYLOAD[t] for t in BULK_TYPES) + FRAME_HEADER.size
 
 

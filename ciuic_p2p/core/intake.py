@@ -85,6 +85,9 @@ class PeerState:
     """Update chunks of this origin applied here."""
     refused: int = 0
     """Chunks of this origin refused here (duplicates not counted)."""
+    lagging: bool = False
+    """Excused: past the staleness bound for longer than the grace; not waited for,
+    and not waited for by settlement, until its chunks are back within the bound."""
 
 
 @dataclass(slots=True)
@@ -95,6 +98,8 @@ class ReplicaStats:
     bytes_published: int = 0
     applied: int = 0
     params_mixed: int = 0
+    excused: int = 0
+    """Times a replica was excused from the staleness bound (see Replica.excuse)."""
     other_runs: int = 0
     """JOIN, GONE and DONE of other runs on the same mesh, ignored."""
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
@@ -170,12 +175,12 @@ class Intake:
             return Prepared(origin, Kind.DONE, None, None, None, 0.0, step, chunks)
         if msg.kind in (Kind.JOIN, Kind.GONE):
             try:
-                run_id = decode_presence(msg.body)
+                run_id, step = decode_presence(msg.body)
             except TrainWireError as exc:
                 raise RefusedChunk("malformed", f"from {origin}: {exc}") from None
             if run_id != self.source.run_id:
                 raise RefusedChunk("other_run", f"{origin} trains another run", origin, msg.kind)
-            return Prepared(origin, msg.kind, None, None, None, 0.0, 0, 0)
+            return Prepared(origin, msg.kind, None, None, None, 0.0, step, 0)
         try:
             decoded = decode_chunk(msg.body, self.buckets[0].device)
         except CodecError as exc:
@@ -226,7 +231,10 @@ class Intake:
             return
         if item.kind is Kind.JOIN:
             self._gone.discard(origin)  # a restarted trainer joins again
-            self._replica(origin)
+            joined = self._replica(origin)
+            if joined is not None:  # where it stands; one still syncing is not waited for
+                joined.step = max(joined.step, item.step)
+                joined.lagging = joined.step <= self.step - self.train.staleness_bound_steps
             return
         state = self._replica(origin)
         if item.kind is Kind.DONE:
@@ -257,6 +265,8 @@ class Intake:
         if state is not None:
             state.step = max(state.step, h.step)
             state.applied += 1
+            if state.lagging and state.step > self.step - self.train.staleness_bound_steps:
+                state.lagging = False
         self.stats.applied += 1
         self.stats.staleness[min(STALENESS_BINS - 1, max(0, self.step - h.step))] += 1
 

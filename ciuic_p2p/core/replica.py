@@ -204,13 +204,13 @@ class Replica(Intake):
         if everything:
             floor = self.step
         else:
-            floor = (
-                min(
+            floor = min(
+                (
                     (p.step if p.done_at is None else max(p.step, p.done_at))
                     for p in self.peers.values()
-                )
-                if self.peers
-                else self.step
+                    if not p.lagging
+                ),
+                default=self.step,
             )
         n = 0
         debts = self._debts
@@ -280,7 +280,29 @@ class Replica(Intake):
     def blocking(self) -> list[str]:
         """Live replicas more than the staleness bound behind this one's next step."""
         floor = self.step + 1 - self.train.staleness_bound_steps
-        return [name for name, p in self.peers.items() if p.done_at is None and p.step < floor]
+        return [
+            name
+            for name, p in self.peers.items()
+            if p.done_at is None and p.step < floor and not p.lagging
+        ]
+
+    def excuse(self, names: Iterable[str]) -> None:
+        """Stop waiting for these replicas (past the bound longer than the grace: dead
+        or very slow) until their chunks are back within the bound."""
+        for name in names:
+            p = self.peers.get(name)
+            if p is not None and not p.lagging:
+                p.lagging = True
+                self.stats.excused += 1
+
+    def start_at(self, step: int) -> None:
+        """Begin at ``step`` from the parameters now in the buckets (after a state
+        sync or a checkpoint): the next update is measured from here."""
+        self.flush()
+        self.step = self.last_send_step = step
+        with torch.no_grad():
+            for anchor, bucket in zip(self.anchor, self.buckets, strict=True):
+                anchor.copy_(bucket)
 
     def _record_own(self, chunk: bytes | bytearray) -> None:
         decoded = decode_chunk(chunk, self.buckets[0].device)

@@ -64,15 +64,13 @@ class Holder:
         self.uploads: dict[str, _Upload] = {}
         self.counters: collections.Counter[str] = collections.Counter()
 
-    def put(
-        self, name: str, version: int, data: bytes, compat: bytes | None = None
-    ) -> Manifest:
+    def put(self, name: str, version: int, data: bytes, compat: bytes | None = None) -> Manifest:
         """Hold ``data`` as ``name`` at ``version`` (replacing older versions once no
         upload reads them)."""
         manifest = Manifest.build(name, version, data, self.settings.piece_bytes, compat)
         held = Held(manifest, bytes(data), manifest.root)
         versions = [h for h in self.objects.get(name, []) if h.manifest.version != version]
-        self.objects[name] = versions + [held]
+        self.objects[name] = [*versions, held]
         self._trim(name)
         return manifest
 
@@ -173,12 +171,16 @@ class Fetch:
         rtt_s: Callable[[str], float | None],
         token: int = 1,
         version_slack: int = 0,
+        patient: bool = True,
     ) -> None:
         self.name = name
         self.min_version = min_version
         self.settings = settings
         self.rtt_s = rtt_s
         self.version_slack = version_slack
+        self.patient = patient
+        """Wait (until the deadline) for a holder to appear; else fail once every
+        member has answered that it holds none."""
         self.peers = list(dict.fromkeys(peers))
         self.state = FetchState.QUERYING
         self.error = ""
@@ -344,9 +346,12 @@ class Fetch:
             self._requery_at = now + self.settings.retry_s
 
     def _maybe_choose(self, now: float) -> None:
-        if self.state is FetchState.QUERYING and self._requery_at is None:
-            if all(p in self._answered for p in self.peers):
-                self._choose(now)
+        if (
+            self.state is FetchState.QUERYING
+            and self._requery_at is None
+            and all(p in self._answered for p in self.peers)
+        ):
+            self._choose(now)
 
     def _score(self, peer: str) -> float:
         rtt = self.rtt_s(peer)
@@ -373,14 +378,19 @@ class Fetch:
     def _choose(self, now: float) -> None:
         """The query round ended: start (or resume) fetching."""
         best = self._candidates(now)
-        if not best and self._group is not None and self.received_pieces and not any(
-            self._busy_until.get(p, 0.0) > now for p in self.offers
-        ):
-            if self.offers:  # nobody holds a compatible state any more: start over
-                self.stats.restarts += 1
-                self._group = None
-                best = self._candidates(now)
+        if (
+            not best
+            and self._group is not None
+            and self.offers
+            and not any(self._busy_until.get(p, 0.0) > now for p in self.offers)
+        ):  # nobody holds a compatible state any more: start over
+            self.stats.restarts += 1
+            self._group = None
+            best = self._candidates(now)
         if not best:
+            if not self.patient:  # the query round is over and nobody offered
+                self._fail(f"no member holds {self.name!r} at version {self.min_version} or later")
+                return
             self._requery_at = now + self.settings.retry_s
             return
         if self._group is None:

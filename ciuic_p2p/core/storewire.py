@@ -16,6 +16,7 @@ pieces in ``STORE_DATA`` frames (bulk, credit flow control). Layout (version 1):
 - ``BUSY``:   name str8, version u64, root (32)       (every upload slot is taken)
 - ``HOLD``:   name str8, version u64, root (32)       (please fetch and hold it)
 - ``HELD``:   name str8, version u64, root (32)       (holding it now)
+- ``FINISHED``: name str8, version u64, root (32)     (fetched: free the upload slot)
 
 A manifest is: name str8, version u64, total_bytes u64, piece_bytes u32, compat (32),
 count u32, then a 32-byte BLAKE2b digest per piece. The root (BLAKE2b-256 of the
@@ -67,6 +68,7 @@ class Kind(enum.IntEnum):
     BUSY = 6
     HOLD = 7
     HELD = 8
+    FINISHED = 9
 
 
 DATA_KINDS = frozenset({Kind.OFFER, Kind.PIECE})
@@ -123,9 +125,7 @@ class Manifest:
         """The manifest of ``data``; ``compat`` None: only this exact content (the
         digest of the piece digests) mixes with it."""
         view = memoryview(data)
-        hashes = tuple(
-            digest(view[i : i + piece_bytes]) for i in range(0, len(view), piece_bytes)
-        )
+        hashes = tuple(digest(view[i : i + piece_bytes]) for i in range(0, len(view), piece_bytes))
         if compat is None:
             compat = digest(b"".join(hashes) + _U64.pack(len(view)))
         return cls(name, version, len(view), piece_bytes, compat, hashes)
@@ -170,7 +170,7 @@ class Piece:
 
 @dataclass(frozen=True, slots=True)
 class Ref:
-    """BUSY, HOLD and HELD: one exact object."""
+    """BUSY, HOLD, HELD and FINISHED: one exact object."""
 
     kind: Kind
     name: str

@@ -10,7 +10,9 @@ Mesh payload (version 1), carried as the payload of a mesh ``CHUNK``::
       4    .  body      UPDATE, PARAMS: one chunk (core.wire, signed by its origin)
                         DONE: run_id (16) + last step (u64 LE) + update
                         chunks sent in all (u64 LE)
-                        JOIN, GONE: run_id (16)
+                        JOIN, GONE: run_id (16) [+ JOIN: the sender's
+                        current step (u64 LE), since 2: a replica that
+                        joins mid-run or answers a joiner says where it is]
 
 ``UPDATE`` is one chunk of a step's compressed update; ``PARAMS`` one chunk of a
 replica's parameters (dense, for the consensus mix); ``DONE`` says the origin took its
@@ -25,9 +27,11 @@ Trainer socket frames (version 1)::
 
 with types below. ``HELLO``/``WELCOME``/``MEMBERS``/``STATS`` bodies are UTF-8 JSON
 objects; ``PUBLISH`` carries a mesh payload; ``DELIVER`` and ``DIRECT_*`` start with
-the peer (u8 length + ASCII peer ID). A frame is at most ``MAX_FRAME_BYTES``; the
-reader refuses a longer length before reading the body, and every malformed frame is a
-:class:`TrainWireError`. Numeric values only ever get appended.
+the peer (u8 length + ASCII peer ID). ``PUT_PART`` and ``GOT_PART`` carry one part
+of a store object: name (u8 length + UTF-8), version, total size and offset (u64 LE
+each), compat digest (32), then the part's bytes (at most ``PART_BYTES``). A frame
+is at most ``MAX_FRAME_BYTES``; the reader refuses a longer length before reading the
+body, and every malformed frame is a :class:`TrainWireError`. Numeric values only ever get appended.
 """
 
 from __future__ import annotations
@@ -51,6 +55,8 @@ MAX_JSON_BYTES = 1 << 20
 MAX_PEER_BYTES = 128
 _LEN = struct.Struct("<IB")
 _DONE = struct.Struct(f"<{RUN_ID_LEN}sQQ")
+_PART = struct.Struct("<QQQ32s")
+PART_BYTES = 512 * 1024
 
 
 class TrainWireError(CiuicError):
@@ -75,6 +81,12 @@ class FrameType(enum.IntEnum):
     STATS = 7  # daemon -> trainer: {"udp_bytes_sent", "backlog_bytes", ...}
     DIRECT_OUT = 8  # trainer -> daemon: peer + bytes for that peer's trainer
     DIRECT_IN = 9  # daemon -> trainer: peer + bytes from that peer's trainer
+    PUT_PART = 10  # trainer -> daemon: part of an object to hold (the state snapshot, a put)
+    SNAPSHOT_REQUEST = 11  # daemon -> trainer: empty; send a fresh state snapshot
+    GET_REQUEST = 12  # trainer -> daemon: {"name", "min_version", "slack", "patient", "id"}
+    GOT_PART = 13  # daemon -> trainer: part of a fetched object
+    STORE_RESULT = 14  # daemon -> trainer: {"id", "ok", "version", "error", ...}
+    PUT_REQUEST = 15  # trainer -> daemon: {"name", "id"}: replicate what PUT_PART sent
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,17 +119,66 @@ def run_id_of(run: str) -> bytes:
     return hashlib.blake2b(run.encode(), digest_size=16).digest()
 
 
-def encode_presence(kind: Kind, run_id: bytes) -> bytes:
-    """A JOIN or GONE message."""
+def encode_presence(kind: Kind, run_id: bytes, step: int | None = None) -> bytes:
+    """A JOIN (with the sender's step) or GONE message."""
     if kind not in (Kind.JOIN, Kind.GONE) or len(run_id) != RUN_ID_LEN:
         raise ValueError("JOIN or GONE, with a 16-byte run_id")
-    return envelope(kind) + run_id
+    tail = b"" if step is None or kind is Kind.GONE else struct.pack("<Q", step)
+    return envelope(kind) + run_id + tail
 
 
-def decode_presence(body: memoryview) -> bytes:
-    if len(body) != RUN_ID_LEN:
-        raise TrainWireError(f"JOIN/GONE body of {len(body)} bytes, expected {RUN_ID_LEN}")
-    return bytes(body)
+def decode_presence(body: memoryview) -> tuple[bytes, int]:
+    """(run_id, step: 0 when not said)."""
+    if len(body) not in (RUN_ID_LEN, RUN_ID_LEN + 8):
+        raise TrainWireError(f"JOIN/GONE body of {len(body)} bytes, expected {RUN_ID_LEN}(+8)")
+    step = struct.unpack_from("<Q", body, RUN_ID_LEN)[0] if len(body) > RUN_ID_LEN else 0
+    return bytes(body[:RUN_ID_LEN]), int(step)
+
+
+@dataclass(frozen=True, slots=True)
+class Part:
+    name: str
+    version: int
+    total: int
+    offset: int
+    compat: bytes
+    data: memoryview
+
+
+def part_frames(
+    ftype: FrameType,
+    name: str,
+    version: int,
+    data: bytes | bytearray | memoryview,
+    compat: bytes,
+) -> list[list[bytes | memoryview]]:
+    """An object as PUT_PART or GOT_PART frames (each a list of buffers, no copy of
+    the data); an empty object is one empty part."""
+    raw = name.encode("utf-8")
+    if not 0 < len(raw) <= 200 or len(compat) != 32:
+        raise ValueError("object names are 1-200 bytes, compat 32")
+    view = memoryview(data).cast("B")
+    frames: list[list[bytes | memoryview]] = []
+    for offset in range(0, max(1, len(view)), PART_BYTES):
+        piece = view[offset : offset + PART_BYTES]
+        head = bytes((len(raw),)) + raw + _PART.pack(version, len(view), offset, compat)
+        frames.append([frame_header(ftype, len(head) + len(piece)), head, piece])
+    return frames
+
+
+def decode_part(body: memoryview) -> Part:
+    if not body or len(body) < 1 + body[0] + _PART.size:
+        raise TrainWireError("object part is truncated")
+    n = body[0]
+    try:
+        name = bytes(body[1 : 1 + n]).decode("utf-8")
+    except UnicodeDecodeError:
+        raise TrainWireError("object name is not UTF-8") from None
+    version, total, offset, compat = _PART.unpack_from(body, 1 + n)
+    data = body[1 + n + _PART.size :]
+    if not name or len(data) > PART_BYTES or offset + len(data) > total or total > 1 << 36:
+        raise TrainWireError("object part out of range")
+    return Part(name, int(version), int(total), int(offset), bytes(compat), data)
 
 
 def decode_message(data: bytes | bytearray | memoryview) -> TrainMessage:

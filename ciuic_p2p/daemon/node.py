@@ -134,6 +134,10 @@ class MeshDaemon:
         self.on_delivery: Callable[[Delivery], None] | None = None
         self.on_direct: Callable[[str, bytes], None] | None = None
         """Called with (sender peer, payload) for each DIRECT frame (trainer to trainer)."""
+        self.on_store: Callable[[str, bytes], None] | None = None
+        """Called with (sender peer, payload) for each STORE_* frame (daemon.store)."""
+        self.on_member_down: list[Callable[[str], None]] = []
+        """Called with each member the mesh declares dead or left."""
         self.counters: collections.Counter[str] = collections.Counter()
         self.closed = asyncio.Event()
         self._joined = asyncio.Event()
@@ -287,6 +291,9 @@ class MeshDaemon:
 
     def _log_events(self, node: MeshNode) -> None:
         for event in node.events:
+            if event.state in (State.DEAD, State.LEFT):
+                for callback in self.on_member_down:
+                    callback(event.node)
             level = log.warning if event.state in (State.SUSPECT, State.DEAD) else log.info
             level(
                 "member_" + event.state.name.lower(),
@@ -311,6 +318,12 @@ class MeshDaemon:
                 self.counters["direct_received"] += 1
                 if self.on_direct is not None:
                     self.on_direct(peer_id_of(event.peer), event.payload)
+            elif (
+                isinstance(event, FrameReceived)
+                and event.type in (FrameType.STORE_CONTROL, FrameType.STORE_DATA)
+                and self.on_store is not None
+            ):
+                self.on_store(peer_id_of(event.peer), event.payload)
 
     def _on_frame(self, event: FrameReceived) -> None:
         try:
@@ -343,6 +356,14 @@ class MeshDaemon:
         if address is None:
             raise ValueError(f"{peer} is not a member")
         self._enqueue(address, FrameType.DIRECT, payload)
+
+    def send_store(self, peer: str, payload: bytes, bulk: bool) -> bool:
+        """Queue a store message for one member; False if it is not one."""
+        address = self.mesh.address_of(peer)
+        if address is None:
+            return False
+        self._enqueue(address, FrameType.STORE_DATA if bulk else FrameType.STORE_CONTROL, payload)
+        return True
 
     def backlog_bytes(self) -> int:
         """Bulk bytes queued here and not yet handed to the transport."""

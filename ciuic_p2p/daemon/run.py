@@ -31,6 +31,7 @@ from ciuic_p2p.admission import Trust, load_certificate, load_crl
 from ciuic_p2p.config import Config, load_config, trainer_socket_path
 from ciuic_p2p.daemon.control import ControlServer
 from ciuic_p2p.daemon.node import MeshDaemon, parse_address
+from ciuic_p2p.daemon.store import StoreService
 from ciuic_p2p.daemon.trainer import TrainerServer
 from ciuic_p2p.errors import CiuicError, ConfigError
 from ciuic_p2p.identity import NodeKey
@@ -189,10 +190,11 @@ async def serve(args: argparse.Namespace) -> int:
         daemon, Path(args.control) if args.control else state_dir / "control.sock"
     )
     await control.start()
+    store = StoreService(daemon)  # a node without a trainer still holds and serves objects
     trainers: TrainerServer | None = None
     if config.train.socket_path != "none":
         path = trainer_socket_path(config)
-        trainers = TrainerServer(daemon, path)
+        trainers = TrainerServer(daemon, path, store)
         try:
             await trainers.start()
         except (OSError, CiuicError) as exc:
@@ -211,6 +213,7 @@ async def serve(args: argparse.Namespace) -> int:
             print(f"ciuic-node: error: cannot join through {args.join}: {exc}", file=sys.stderr)
             if trainers is not None:
                 await trainers.close()
+            await store.close()
             await control.close()
             await daemon.close()
             return 1
@@ -218,6 +221,7 @@ async def serve(args: argparse.Namespace) -> int:
     log.info("leaving")
     if trainers is not None:
         await trainers.close()
+    await store.close()
     await daemon.leave()
     await control.close()
     return 0

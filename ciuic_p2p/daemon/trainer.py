@@ -15,7 +15,10 @@ mode, one end of a socket pair). The daemon:
   trainer sees it (a relay cannot forge or alter another node's update);
 - tells the trainer which members are alive whenever that changes, and answers
   statistics requests (UDP bytes sent, unsent backlog) so the trainer can adapt;
-- carries DIRECT bytes between trainers (the dense baseline's all-reduce).
+- carries DIRECT bytes between trainers (the dense baseline's all-reduce);
+- holds the trainer's state snapshot in the shared store as ``state/<run id>`` (and
+  asks the trainer for a fresh one when a joiner queries it), fetches the run's state
+  for a joining trainer, and carries the trainer's ``put``/``get`` (daemon.store).
 
 A trainer that stops reading cannot make the daemon grow without bound: past
 ``MAX_WRITE_BUFFER`` unread bytes, chunk deliveries are dropped and counted (the
@@ -30,7 +33,9 @@ import asyncio
 import collections
 import contextlib
 import socket
+from collections.abc import Coroutine
 from pathlib import Path
+from typing import Any
 
 from ciuic_p2p.core.broadcast import Delivery
 from ciuic_p2p.core.origin import sign_chunk, verify_chunk
@@ -38,12 +43,15 @@ from ciuic_p2p.core.trainwire import (
     FrameReader,
     FrameType,
     Kind,
+    Part,
     TrainWireError,
     decode_message,
+    decode_part,
     encode_presence,
     frame_header,
     json_frame,
     parse_json,
+    part_frames,
     peer_prefix,
     run_id_of,
     split_peer,
@@ -51,6 +59,7 @@ from ciuic_p2p.core.trainwire import (
 from ciuic_p2p.core.wire import parse_chunk
 from ciuic_p2p.daemon.control import serve_unix
 from ciuic_p2p.daemon.node import MeshDaemon
+from ciuic_p2p.daemon.store import StoreError, StoreService
 from ciuic_p2p.errors import CiuicError, CodecError
 from ciuic_p2p.identity import peer_id_of
 from ciuic_p2p.logsetup import get_logger
@@ -60,21 +69,36 @@ MAX_HELD = 4096
 """Deliveries held while no trainer is attached (peers that started first), for the
 trainer that attaches next."""
 MEMBERS_POLL_S = 0.05
+FRESH_SNAPSHOT_S = 1.0
+"""A joiner's query is answered with a snapshot at most this old (else the trainer is
+asked for a new one first)."""
+MAX_PENDING_OBJECTS = 4
 log = get_logger("ciuic.trainer")
 
 
 class TrainerServer:
-    def __init__(self, daemon: MeshDaemon, path: Path | None = None) -> None:
+    def __init__(
+        self, daemon: MeshDaemon, path: Path | None = None, store: StoreService | None = None
+    ) -> None:
         self.daemon = daemon
         self.path = path
+        self.store = store or StoreService(daemon)
+        self.store.freshen = self._freshen
+        self.state_name = ""
+        self._snapshot_at = -1.0
+        self._fresh = asyncio.Event()
+        self._parts: dict[str, tuple[int, bytes, bytearray, int]] = {}
+        """Objects the trainer is sending: name -> (version, compat, bytes, received)."""
+        self._objects: dict[str, tuple[int, bytes, bytes]] = {}
+        """Complete objects waiting for the trainer's PUT_REQUEST."""
         self.server: asyncio.AbstractServer | None = None
         self.writer: asyncio.StreamWriter | None = None
         self.snapshot: dict[tuple[int, int], bytes] = {}
         """Newest parameter chunk per (bucket, range start), as published."""
         self.snapshot_step = -1
         self._members: list[str] = []
-        self._held: collections.deque[tuple[bool, tuple[bytes, ...]]] = collections.deque(
-            maxlen=MAX_HELD
+        self._held: collections.deque[tuple[bool, tuple[bytes | memoryview, ...]]] = (
+            collections.deque(maxlen=MAX_HELD)
         )
         self._hello = False
         self._sessions = 0
@@ -97,6 +121,7 @@ class TrainerServer:
         self._tasks.append(asyncio.get_running_loop().create_task(self._client(reader, writer)))
 
     async def close(self) -> None:
+        await self.store.close()
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -152,6 +177,7 @@ class TrainerServer:
             if not isinstance(run, str) or not run:
                 raise TrainWireError("HELLO names no run")
             self._run_id = run_id_of(run)
+            self.state_name = "state/" + self._run_id.hex()
             self._done = False
             self._sessions += 1
             self._members = d.mesh.view()
@@ -183,6 +209,12 @@ class TrainerServer:
                     },
                 )
             )
+        elif ftype is FrameType.PUT_PART:
+            self._put_part(decode_part(body))
+        elif ftype is FrameType.GET_REQUEST:
+            self._spawn(self._get(parse_json(body)))
+        elif ftype is FrameType.PUT_REQUEST:
+            self._spawn(self._put(parse_json(body)))
         elif ftype is FrameType.DIRECT_OUT:
             peer, payload = split_peer(body)
             try:
@@ -214,6 +246,98 @@ class TrainerServer:
         d.counters["chunks_published"] += 1
         d.broadcast(payload)
 
+    # -- state and the shared store ------------------------------------------------------
+
+    def _put_part(self, part: Part) -> None:
+        version, compat, data, got = self._parts.get(part.name, (-1, b"", bytearray(), 0))
+        if version != part.version or len(data) != part.total:
+            if len(self._parts) >= MAX_PENDING_OBJECTS and part.name not in self._parts:
+                raise TrainWireError("too many objects in transfer at once")
+            version, compat, data, got = part.version, part.compat, bytearray(part.total), 0
+        data[part.offset : part.offset + len(part.data)] = part.data
+        got += len(part.data)
+        if got < part.total:
+            self._parts[part.name] = (version, compat, data, got)
+            return
+        self._parts.pop(part.name, None)
+        if part.name == self.state_name:
+            self.store.put_local(part.name, version, bytes(data), compat)
+            self._snapshot_at = asyncio.get_running_loop().time()
+            self._fresh.set()
+            self.daemon.counters["state_snapshots"] += 1
+        else:
+            self._objects[part.name] = (version, compat, bytes(data))
+
+    async def _freshen(self, name: str) -> None:
+        loop = asyncio.get_running_loop()
+        if name != self.state_name or not self._hello:
+            return
+        if loop.time() - self._snapshot_at <= FRESH_SNAPSHOT_S:
+            return
+        self._fresh.clear()
+        self._write(frame_header(FrameType.SNAPSHOT_REQUEST, 0))
+        await self._fresh.wait()
+
+    def _result(self, rid: object, ok: bool, **fields: object) -> None:
+        self._write(json_frame(FrameType.STORE_RESULT, {"id": rid, "ok": ok, **fields}))
+
+    async def _get(self, request: dict[str, object]) -> None:
+        rid = request.get("id")
+        name = request.get("name")
+        t0 = asyncio.get_running_loop().time()
+        try:
+            if not isinstance(name, str):
+                raise StoreError("GET names no object")
+            data, fetch = await self.store.get(
+                name,
+                int(request.get("min_version", 0)),  # type: ignore[call-overload]
+                version_slack=int(request.get("slack", 0)),  # type: ignore[call-overload]
+                patient=bool(request.get("patient", True)),
+            )
+        except (StoreError, ValueError, TypeError) as exc:
+            self._result(rid, False, error=str(exc))
+            return
+        compat = fetch.manifest.compat if fetch.manifest else bytes(32)
+        for parts in part_frames(FrameType.GOT_PART, name, fetch.version, data, compat):
+            self._write(*parts)
+        self._result(
+            rid,
+            True,
+            version=fetch.version,
+            bytes=len(data),
+            seconds=round(asyncio.get_running_loop().time() - t0, 3),
+            donors=dict(fetch.stats.pieces_by_donor),
+            corrupt=fetch.stats.corrupt,
+            donor_timeouts=fetch.stats.donor_timeouts,
+            donors_lost=fetch.stats.donors_lost,
+            busy=fetch.stats.busy,
+            restarts=fetch.stats.restarts,
+        )
+
+    async def _put(self, request: dict[str, object]) -> None:
+        rid = request.get("id")
+        name = request.get("name")
+        held = self._objects.pop(name, None) if isinstance(name, str) else None
+        if held is None or not isinstance(name, str):
+            self._result(rid, False, error=f"no object {name!r} was sent")
+            return
+        version, _, data = held
+        try:
+            manifest, holders = await self.store.put(name, data, version or None)
+        except (StoreError, ValueError) as exc:
+            self._result(rid, False, error=str(exc))
+            return
+        self._result(rid, True, version=manifest.version, held_by=holders)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.append(task)
+        task.add_done_callback(self._forget)
+
+    def _forget(self, task: asyncio.Task[None]) -> None:
+        if task in self._tasks:
+            self._tasks.remove(task)
+
     # -- mesh to trainer -----------------------------------------------------------------
 
     def _deliver(self, delivery: Delivery) -> None:
@@ -240,7 +364,7 @@ class TrainerServer:
         prefix = peer_prefix(peer)
         self._write(frame_header(FrameType.DIRECT_IN, len(prefix) + len(payload)), prefix, payload)
 
-    def _write(self, *parts: bytes, droppable: bool = False) -> None:
+    def _write(self, *parts: bytes | memoryview, droppable: bool = False) -> None:
         writer = self.writer
         counters = self.daemon.counters
         if writer is None or writer.is_closing() or not self._hello:

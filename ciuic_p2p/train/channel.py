@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import socket
 import threading
 import time
@@ -17,10 +18,13 @@ from typing import Any
 from ciuic_p2p.core.trainwire import (
     FrameReader,
     FrameType,
+    Part,
     TrainWireError,
+    decode_part,
     frame_header,
     json_frame,
     parse_json,
+    part_frames,
     peer_prefix,
     split_peer,
 )
@@ -45,6 +49,12 @@ class DaemonChannel:
         self.welcome: dict[str, Any] | None = None
         self.stats: dict[str, Any] = {}
         self._stats_seq = 0
+        self.snapshot_wanted = threading.Event()
+        """Set when the daemon asks for a fresh state snapshot (a joiner is syncing)."""
+        self._results: dict[int, dict[str, Any]] = {}
+        self._got: dict[str, tuple[int, bytes, bytearray, int]] = {}
+        self._done_objects: dict[str, tuple[int, bytes, bytearray]] = {}
+        self._ids = itertools.count(1)
         self.error: str | None = None
         self.closed = False
         self._thread = threading.Thread(target=self._read_loop, name="ciuic-channel", daemon=True)
@@ -104,6 +114,55 @@ class DaemonChannel:
     def send_direct(self, peer: str, payload: bytes | memoryview) -> None:
         prefix = peer_prefix(peer)
         self._send(frame_header(FrameType.DIRECT_OUT, len(prefix) + len(payload)), prefix, payload)
+
+    def put_parts(
+        self, name: str, version: int, data: bytes | bytearray | memoryview, compat: bytes
+    ) -> None:
+        """Hand the daemon an object to hold (the state snapshot, or a put's data)."""
+        for parts in part_frames(FrameType.PUT_PART, name, version, data, compat):
+            self._send(*parts)
+
+    def _request(self, ftype: FrameType, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        rid = next(self._ids)
+        self._send(json_frame(ftype, {**body, "id": rid}))
+        self.wait(lambda: rid in self._results, timeout_s)
+        with self._cond:
+            result = self._results.pop(rid, None)
+        if result is None:
+            raise ChannelError(self.error or f"the daemon did not answer within {timeout_s:g} s")
+        return result
+
+    def get_object(
+        self,
+        name: str,
+        *,
+        min_version: int = 0,
+        slack: int = 0,
+        patient: bool = True,
+        timeout_s: float = 300.0,
+    ) -> tuple[bytearray, dict[str, Any]]:
+        """Fetch ``name`` through the daemon (core.store): its bytes and the daemon's
+        report (version, donors, bytes, seconds, corrupt pieces...)."""
+        body = {"name": name, "min_version": min_version, "slack": slack, "patient": patient}
+        result = self._request(FrameType.GET_REQUEST, body, timeout_s)
+        if not result.get("ok"):
+            raise ChannelError(f"{name}: {result.get('error', 'fetch failed')}")
+        with self._cond:
+            got = self._done_objects.pop(name, None)
+        if got is None or got[0] != result.get("version"):
+            raise ChannelError(f"{name}: the daemon's parts did not arrive whole")
+        return got[2], result
+
+    def put_object(
+        self, name: str, data: bytes | bytearray | memoryview, *, version: int = 0,
+        timeout_s: float = 120.0,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Have the mesh hold ``data`` as ``name`` (version 0: the next one)."""
+        self.put_parts(name, version, data, bytes(32))
+        result = self._request(FrameType.PUT_REQUEST, {"name": name}, timeout_s)
+        if not result.get("ok"):
+            raise ChannelError(f"{name}: {result.get('error', 'put failed')}")
+        return result
 
     def request_stats(self) -> None:
         """Ask for statistics; the answer lands in ``stats`` when it comes."""
@@ -176,7 +235,27 @@ class DaemonChannel:
             elif ftype is FrameType.STATS:
                 self.stats = parse_json(body)
                 self._stats_seq += 1
+            elif ftype is FrameType.SNAPSHOT_REQUEST:
+                self.snapshot_wanted.set()
+            elif ftype is FrameType.GOT_PART:
+                self._got_part(decode_part(body))
+            elif ftype is FrameType.STORE_RESULT:
+                result = parse_json(body)
+                if isinstance(result.get("id"), int):
+                    self._results[result["id"]] = result
             self._cond.notify_all()
+
+    def _got_part(self, part: Part) -> None:
+        version, compat, data, got = self._got.get(part.name, (-1, b"", bytearray(), 0))
+        if version != part.version or len(data) != part.total:
+            version, compat, data, got = part.version, part.compat, bytearray(part.total), 0
+        data[part.offset : part.offset + len(part.data)] = part.data
+        got += len(part.data)
+        if got >= part.total:
+            self._got.pop(part.name, None)
+            self._done_objects[part.name] = (version, compat, data)
+        else:
+            self._got[part.name] = (version, compat, data, got)
 
     def _fail(self, why: str) -> None:
         with self._cond:

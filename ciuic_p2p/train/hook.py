@@ -20,9 +20,12 @@ The update rule and its references: core.replica.
 
 from __future__ import annotations
 
+import io
 import queue
+import signal
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,13 +35,14 @@ from ciuic_p2p.config import Config, trainer_socket_path
 from ciuic_p2p.core.codec import ChunkSource
 from ciuic_p2p.core.layout import BucketLayout
 from ciuic_p2p.core.replica import RefusedChunk, Replica
+from ciuic_p2p.core.statefile import StateFormatError, pack_state, unpack_state
 from ciuic_p2p.core.trainwire import Kind, encode_done, encode_presence, run_id_of
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel
+from ciuic_p2p.train.checkpoint import load_newest, write_checkpoint
 from ciuic_p2p.train.embedded import EmbeddedDaemon
 
 STATS_EVERY_STEPS = 8
-STALL_WARNING_S = 10.0
 log = get_logger("ciuic.train")
 
 
@@ -62,15 +66,14 @@ def flatten_parameters(model: torch.nn.Module, layout: BucketLayout) -> list[tor
 
 
 class _Encoder:
-    """The thread that encodes and publishes this replica's updates while the trainer
-    computes the next steps (on a GPU, the codec's kernels overlap the same way).
-    It takes one job at a time: a step whose update is due while it is busy stays in
-    the model's local progress and goes with the next send (merged steps)."""
+    """The thread that encodes and publishes this replica's updates (and hands over
+    state snapshots) while the trainer computes the next steps (on a GPU, the codec's
+    kernels overlap the same way). It takes one job at a time: a step whose update is
+    due while it is busy stays in the model's local progress and goes with the next
+    send (merged steps)."""
 
-    def __init__(self, replica: Replica, channel: DaemonChannel) -> None:
-        self.replica = replica
-        self.channel = channel
-        self.jobs: queue.Queue[tuple[str, list[torch.Tensor], int] | None] = queue.Queue(1)
+    def __init__(self) -> None:
+        self.jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(1)
         self.idle = threading.Event()
         self.idle.set()
         self.error: BaseException | None = None
@@ -78,19 +81,15 @@ class _Encoder:
         self._thread = threading.Thread(target=self._run, name="ciuic-encoder", daemon=True)
         self._thread.start()
 
-    def submit(self, kind: str, tensors: list[torch.Tensor], step: int) -> None:
+    def submit(self, job: Callable[[], None]) -> None:
         self.idle.clear()
-        self.jobs.put((kind, tensors, step))
+        self.jobs.put(job)
 
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:
-            kind, tensors, step = job
             t0 = time.perf_counter()
             try:
-                r = self.replica
-                encode = r.encode_update if kind == "update" else r.encode_params
-                for payload in encode(tensors, step):
-                    self.channel.publish(payload)
+                job()
             except BaseException as exc:  # handed to the trainer at its next step
                 self.error = exc
             finally:
@@ -121,12 +120,15 @@ class MeshSync:
         *,
         run: str,
         config: Config,
+        optimizer: torch.optim.Optimizer | None = None,
         min_replicas: int = 1,
         join_timeout_s: float = 120.0,
         seed: int = 0,
         embedded: EmbeddedDaemon | None = None,
+        checkpoint_dir: Path | None = None,
     ) -> None:
         self.model = model
+        self.optimizer = optimizer
         self.channel = channel
         self.config = config
         self.embedded = embedded
@@ -146,25 +148,40 @@ class MeshSync:
             self.layout, self.buckets, source, self.peer, config.codec, config.train, seed
         )
         channel.prepare = self.replica.prepare
+        self.state_name = "state/" + source.run_id.hex()
+        self.checkpoint_path = (
+            None if checkpoint_dir is None else checkpoint_dir / f"{source.run_id.hex()}.ckpt"
+        )
         self._alive_seen: list[str] | None = None
-        self._join = encode_presence(Kind.JOIN, source.run_id)
-        self._await_replicas(min_replicas, join_timeout_s)
-        self.encoder = _Encoder(self.replica, channel)
+        self.encoder = _Encoder()
         self.wait_s = 0.0
         self.hook_s = 0.0
         self.merged_steps = 0
         self.params_skipped = 0
+        self.snapshots_sent = 0
+        self.checkpoints_written = 0
         self.finished = False
+        self._terminate = False
+        self._checkpoint_at = time.monotonic()
+        self._await_replicas(min_replicas, join_timeout_s)
+        self.restored = self._restore()
+        self.start_step = self.replica.step
+        """The step this replica begins at: 0, or where its state came from (a peer's
+        state or this node's checkpoint); continue the loop's schedule from here."""
+        self.channel.publish(self._join())  # where it stands now
+
+    def _join(self) -> bytes:
+        return encode_presence(Kind.JOIN, self.replica.source.run_id, self.replica.step)
 
     def _await_replicas(self, count: int, timeout_s: float) -> None:
         """Say JOIN (again every second: a trainer that attaches later hears it) until
         ``count`` replicas of this run, this one included, are known."""
         deadline = time.monotonic() + timeout_s
-        self.channel.publish(self._join)
+        self.channel.publish(self._join())
         said = time.monotonic()
         while self.replica.replicas < count:
             if time.monotonic() - said >= 1.0:
-                self.channel.publish(self._join)
+                self.channel.publish(self._join())
                 said = time.monotonic()
             if time.monotonic() > deadline or self.channel.closed:
                 raise ChannelError(
@@ -175,47 +192,165 @@ class MeshSync:
             self.channel.wait_any(0.1)
             self.poll()
 
+    def _restore(self) -> dict[str, Any]:
+        """Start from the newest state there is: the replicas' (fetched from the nearest
+        up-to-date one) when they are past this node's checkpoint, else the checkpoint,
+        else (a run that starts now) the model as it is. A replica never trains from
+        its fresh weights while the others are mid-run: a failed fetch raises."""
+        t0 = time.monotonic()
+        r = self.replica
+        ckpt = load_newest(self.checkpoint_path) if self.checkpoint_path else None
+        ckpt_step = ckpt.step if ckpt else 0
+        peer_step = max((p.step for p in r.peers.values()), default=0)
+        opt = self.optimizer if self.config.store.sync_optimizer_state else None
+        info: dict[str, Any] = {"source": "fresh", "step": 0}
+        if peer_step > ckpt_step:
+            s = self.config.store
+            data, got = self.channel.get_object(
+                self.state_name,
+                min_version=ckpt_step + 1,
+                slack=s.state_version_slack_steps,
+                timeout_s=s.fetch_timeout_s + 30.0,
+            )
+            try:
+                unpack_state(data, self.layout.layout_id, self.buckets, opt)
+            except StateFormatError as exc:
+                raise ChannelError(f"the run's state does not fit this model: {exc}") from None
+            start = max(int(got["version"]), peer_step)
+            info = {"source": "mesh", "step": start, "state_version": got["version"], **got}
+        elif ckpt is not None:
+            try:
+                unpack_state(ckpt.state, self.layout.layout_id, self.buckets, opt)
+            except StateFormatError as exc:
+                raise ChannelError(f"{ckpt.path} does not fit this model: {exc}") from None
+            start = ckpt.step
+            info = {"source": "checkpoint", "step": start, "bytes": len(ckpt.state)}
+        else:
+            start = 0
+        r.start_at(start)
+        info["seconds"] = round(time.monotonic() - t0, 3)
+        if info["source"] != "fresh":
+            log.info("state_restored", **{k: v for k, v in info.items() if k != "id"})
+        return info
+
     # -- the loop --------------------------------------------------------------------------
 
     def step(self) -> None:
         """Call once after each ``optimizer.step()``."""
         t0 = time.perf_counter()
+        if self._terminate:
+            self._exit_on_sigterm()
         r = self.replica
         ch = self.channel
         enc = self.encoder
         enc.check()
         if r.local_step():
             if enc.idle.is_set():
-                enc.submit("update", r.take_update(), r.step)
+                deltas, step = r.take_update(), r.step
+                enc.submit(lambda: self._publish(r.encode_update(deltas, step)))
             else:
                 self.merged_steps += 1
         if r.wants_params():
             if enc.idle.is_set():
-                enc.submit("params", r.snapshot_params(), r.step)
+                params, step = r.snapshot_params(), r.step
+                enc.submit(lambda: self._publish(r.encode_params(params, step)))
             else:  # the encoder is behind: this round of the mix is skipped, counted
                 self.params_skipped += 1
+        due = self.checkpoint_path is not None and (
+            0 < self.config.store.checkpoint_interval_s <= time.monotonic() - self._checkpoint_at
+        )
+        if (ch.snapshot_wanted.is_set() or due) and enc.idle.is_set():
+            self._hand_state(write_checkpoint_too=due)
         if r.step % STATS_EVERY_STEPS == 0:
             if ch.stats:
                 r.adapt(int(ch.stats.get("backlog_bytes", 0)))
             ch.request_stats()
         self.poll()
         if r.blocking():
-            w0 = warned = time.perf_counter()
-            while r.blocking():
+            w0 = time.perf_counter()
+            grace = self.config.train.stall_grace_s
+            while behind := r.blocking():
                 if ch.closed:
                     raise ChannelError(ch.error or "the daemon went away")
-                ch.wait_any(0.05)
+                if time.perf_counter() - w0 > grace:  # dead or far too slow: go on
+                    r.excuse(behind)
+                    log.warning("replicas_excused", step=r.step, behind=behind)
+                    break
+                ch.wait_any(0.02)
                 self.poll()
-                if time.perf_counter() - warned > STALL_WARNING_S:
-                    warned = time.perf_counter()
-                    log.warning(
-                        "waiting_for_replicas",
-                        step=r.step,
-                        behind=r.blocking(),
-                        waited_s=round(warned - w0, 1),
-                    )
             self.wait_s += time.perf_counter() - w0
         self.hook_s += time.perf_counter() - t0
+
+    def _publish(self, payloads: list[bytes]) -> None:
+        for payload in payloads:
+            self.channel.publish(payload)
+
+    def _pack(self) -> tuple[bytearray, bytes]:
+        self.replica.flush()
+        opt = self.optimizer if self.config.store.sync_optimizer_state else None
+        return pack_state(self.layout.layout_id, self.buckets, opt)
+
+    def _hand_state(self, write_checkpoint_too: bool) -> None:
+        """Snapshot the state (training thread: a consistent copy) and hand it to the
+        daemon for joiners, and to the checkpoint file, on the encoder thread."""
+        self.channel.snapshot_wanted.clear()
+        blob, compat = self._pack()
+        step = self.replica.step
+        path = self.checkpoint_path if write_checkpoint_too else None
+        if path is not None:
+            self._checkpoint_at = time.monotonic()
+
+        def job() -> None:
+            self.channel.put_parts(self.state_name, step, blob, compat)
+            self.snapshots_sent += 1
+            if path is not None:
+                write_checkpoint(path, step, blob, compat)
+                self.checkpoints_written += 1
+
+        self.encoder.submit(job)
+
+    def checkpoint(self) -> Path | None:
+        """Write a checkpoint now (this thread, atomically); its path, or None when no
+        checkpoint directory is set."""
+        if self.checkpoint_path is None:
+            return None
+        self.encoder.idle.wait(self.config.train.finish_timeout_s)
+        blob, compat = self._pack()
+        write_checkpoint(self.checkpoint_path, self.replica.step, blob, compat)
+        self.checkpoints_written += 1
+        self._checkpoint_at = time.monotonic()
+        return self.checkpoint_path
+
+    def install_sigterm(self) -> None:
+        """On SIGTERM, the next :meth:`step` writes a checkpoint, closes and exits
+        (status 143); before the first step, exit at once. Main thread only."""
+
+        def handler(signum: int, frame: object) -> None:
+            self._terminate = True
+
+        signal.signal(signal.SIGTERM, handler)
+
+    def _exit_on_sigterm(self) -> None:
+        path = self.checkpoint()
+        log.info("terminated", step=self.replica.step, checkpoint=str(path) if path else None)
+        self.close()
+        raise SystemExit(143)
+
+    def put(self, name: str, obj: Any) -> int:
+        """Have the mesh hold ``obj`` (a state dict, tensors, plain values) under
+        ``name``; the version it got. Held here and by the ``store.replicas`` nearest
+        members, so it outlives this node."""
+        if name.startswith("state/"):
+            raise ValueError("names under state/ are the runs' own")
+        buf = io.BytesIO()
+        torch.save(obj, buf)
+        return int(self.channel.put_object(name, buf.getbuffer())["version"])
+
+    def get(self, name: str, min_version: int = 0) -> Any:
+        """The newest version of ``name`` that the mesh holds (from the nearest holders,
+        verified by hash), loaded with ``weights_only``."""
+        data, _ = self.channel.get_object(name, min_version=min_version, patient=False)
+        return torch.load(io.BytesIO(data), weights_only=True)
 
     def poll(self) -> int:
         """Apply every peer chunk that has arrived (each exactly once); how many."""
@@ -234,9 +369,9 @@ class MeshSync:
             except RefusedChunk as exc:
                 log.warning("chunk_refused", reason=exc.reason, error=str(exc))
         r.settle()  # and flushes what was applied
-        if r.joined:  # a replica that just joined learns of this one
+        if r.joined:  # a replica that just joined learns of this one, and where it is
             r.joined.clear()
-            ch.publish(self._join)
+            ch.publish(self._join())
         return n
 
     def finish(self, timeout_s: float | None = None) -> bool:
@@ -251,7 +386,8 @@ class MeshSync:
             if not enc.idle.wait(limit):
                 raise ChannelError(f"the encoder did not finish within {limit:g} s")
             if r.last_send_step < r.step:  # merged steps still pending: send them
-                enc.submit("update", r.take_update(), r.step)
+                deltas, step = r.take_update(), r.step
+                enc.submit(lambda: self._publish(r.encode_update(deltas, step)))
                 if not enc.idle.wait(limit):
                     raise ChannelError(f"the encoder did not finish within {limit:g} s")
             enc.check()
@@ -269,6 +405,9 @@ class MeshSync:
             ch.wait_any(0.05)
         complete = all_in()
         r.settle(everything=True)
+        if self.encoder.idle.wait(limit):  # late joiners and a restart start from here
+            self._hand_state(write_checkpoint_too=self.checkpoint_path is not None)
+            self.encoder.idle.wait(limit)
         return complete
 
     # -- reporting ---------------------------------------------------------------------------
@@ -291,6 +430,11 @@ class MeshSync:
             "refused_by_origin": {k: p.refused for k, p in r.peers.items()},
             "sent_by_origin": {k: p.chunks_sent for k, p in r.peers.items()},
             "params_mixed": s.params_mixed,
+            "excused": s.excused,
+            "start_step": self.start_step,
+            "restored": self.restored,
+            "snapshots_sent": self.snapshots_sent,
+            "checkpoints_written": self.checkpoints_written,
             "other_runs": s.other_runs,
             "refused": dict(s.refused),
             "last_refusal": s.last_refusal,
@@ -308,8 +452,11 @@ class MeshSync:
         }
 
     def close(self) -> None:
-        self.channel.close()
-        self.encoder.close()
+        if self.channel.closed and self.encoder.idle.is_set():
+            self.encoder.close()
+        else:
+            self.channel.close()
+            self.encoder.close()
         if self.embedded is not None:
             self.embedded.stop()
 
@@ -331,6 +478,8 @@ def attach(
     min_replicas: int = 1,
     join_timeout_s: float = 120.0,
     seed: int = 0,
+    checkpoint_dir: str | Path | None = None,
+    handle_sigterm: bool | None = None,
 ) -> MeshSync:
     """Attach a model to the node's daemon (see the module docstring).
 
@@ -341,8 +490,18 @@ def attach(
     :class:`EmbeddedDaemon`) to run the daemon in this process instead. Call before
     the optimizer's first step (its state must not exist yet: parameters become views
     into the buckets). ``run`` names the training run: chunks of other runs are
-    refused."""
+    refused.
+
+    State: when the run's other replicas are past step 0 (or past this node's
+    checkpoint), the model (and, with ``store.sync_optimizer_state``, the optimizer's
+    state) is fetched from the nearest up-to-date replica before ``attach`` returns;
+    ``sync.start_step`` says where to continue. ``checkpoint_dir`` (default
+    ``store.checkpoint_dir``; none when empty) gets a checkpoint every
+    ``store.checkpoint_interval_s``, at :meth:`MeshSync.finish` and on SIGTERM
+    (``handle_sigterm``, default: when checkpointing, in the main thread)."""
     cfg = config or Config.wan()
+    ckpt_dir = checkpoint_dir if checkpoint_dir is not None else cfg.store.checkpoint_dir
+    ckpt_path = Path(ckpt_dir).expanduser() if ckpt_dir else None
     if optimizer is not None and optimizer.state:
         raise ValueError("attach before the optimizer's first step")
     started = False
@@ -359,16 +518,25 @@ def attach(
     else:
         channel = DaemonChannel.connect(socket_path or trainer_socket_path(cfg))
     try:
-        return MeshSync(
+        sync = MeshSync(
             model,
             channel,
             run=run,
             config=cfg,
+            optimizer=optimizer,
             min_replicas=min_replicas,
             join_timeout_s=join_timeout_s,
             seed=seed,
             embedded=daemon,
+            checkpoint_dir=ckpt_path,
         )
+        if handle_sigterm or (
+            handle_sigterm is None
+            and ckpt_path is not None
+            and threading.current_thread() is threading.main_thread()
+        ):
+            sync.install_sigterm()
+        return sync
     except BaseException:
         channel.close()
         if started and daemon is not None:

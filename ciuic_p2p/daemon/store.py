@@ -1,0 +1,270 @@
+"""The daemon's side of the shared store: core.store's Holder and Fetch driven over
+the mesh links (STORE_CONTROL and STORE_DATA frames).
+
+    manifest = await store.put("model_state", data)   # held here and by
+                                                      # ``store.replicas`` nearest members
+    data, fetch = await store.get("model_state")      # the newest, from the nearest holders
+
+Objects live in the daemon's memory: a trainer's state for joiners (``state/<run>``,
+daemon.trainer), and what users ``put``. A ``put`` asks the nearest other members to
+fetch and hold a copy (HOLD/HELD), so the object outlives its writer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import time
+from collections.abc import Awaitable, Callable
+
+from ciuic_p2p.core.store import Fetch, FetchState, Holder
+from ciuic_p2p.core.storewire import (
+    Get,
+    Kind,
+    Manifest,
+    Message,
+    NoneHeld,
+    Offer,
+    Piece,
+    Query,
+    Ref,
+    StoreWireError,
+    decode,
+    encode,
+    is_data,
+)
+from ciuic_p2p.daemon.node import MeshDaemon
+from ciuic_p2p.errors import CiuicError
+from ciuic_p2p.logsetup import get_logger
+
+log = get_logger("ciuic.store")
+FRESHEN_TIMEOUT_S = 5.0
+
+
+class StoreError(CiuicError):
+    """A put or get that could not be completed; the message says why."""
+
+
+class _Running:
+    def __init__(self, fetch: Fetch) -> None:
+        self.fetch = fetch
+        self.wake = asyncio.Event()
+
+
+class StoreService:
+    def __init__(self, daemon: MeshDaemon) -> None:
+        self.daemon = daemon
+        self.settings = daemon.config.store
+        self.holder = Holder(self.settings)
+        self.counters = daemon.counters
+        self._fetches: dict[int, _Running] = {}
+        self._tokens = itertools.count(int(time.monotonic_ns()) & 0xFFFF_0000)
+        self._held_waiters: dict[tuple[str, int, bytes], asyncio.Queue[str]] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.freshen: Callable[[str], Awaitable[None]] | None = None
+        """Called before answering a query for a name (the trainer server refreshes its
+        state snapshot so that joiners get current parameters)."""
+        daemon.on_store = self._on_message
+        daemon.on_member_down.append(self._member_down)
+
+    # -- API -------------------------------------------------------------------------------
+
+    def put_local(
+        self, name: str, version: int, data: bytes, compat: bytes | None = None
+    ) -> Manifest:
+        return self.holder.put(name, version, data, compat)
+
+    async def put(
+        self, name: str, data: bytes, version: int | None = None, timeout_s: float = 60.0
+    ) -> tuple[Manifest, list[str]]:
+        """Hold ``data`` as ``name`` here and have the ``store.replicas`` nearest members
+        hold it too; the manifest and who confirmed. ``version`` defaults to one above
+        the newest this node knows of (here or on the mesh)."""
+        if version is None:
+            newest = self.holder.newest(name)
+            version = 1 + (newest.manifest.version if newest else 0)
+            with contextlib.suppress(StoreError):
+                _, fetch = await self.get(name, min_version=version, patient=False)
+                version = fetch.version + 1
+        manifest = self.put_local(name, version, data)
+        wanted = self.settings.replicas
+        members = self._by_rtt()[:wanted]
+        key = (name, version, manifest.root)
+        queue: asyncio.Queue[str] = asyncio.Queue()
+        self._held_waiters[key] = queue
+        held: list[str] = []
+        try:
+            for peer in members:
+                self._send(peer, Ref(Kind.HOLD, name, version, manifest.root))
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while len(held) < len(members):
+                left = deadline - asyncio.get_running_loop().time()
+                try:
+                    held.append(await asyncio.wait_for(queue.get(), max(0.0, left)))
+                except TimeoutError:
+                    break
+        finally:
+            del self._held_waiters[key]
+        if len(held) < min(wanted, len(members)):
+            log.warning("store_put_underreplicated", name=name, held=held, wanted=wanted)
+        return manifest, held
+
+    async def get(
+        self,
+        name: str,
+        min_version: int = 0,
+        *,
+        version_slack: int = 0,
+        patient: bool = True,
+        exclude: frozenset[str] = frozenset(),
+    ) -> tuple[bytes, Fetch]:
+        """The newest version of ``name`` on the mesh (at least ``min_version``), and the
+        fetch that got it (donors, counters). One held here that is at least as new as
+        every offer is returned without a transfer. ``patient``: wait (up to
+        ``store.fetch_timeout_s``) for a holder to appear; otherwise fail as soon as
+        every member has said it holds none."""
+        d = self.daemon
+        peers = [p for p in d.mesh.view() if p != d.peer_id and p not in exclude]
+        local = self.holder.newest(name)
+        floor = min_version
+        if local is not None and local.manifest.version >= min_version:
+            floor = local.manifest.version + 1
+        fetch = Fetch(
+            name,
+            floor,
+            peers,
+            asyncio.get_running_loop().time(),
+            settings=self.settings,
+            rtt_s=self._rtt,
+            token=next(self._tokens) & 0xFFFFFFFF,
+            version_slack=version_slack,
+            patient=patient and local is None,
+        )
+        await self._drive(fetch)
+        if fetch.state is FetchState.DONE and fetch.result is not None:
+            self.counters["store_fetched_bytes"] += len(fetch.result)
+            return bytes(fetch.result), fetch
+        if local is not None and local.manifest.version >= min_version:
+            fetch.version = local.manifest.version
+            return local.data, fetch
+        raise StoreError(fetch.error or f"nobody holds {name!r}")
+
+    # -- driving fetches -------------------------------------------------------------------
+
+    async def _drive(self, fetch: Fetch) -> None:
+        running = _Running(fetch)
+        token = id(running)
+        self._fetches[token] = running
+        loop = asyncio.get_running_loop()
+        try:
+            while True:
+                for peer, msg in fetch.take_messages():
+                    self._send(peer, msg)
+                if fetch.done:
+                    break
+                when = fetch.get_timer()
+                delay = None if when is None else max(0.0, when - loop.time())
+                running.wake.clear()
+                try:
+                    await asyncio.wait_for(running.wake.wait(), delay)
+                except TimeoutError:
+                    fetch.handle_timer(loop.time())
+        finally:
+            del self._fetches[token]
+        for donor in fetch.stats.pieces_by_donor:
+            offer = fetch.offers.get(donor)
+            if offer is not None:
+                m = offer.manifest
+                self._send(donor, Ref(Kind.FINISHED, fetch.name, m.version, m.root))
+
+    def _rtt(self, peer: str) -> float | None:
+        d = self.daemon
+        return d.mesh.rttmap.rtt_s(d.peer_id, peer)
+
+    def _by_rtt(self) -> list[str]:
+        d = self.daemon
+        peers = [p for p in d.mesh.view() if p != d.peer_id]
+        unknown = self.settings.unknown_rtt_s
+        return sorted(peers, key=lambda p: (self._rtt(p) or unknown, p))
+
+    def _send(self, peer: str, msg: Message) -> None:
+        if not self.daemon.send_store(peer, encode(msg), bulk=is_data(msg)):
+            self.counters["store_unknown_peer"] += 1
+
+    def _member_down(self, peer: str) -> None:
+        now = asyncio.get_running_loop().time()
+        self.holder.finished(peer)
+        for running in list(self._fetches.values()):
+            running.fetch.peer_gone(peer, now)
+            running.wake.set()
+
+    # -- messages from members -------------------------------------------------------------
+
+    def _on_message(self, peer: str, payload: bytes) -> None:
+        try:
+            msg = decode(payload)
+        except StoreWireError as exc:
+            self.counters["store_decode_errors"] += 1
+            log.warning("store_message_refused", peer=peer, reason=str(exc))
+            return
+        now = asyncio.get_running_loop().time()
+        if isinstance(msg, Query):
+            self._spawn(self._answer_query(peer, msg))
+        elif isinstance(msg, Get):
+            got = self.holder.on_get(peer, msg, now)
+            for reply in got if isinstance(got, list) else [got]:
+                self._send(peer, reply)
+        elif isinstance(msg, Offer | NoneHeld | Piece) or (
+            isinstance(msg, Ref) and msg.kind is Kind.BUSY
+        ):
+            for running in list(self._fetches.values()):
+                f = running.fetch
+                if isinstance(msg, Offer):
+                    f.on_offer(peer, msg, now)
+                elif isinstance(msg, NoneHeld):
+                    f.on_none(peer, msg, now)
+                elif msg.name != f.name:
+                    continue
+                elif isinstance(msg, Piece):
+                    f.on_piece(peer, msg, now)
+                else:
+                    f.on_busy(peer, now)
+                running.wake.set()
+        elif msg.kind is Kind.FINISHED:
+            self.holder.finished(peer)
+        elif msg.kind is Kind.HOLD:
+            self._spawn(self._hold(peer, msg))
+        elif msg.kind is Kind.HELD:
+            queue = self._held_waiters.get((msg.name, msg.version, msg.root))
+            if queue is not None:
+                queue.put_nowait(peer)
+
+    async def _answer_query(self, peer: str, query: Query) -> None:
+        if self.freshen is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.freshen(query.name), FRESHEN_TIMEOUT_S)
+        self._send(peer, self.holder.on_query(query, asyncio.get_running_loop().time()))
+
+    async def _hold(self, peer: str, ref: Ref) -> None:
+        """A member asked us to keep a copy of what it put."""
+        if self.holder.find(ref.name, ref.version, ref.root) is None:
+            try:
+                data, fetch = await self.get(ref.name, ref.version)
+            except StoreError as exc:
+                log.warning("store_hold_failed", name=ref.name, peer=peer, reason=str(exc))
+                return
+            self.put_local(ref.name, fetch.version, data)
+        self._send(peer, Ref(Kind.HELD, ref.name, ref.version, ref.root))
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task

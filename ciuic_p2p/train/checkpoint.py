@@ -1,0 +1,105 @@
+"""Local checkpoints: a replica's state (core.statefile) written atomically.
+
+File layout::
+
+    b"CIUCKPT1" | step u64 LE | state length u64 LE | compat (32) | state
+    | BLAKE2b-256 of everything before it
+
+A checkpoint is written to a temporary file in the same directory, flushed and
+fsync'ed, then renamed over the previous one (whose copy is kept as ``.prev``), and
+the directory is fsync'ed: a reader sees the old file or the new one, never half of
+one. A file cut short anyway (a disk that lied about its cache, a copy interrupted)
+fails its length or digest check and is never loaded; the loader then takes the
+previous one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from ciuic_p2p.errors import CiuicError
+from ciuic_p2p.logsetup import get_logger
+
+MAGIC = b"CIUCKPT1"
+_HEAD = struct.Struct("<8sQQ32s")
+DIGEST_LEN = 32
+log = get_logger("ciuic.checkpoint")
+
+
+class CheckpointError(CiuicError):
+    """A checkpoint file that is incomplete, corrupted or not one."""
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    path: Path
+    step: int
+    compat: bytes
+    state: bytes
+
+
+def write_checkpoint(path: Path, step: int, state: bytes | bytearray, compat: bytes) -> None:
+    """Write atomically (see the module docstring)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    head = _HEAD.pack(MAGIC, step, len(state), compat)
+    digest = hashlib.blake2b(head, digest_size=DIGEST_LEN)
+    digest.update(state)
+    try:
+        with open(tmp, "wb") as f:
+            f.write(head)
+            f.write(state)
+            f.write(digest.digest())
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():
+            os.replace(path, path.with_name(path.name + ".prev"))
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def read_checkpoint(path: Path) -> Checkpoint:
+    try:
+        raw = path.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"{path}: {exc.strerror or exc}") from None
+    if len(raw) < _HEAD.size + DIGEST_LEN:
+        raise CheckpointError(f"{path}: cut short ({len(raw)} bytes)")
+    magic, step, length, compat = _HEAD.unpack_from(raw, 0)
+    if magic != MAGIC:
+        raise CheckpointError(f"{path}: not a ciuic checkpoint")
+    if len(raw) != _HEAD.size + length + DIGEST_LEN:
+        raise CheckpointError(f"{path}: cut short or padded ({len(raw)} bytes)")
+    body = memoryview(raw)[: _HEAD.size + length]
+    if hashlib.blake2b(body, digest_size=DIGEST_LEN).digest() != raw[-DIGEST_LEN:]:
+        raise CheckpointError(f"{path}: digest mismatch (corrupted)")
+    return Checkpoint(path, int(step), bytes(compat), raw[_HEAD.size : _HEAD.size + length])
+
+
+def load_newest(path: Path) -> Checkpoint | None:
+    """The newest valid checkpoint among ``path`` and its ``.prev``; None if neither
+    is (each refusal is logged)."""
+    best: Checkpoint | None = None
+    for candidate in (path, path.with_name(path.name + ".prev")):
+        if not candidate.exists():
+            continue
+        try:
+            ckpt = read_checkpoint(candidate)
+        except CheckpointError as exc:
+            log.warning("checkpoint_refused", reason=str(exc))
+            continue
+        if best is None or ckpt.step > best.step:
+            best = ckpt
+    return best
