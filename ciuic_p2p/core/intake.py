@@ -72,6 +72,8 @@ class Prepared:
     step: int
     chunks: int
     """DONE: update chunks the origin sent in all."""
+    ask: bool = False
+    """JOIN: the origin wants this replica's JOIN in answer."""
 
 
 @dataclass(slots=True)
@@ -85,6 +87,8 @@ class PeerState:
     """Update chunks of this origin applied here."""
     refused: int = 0
     """Chunks of this origin refused here (duplicates not counted)."""
+    reported: bool = False
+    """It told its step (a JOIN) since it was registered here."""
     lagging: bool = False
     """Excused: past the staleness bound for longer than the grace; not waited for,
     and not waited for by settlement, until its chunks are back within the bound."""
@@ -98,6 +102,10 @@ class ReplicaStats:
     bytes_published: int = 0
     applied: int = 0
     params_mixed: int = 0
+    params_unmatched: int = 0
+    """Peer parameters of a step this replica kept none of its own for: not mixed."""
+    before_state: int = 0
+    """Peer chunks dropped because the state this replica restored holds them."""
     excused: int = 0
     """Times a replica was excused from the staleness bound (see Replica.excuse)."""
     other_runs: int = 0
@@ -134,6 +142,9 @@ class Intake:
     _params: ReplayWindow
     _own_rms: list[float]
     _own_count: list[int]
+    floors: dict[str, int]
+    own_params: dict[int, list[torch.Tensor]]
+    joined: list[str]
     _queued: dict[tuple[int, float], list[tuple[torch.Tensor, torch.Tensor]]]
 
     @property
@@ -175,12 +186,12 @@ class Intake:
             return Prepared(origin, Kind.DONE, None, None, None, 0.0, step, chunks)
         if msg.kind in (Kind.JOIN, Kind.GONE):
             try:
-                run_id, step = decode_presence(msg.body)
+                run_id, step, ask = decode_presence(msg.body)
             except TrainWireError as exc:
                 raise RefusedChunk("malformed", f"from {origin}: {exc}") from None
             if run_id != self.source.run_id:
                 raise RefusedChunk("other_run", f"{origin} trains another run", origin, msg.kind)
-            return Prepared(origin, msg.kind, None, None, None, 0.0, step, 0)
+            return Prepared(origin, msg.kind, None, None, None, 0.0, step, 0, ask)
         try:
             decoded = decode_chunk(msg.body, self.buckets[0].device)
         except CodecError as exc:
@@ -235,6 +246,9 @@ class Intake:
             if joined is not None:  # where it stands; one still syncing is not waited for
                 joined.step = max(joined.step, item.step)
                 joined.lagging = joined.step <= self.step - self.train.staleness_bound_steps
+                joined.reported = True
+                if item.ask and origin not in self.joined:
+                    self.joined.append(origin)
             return
         state = self._replica(origin)
         if item.kind is Kind.DONE:
@@ -261,6 +275,9 @@ class Intake:
                 Kind.UPDATE,
             )
         self._check_once(self._updates, origin, h)
+        if h.step <= self.floors.get(origin, -1):  # the restored state holds it already
+            self.stats.before_state += 1
+            return
         self._add(h, item.positions, item.values, self.weight)
         if state is not None:
             state.step = max(state.step, h.step)
@@ -337,7 +354,8 @@ class Intake:
         ref = self._own_rms[h.bucket]
         if self._own_count[h.bucket] < self.train.norm_warmup_chunks:
             return
-        own = self.buckets[h.bucket][h.range_start : h.range_start + h.range_len]
+        mine = self.own_params.get(h.step, self.buckets)
+        own = mine[h.bucket][h.range_start : h.range_start + h.range_len]
         dist = float(torch.linalg.vector_norm(values - own)) / math.sqrt(max(1, h.range_len))
         if dist > self.train.update_norm_max_ratio * ref:
             raise RefusedChunk(
@@ -349,11 +367,15 @@ class Intake:
             )
 
     def _mix(self, h: ChunkHeader, values: torch.Tensor) -> None:
+        mine = self.own_params.get(h.step)
+        if mine is None:  # we sent none at that step (joined since, or skipped)
+            self.stats.params_unmatched += 1
+            return
         self.flush()
         mix = self.train.consensus_mix / max(1, self.replicas - 1)
         with torch.no_grad():
             s = slice(h.range_start, h.range_start + h.range_len)
-            diff = values.sub(self.buckets[h.bucket][s]).mul_(mix)
+            diff = values.sub(mine[h.bucket][s]).mul_(mix)
             self.buckets[h.bucket][s].add_(diff)
             self.anchor[h.bucket][s].add_(diff)
         self.stats.params_mixed += 1

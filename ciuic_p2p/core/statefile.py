@@ -4,6 +4,7 @@ a checkpoint holds. Pure (no I/O).
 Layout (version 1)::
 
     u32 LE header length | header (UTF-8 JSON) | zero padding to 64 | tensor bytes
+    | meta (META_BYTES: u32 LE length, UTF-8 JSON, zero padding)
 
 The header lists each tensor as ``[key, dtype, shape, offset, nbytes]`` (offsets from
 the start of the tensor area): ``bucket/I`` for the parameter buckets (core.layout)
@@ -11,7 +12,10 @@ and, when the optimizer's state travels too, ``opt/P/NAME`` for state NAME of th
 optimizer's P-th parameter. The header depends only on the model's layout and the
 optimizer's kind, never on values or the step, so two replicas' states of one run
 have the same header, and the same offsets: its digest is the state's ``compat``
-(core.store mixes pieces only within one compat). Unpacking trusts nothing: a header
+(core.store mixes pieces only within one compat). The meta area has a fixed size for
+the same reason; it holds what varies: for each origin, the newest of its update steps
+already in these parameters (the joiner drops older chunks, which the state holds
+already). Unpacking trusts nothing: a header
 that is malformed, names another layout or points outside the data raises
 :class:`StateFormatError`.
 """
@@ -32,6 +36,7 @@ FORMAT = "ciuic-state"
 VERSION = 1
 ALIGN = 64
 MAX_HEADER_BYTES = 1 << 20
+META_BYTES = 16384
 _LEN = struct.Struct("<I")
 _DTYPES = {
     "float32": torch.float32,
@@ -66,8 +71,13 @@ def pack_state(
     layout_id: int,
     buckets: Sequence[torch.Tensor],
     optimizer: torch.optim.Optimizer | None = None,
+    meta: dict[str, Any] | None = None,
 ) -> tuple[bytearray, bytes]:
-    """(state bytes, compat digest). Copies each tensor to the host once."""
+    """(state bytes, compat digest). Copies each tensor to the host once; ``meta``
+    (JSON, at most ``META_BYTES`` - 4 encoded) travels in the meta area."""
+    meta_raw = json.dumps(meta or {}, separators=(",", ":")).encode()
+    if len(meta_raw) > META_BYTES - _LEN.size:
+        raise StateFormatError(f"state meta of {len(meta_raw)} bytes is over the limit")
     tensors = [(f"bucket/{i}", b.detach()) for i, b in enumerate(buckets)]
     tensors += _optimizer_tensors(optimizer)
     entries = []
@@ -80,12 +90,20 @@ def pack_state(
         entries.append([key, dtype, list(t.shape), offset, nbytes])
         offset += -(-nbytes // ALIGN) * ALIGN
     header = json.dumps(
-        {"format": FORMAT, "v": VERSION, "layout": f"{layout_id:016x}", "tensors": entries},
+        {
+            "format": FORMAT,
+            "v": VERSION,
+            "layout": f"{layout_id:016x}",
+            "tensors": entries,
+            "meta_bytes": META_BYTES,
+        },
         separators=(",", ":"),
     ).encode()
     start = -(-(_LEN.size + len(header)) // ALIGN) * ALIGN
-    out = bytearray(start + offset)
+    out = bytearray(start + offset + META_BYTES)
     _LEN.pack_into(out, 0, len(header))
+    _LEN.pack_into(out, start + offset, len(meta_raw))
+    out[start + offset + _LEN.size : start + offset + _LEN.size + len(meta_raw)] = meta_raw
     out[_LEN.size : _LEN.size + len(header)] = header
     view = memoryview(out)
     for (_, t), entry in zip(tensors, entries, strict=True):
@@ -108,7 +126,12 @@ def read_header(data: bytes | bytearray | memoryview) -> tuple[dict[str, Any], i
         header = json.loads(bytes(view[_LEN.size : _LEN.size + n]))
     except (ValueError, RecursionError):
         raise StateFormatError("state header is not JSON") from None
-    if not isinstance(header, dict) or header.get("format") != FORMAT or header.get("v") != 1:
+    if (
+        not isinstance(header, dict)
+        or header.get("format") != FORMAT
+        or header.get("v") != 1
+        or header.get("meta_bytes") != META_BYTES
+    ):
         raise StateFormatError("not a ciuic state (format/version)")
     return header, -(-(_LEN.size + n) // ALIGN) * ALIGN
 
@@ -118,9 +141,10 @@ def unpack_state(
     layout_id: int,
     buckets: Sequence[torch.Tensor],
     optimizer: torch.optim.Optimizer | None = None,
-) -> None:
+) -> dict[str, Any]:
     """Copy a state into the buckets (and the optimizer, when it carries one and
-    ``optimizer`` is given). Everything is checked before anything changes."""
+    ``optimizer`` is given); its meta. Everything is checked before anything
+    changes."""
     view = memoryview(data)
     header, start = read_header(view)
     if header.get("layout") != f"{layout_id:016x}":
@@ -143,7 +167,7 @@ def unpack_state(
                 raise StateFormatError(f"{key}: negative dimension")
             numel *= x
         size = numel * torch.empty((), dtype=torch_dtype).element_size()
-        if nbytes != size or offset < 0 or start + offset + nbytes > len(view):
+        if nbytes != size or offset < 0 or start + offset + nbytes > len(view) - META_BYTES:
             raise StateFormatError(f"{key}: outside the state")
         raw = view[start + offset : start + offset + nbytes]
         found[str(key)] = (
@@ -162,6 +186,16 @@ def unpack_state(
             if not index.isdigit():
                 raise StateFormatError(f"{key}: bad optimizer parameter index")
             opt_state.setdefault(int(index), {})[name] = t
+    at = len(view) - META_BYTES
+    if at < start:
+        raise StateFormatError("state lacks its meta area")
+    (n,) = _LEN.unpack_from(view, at)
+    try:
+        meta = json.loads(bytes(view[at + _LEN.size : at + _LEN.size + n])) if n else {}
+    except (ValueError, RecursionError):
+        raise StateFormatError("state meta is not JSON") from None
+    if n > META_BYTES - _LEN.size or not isinstance(meta, dict):
+        raise StateFormatError("state meta is malformed")
     if optimizer is not None and opt_state:
         count = sum(len(g["params"]) for g in optimizer.param_groups)
         if any(i >= count for i in opt_state):
@@ -172,3 +206,4 @@ def unpack_state(
     if optimizer is not None and opt_state:
         groups = optimizer.state_dict()["param_groups"]
         optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
+    return meta

@@ -11,8 +11,9 @@ Mesh payload (version 1), carried as the payload of a mesh ``CHUNK``::
                         DONE: run_id (16) + last step (u64 LE) + update
                         chunks sent in all (u64 LE)
                         JOIN, GONE: run_id (16) [+ JOIN: the sender's
-                        current step (u64 LE), since 2: a replica that
-                        joins mid-run or answers a joiner says where it is]
+                        current step (u64 LE) and flags (u8; 1: answer
+                        with your JOIN): a replica that joins mid-run
+                        asks where the others are, and says where it is]
 
 ``UPDATE`` is one chunk of a step's compressed update; ``PARAMS`` one chunk of a
 replica's parameters (dense, for the consensus mix); ``DONE`` says the origin took its
@@ -56,6 +57,7 @@ MAX_PEER_BYTES = 128
 _LEN = struct.Struct("<IB")
 _DONE = struct.Struct(f"<{RUN_ID_LEN}sQQ")
 _PART = struct.Struct("<QQQ32s")
+_STEP_FLAGS = struct.Struct("<QB")
 PART_BYTES = 512 * 1024
 
 
@@ -119,20 +121,22 @@ def run_id_of(run: str) -> bytes:
     return hashlib.blake2b(run.encode(), digest_size=16).digest()
 
 
-def encode_presence(kind: Kind, run_id: bytes, step: int | None = None) -> bytes:
-    """A JOIN (with the sender's step) or GONE message."""
+def encode_presence(kind: Kind, run_id: bytes, step: int | None = None, ask: bool = False) -> bytes:
+    """A JOIN (with the sender's step; ``ask``: answer with yours) or GONE message."""
     if kind not in (Kind.JOIN, Kind.GONE) or len(run_id) != RUN_ID_LEN:
         raise ValueError("JOIN or GONE, with a 16-byte run_id")
-    tail = b"" if step is None or kind is Kind.GONE else struct.pack("<Q", step)
+    tail = b"" if step is None or kind is Kind.GONE else _STEP_FLAGS.pack(step, int(ask))
     return envelope(kind) + run_id + tail
 
 
-def decode_presence(body: memoryview) -> tuple[bytes, int]:
-    """(run_id, step: 0 when not said)."""
-    if len(body) not in (RUN_ID_LEN, RUN_ID_LEN + 8):
-        raise TrainWireError(f"JOIN/GONE body of {len(body)} bytes, expected {RUN_ID_LEN}(+8)")
-    step = struct.unpack_from("<Q", body, RUN_ID_LEN)[0] if len(body) > RUN_ID_LEN else 0
-    return bytes(body[:RUN_ID_LEN]), int(step)
+def decode_presence(body: memoryview) -> tuple[bytes, int, bool]:
+    """(run_id, step: 0 when not said, whether an answer is asked for)."""
+    if len(body) not in (RUN_ID_LEN, RUN_ID_LEN + _STEP_FLAGS.size):
+        raise TrainWireError(f"JOIN/GONE body of {len(body)} bytes")
+    if len(body) == RUN_ID_LEN:
+        return bytes(body), 0, False
+    step, flags = _STEP_FLAGS.unpack_from(body, RUN_ID_LEN)
+    return bytes(body[:RUN_ID_LEN]), int(step), bool(flags & 1)
 
 
 @dataclass(frozen=True, slots=True)

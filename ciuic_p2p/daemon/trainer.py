@@ -352,6 +352,11 @@ class TrainerServer:
             counters["deliveries_refused"] += 1
             log.warning("delivery_refused", origin=delivery.origin, reason=str(exc))
             return
+        if msg.kind is Kind.JOIN and not self._attached():
+            # A trainer that attaches later asks the replicas where they are then; an
+            # old JOIN would tell it a step long past.
+            counters["joins_not_held"] += 1
+            return
         prefix = peer_prefix(delivery.origin)
         self._write(
             frame_header(FrameType.DELIVER, len(prefix) + len(delivery.payload)),
@@ -364,10 +369,13 @@ class TrainerServer:
         prefix = peer_prefix(peer)
         self._write(frame_header(FrameType.DIRECT_IN, len(prefix) + len(payload)), prefix, payload)
 
+    def _attached(self) -> bool:
+        return self.writer is not None and not self.writer.is_closing() and self._hello
+
     def _write(self, *parts: bytes | memoryview, droppable: bool = False) -> None:
         writer = self.writer
         counters = self.daemon.counters
-        if writer is None or writer.is_closing() or not self._hello:
+        if writer is None or not self._attached():
             if len(self._held) == MAX_HELD:
                 counters["deliveries_without_trainer"] += 1
             self._held.append((droppable, parts))

@@ -6,7 +6,7 @@ File layout::
     | BLAKE2b-256 of everything before it
 
 A checkpoint is written to a temporary file in the same directory, flushed and
-fsync'ed, then renamed over the previous one (whose copy is kept as ``.prev``), and
+fsync'ed, then renamed over the previous one (kept as ``.prev`` if it is whole), and
 the directory is fsync'ed: a reader sees the old file or the new one, never half of
 one. A file cut short anyway (a disk that lied about its cache, a copy interrupted)
 fails its length or digest check and is never loaded; the loader then takes the
@@ -58,7 +58,11 @@ def write_checkpoint(path: Path, step: int, state: bytes | bytearray, compat: by
             f.flush()
             os.fsync(f.fileno())
         if path.exists():
-            os.replace(path, path.with_name(path.name + ".prev"))
+            try:  # the previous one becomes .prev only if it is whole
+                read_checkpoint(path)
+                os.replace(path, path.with_name(path.name + ".prev"))
+            except CheckpointError as exc:
+                log.warning("checkpoint_replacing_invalid", reason=str(exc))
         os.replace(tmp, path)
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -43,6 +43,7 @@ from ciuic_p2p.train.checkpoint import load_newest, write_checkpoint
 from ciuic_p2p.train.embedded import EmbeddedDaemon
 
 STATS_EVERY_STEPS = 8
+JOIN_ANSWER_WAIT_S = 5.0
 log = get_logger("ciuic.train")
 
 
@@ -162,26 +163,40 @@ class MeshSync:
         self.checkpoints_written = 0
         self.finished = False
         self._terminate = False
+        self._params_due = False
+        self._ready = False
+        """True once the state is restored: only then may peers have it."""
         self._checkpoint_at = time.monotonic()
         self._await_replicas(min_replicas, join_timeout_s)
         self.restored = self._restore()
+        self._ready = True
         self.start_step = self.replica.step
         """The step this replica begins at: 0, or where its state came from (a peer's
         state or this node's checkpoint); continue the loop's schedule from here."""
         self.channel.publish(self._join())  # where it stands now
 
-    def _join(self) -> bytes:
-        return encode_presence(Kind.JOIN, self.replica.source.run_id, self.replica.step)
+    def _join(self, ask: bool = False) -> bytes:
+        return encode_presence(Kind.JOIN, self.replica.source.run_id, self.replica.step, ask)
 
     def _await_replicas(self, count: int, timeout_s: float) -> None:
-        """Say JOIN (again every second: a trainer that attaches later hears it) until
-        ``count`` replicas of this run, this one included, are known."""
+        """Say JOIN, asking for answers (again every second: a trainer that attaches
+        later hears it), until ``count`` replicas of this run, this one included, are
+        known and each has said its step (or ``JOIN_ANSWER_WAIT_S`` passed since the
+        count was reached: a member that died meanwhile does not hold us up)."""
         deadline = time.monotonic() + timeout_s
-        self.channel.publish(self._join())
+        self.channel.publish(self._join(ask=True))
         said = time.monotonic()
-        while self.replica.replicas < count:
+        counted: float | None = None
+        r = self.replica
+        while True:
+            if r.replicas >= count:
+                counted = counted or time.monotonic()
+                if all(p.reported for p in r.peers.values()):
+                    break
+                if time.monotonic() - counted > JOIN_ANSWER_WAIT_S:
+                    break
             if time.monotonic() - said >= 1.0:
-                self.channel.publish(self._join())
+                self.channel.publish(self._join(ask=True))
                 said = time.monotonic()
             if time.monotonic() > deadline or self.channel.closed:
                 raise ChannelError(
@@ -213,21 +228,23 @@ class MeshSync:
                 timeout_s=s.fetch_timeout_s + 30.0,
             )
             try:
-                unpack_state(data, self.layout.layout_id, self.buckets, opt)
+                meta = unpack_state(data, self.layout.layout_id, self.buckets, opt)
             except StateFormatError as exc:
                 raise ChannelError(f"the run's state does not fit this model: {exc}") from None
             start = max(int(got["version"]), peer_step)
+            applied = meta.get("applied", {})
             info = {"source": "mesh", "step": start, "state_version": got["version"], **got}
         elif ckpt is not None:
             try:
-                unpack_state(ckpt.state, self.layout.layout_id, self.buckets, opt)
+                meta = unpack_state(ckpt.state, self.layout.layout_id, self.buckets, opt)
             except StateFormatError as exc:
                 raise ChannelError(f"{ckpt.path} does not fit this model: {exc}") from None
             start = ckpt.step
+            applied = meta.get("applied", {})
             info = {"source": "checkpoint", "step": start, "bytes": len(ckpt.state)}
         else:
-            start = 0
-        r.start_at(start)
+            start, applied = 0, {}
+        r.start_at(start, applied if isinstance(applied, dict) else {})
         info["seconds"] = round(time.monotonic() - t0, 3)
         if info["source"] != "fresh":
             log.info("state_restored", **{k: v for k, v in info.items() if k != "id"})
@@ -244,23 +261,27 @@ class MeshSync:
         ch = self.channel
         enc = self.encoder
         enc.check()
-        if r.local_step():
+        update_due = r.local_step()
+        if r.wants_params():
+            if self._params_due:  # the encoder was busy a whole interval: skipped
+                self.params_skipped += 1
+            self._params_due = True
+        if self._params_due and enc.idle.is_set():
+            # The mix goes first when both are due; the update waits (merged steps).
+            self._params_due = False
+            params, step = r.snapshot_params(), r.step
+            enc.submit(lambda: self._publish(r.encode_params(params, step)))
+        if update_due:
             if enc.idle.is_set():
                 deltas, step = r.take_update(), r.step
                 enc.submit(lambda: self._publish(r.encode_update(deltas, step)))
             else:
                 self.merged_steps += 1
-        if r.wants_params():
-            if enc.idle.is_set():
-                params, step = r.snapshot_params(), r.step
-                enc.submit(lambda: self._publish(r.encode_params(params, step)))
-            else:  # the encoder is behind: this round of the mix is skipped, counted
-                self.params_skipped += 1
         due = self.checkpoint_path is not None and (
             0 < self.config.store.checkpoint_interval_s <= time.monotonic() - self._checkpoint_at
         )
-        if (ch.snapshot_wanted.is_set() or due) and enc.idle.is_set():
-            self._hand_state(write_checkpoint_too=due)
+        if due and enc.idle.is_set():
+            self._hand_state(write_checkpoint_too=True)
         if r.step % STATS_EVERY_STEPS == 0:
             if ch.stats:
                 r.adapt(int(ch.stats.get("backlog_bytes", 0)))
@@ -288,7 +309,8 @@ class MeshSync:
     def _pack(self) -> tuple[bytearray, bytes]:
         self.replica.flush()
         opt = self.optimizer if self.config.store.sync_optimizer_state else None
-        return pack_state(self.layout.layout_id, self.buckets, opt)
+        meta = {"applied": self.replica.applied_steps()}
+        return pack_state(self.layout.layout_id, self.buckets, opt, meta)
 
     def _hand_state(self, write_checkpoint_too: bool) -> None:
         """Snapshot the state (training thread: a consistent copy) and hand it to the
@@ -369,6 +391,8 @@ class MeshSync:
             except RefusedChunk as exc:
                 log.warning("chunk_refused", reason=exc.reason, error=str(exc))
         r.settle()  # and flushes what was applied
+        if self._ready and ch.snapshot_wanted.is_set() and self.encoder.idle.is_set():
+            self._hand_state(write_checkpoint_too=False)  # a joiner is waiting for it
         if r.joined:  # a replica that just joined learns of this one, and where it is
             r.joined.clear()
             ch.publish(self._join())
@@ -431,6 +455,7 @@ class MeshSync:
             "sent_by_origin": {k: p.chunks_sent for k, p in r.peers.items()},
             "params_mixed": s.params_mixed,
             "excused": s.excused,
+            "before_state": s.before_state,
             "start_step": self.start_step,
             "restored": self.restored,
             "snapshots_sent": self.snapshots_sent,
