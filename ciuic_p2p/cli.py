@@ -73,6 +73,22 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--state-dir", help="state directory (default node.state_dir)")
         cmd.add_argument("--config", help="TOML config file, for its node.state_dir")
 
+    store = sub.add_parser("store", help="the shared store: put and get named objects")
+    store_sub = store.add_subparsers(dest="store_command", required=True)
+    put = store_sub.add_parser("put", help="have the mesh hold FILE's bytes as NAME")
+    put.add_argument("name")
+    put.add_argument("file")
+    put.add_argument("--local", action="store_true", help="hold it on this node only")
+    get = store_sub.add_parser("get", help="fetch the newest NAME into FILE")
+    get.add_argument("name")
+    get.add_argument("file")
+    get.add_argument("--min-version", type=int, default=0)
+    for cmd in (put, get):
+        cmd.add_argument("--json", action="store_true", help="print JSON")
+        cmd.add_argument("--control", help="control socket (default STATE_DIR/control.sock)")
+        cmd.add_argument("--state-dir", help="state directory (default node.state_dir)")
+        cmd.add_argument("--config", help="TOML config file, for its node.state_dir")
+
     emulate = sub.add_parser(
         "emulate",
         help="start emulated nodes on a WAN scenario as processes, measure, tear down",
@@ -274,7 +290,20 @@ def _steer(args: argparse.Namespace) -> int:
     from ciuic_p2p.daemon.control import request  # noqa: PLC0415
 
     path = _control_path(args)
-    if args.command == "join":
+    if args.command == "store":
+        path_arg = str(Path(args.file).resolve())
+        if args.store_command == "put":
+            body = {"cmd": "store_put", "name": args.name, "path": path_arg, "local": args.local}
+        else:
+            body = {"cmd": "store_get", "name": args.name, "path": path_arg,
+                    "min_version": args.min_version}  # fmt: skip
+        answer = request(path, body, timeout_s=300)
+        if answer.get("ok"):
+            if args.json:
+                print(json.dumps(answer))
+            else:
+                print(f"{args.name} version {answer['version']}: {answer}")
+    elif args.command == "join":
         answer = request(path, {"cmd": "join", "address": args.address})
         if answer.get("ok"):
             print(f"joined through {args.address}: {answer['members']} members")
@@ -328,7 +357,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ciuic_p2p.daemon.run import run  # noqa: PLC0415
 
             return run(args)
-        if args.command in ("join", "leave", "status"):
+        if args.command in ("join", "leave", "status", "store"):
             return _steer(args)
         if args.command == "demo":
             from ciuic_p2p.train.demo import run_demo  # noqa: PLC0415

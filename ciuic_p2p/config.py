@@ -276,9 +276,12 @@ class StoreSection:
     upload_slots: int = 1
     """Fetchers a holder serves at once; the others are told BUSY and go elsewhere."""
     upload_idle_s: float = 5.0
+    upload_rate_bps: float = 0.0
+    """Pace each upload to at most this many bits per second, so that a donor's own
+    training traffic keeps flowing (0: as fast as the link and credit allow)."""
     query_timeout_s: float = 2.0
     """How long a fetch waits for members to say what they hold."""
-    piece_timeout_s: float = 3.0
+    piece_timeout_s: float = 10.0
     """A donor that sends nothing for this long while asked is replaced."""
     retry_s: float = 0.5
     fetch_timeout_s: float = 120.0
@@ -448,6 +451,7 @@ def _validate(cfg: Config) -> None:
         (st.max_corrupt_per_donor >= 1, "store.max_corrupt_per_donor", "must be >= 1"),
         (st.state_version_slack_steps >= 0, "store.state_version_slack_steps", "must be >= 0"),
         (st.checkpoint_interval_s >= 0, "store.checkpoint_interval_s", "must be >= 0"),
+        (st.upload_rate_bps >= 0, "store.upload_rate_bps", "must be >= 0"),
     ]  # fmt: skip
     checks += [
         (getattr(st, k) > 0, f"store.{k}", "must be > 0")

@@ -1,8 +1,8 @@
 """Wire format of the shared store: named, versioned objects that members fetch from
 each other in pieces (core.store), between daemons.
 
-Control messages travel in ``STORE_CONTROL`` frames (the control stream), offers and
-pieces in ``STORE_DATA`` frames (bulk, credit flow control). Layout (version 1)::
+Control messages and offers that fit travel in ``STORE_CONTROL`` frames (the control
+stream), pieces and large offers in ``STORE_DATA`` frames (bulk, credit flow control). Layout (version 1)::
 
     magic b"CS" | version u8 (1) | kind u8 | body
 
@@ -46,6 +46,7 @@ MAX_PIECES = 32768
 MAX_OBJECT_BYTES = 8 << 30
 MAX_GET_PIECES = 256
 MAX_CONTROL_BYTES = 64 * 1024 - 16
+"""Any message may travel in a STORE_CONTROL frame when it fits this."""
 MAX_DATA_BYTES = MAX_PIECE_BYTES + 512 + MAX_NAME_BYTES
 """An OFFER's manifest (at most MAX_PIECES digests) and a PIECE both fit this."""
 

@@ -3,7 +3,10 @@ later the trainer hook) talk to the running daemon.
 
 One JSON object per line each way. Requests: ``{"cmd": "status"}``,
 ``{"cmd": "join", "address": "HOST:PORT"}``, ``{"cmd": "leave"}``,
-``{"cmd": "broadcast", "size": N}`` (a test payload of N bytes). Every answer has
+``{"cmd": "broadcast", "size": N}`` (a test payload of N bytes),
+``{"cmd": "store_put", "name", "path", "local"}`` (hold the file's bytes, and have
+``store.replicas`` members hold them unless ``local``), ``{"cmd": "store_get", "name",
+"path", "min_version"}`` (fetch the newest into the file, atomically). Every answer has
 ``"ok"``; a failure has ``"error"`` with a sentence for the user. A request line is
 at most 64 KiB. The socket is created with mode 0600: only the daemon's user (and
 root) may steer it.
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from ciuic_p2p.daemon.node import MeshDaemon
+from ciuic_p2p.daemon.store import StoreError, StoreService
 from ciuic_p2p.errors import CiuicError
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.transport.quic import TransportError
@@ -39,6 +43,7 @@ class ControlServer:
         self.path = path
         self.server: asyncio.AbstractServer | None = None
         self.leave_requested = asyncio.Event()
+        self.store: StoreService | None = None
 
     async def start(self) -> None:
         self.server = await serve_unix(self.path, self._client, 0o600, MAX_REQUEST_BYTES)
@@ -80,6 +85,8 @@ class ControlServer:
             if cmd == "leave":
                 self.leave_requested.set()
                 return {"ok": True}
+            if cmd in ("store_put", "store_get") and self.store is not None:
+                return await self._store(cmd, request)
             if cmd == "broadcast":
                 size = int(request.get("size", 0))
                 if not 0 < size <= 1 << 20:
@@ -87,9 +94,38 @@ class ControlServer:
                 return {"ok": True, "seq": d.broadcast(os.urandom(size))}
         except TransportError as exc:
             return {"ok": False, "error": f"cannot join through {request.get('address')}: {exc}"}
-        except (TimeoutError, ValueError) as exc:
+        except (TimeoutError, ValueError, StoreError) as exc:
             return {"ok": False, "error": str(exc)}
+        except OSError as exc:
+            return {"ok": False, "error": f"{exc.filename or ''}: {exc.strerror or exc}"}
         return {"ok": False, "error": f"unknown command {cmd!r}"}
+
+    async def _store(self, cmd: str, request: dict[str, Any]) -> dict[str, Any]:
+        assert self.store is not None
+        name, path = str(request.get("name", "")), Path(str(request.get("path", "")))
+        if cmd == "store_put":
+            data = path.read_bytes()
+            if request.get("local"):
+                version = int(request.get("version") or 1)
+                m = self.store.put_local(name, version, data)
+                return {"ok": True, "version": m.version, "held_by": []}
+            m, held = await self.store.put(name, data, request.get("version"))
+            return {"ok": True, "version": m.version, "held_by": held}
+        data, fetch = await self.store.get(name, int(request.get("min_version", 0)))
+        tmp = path.with_name(f".{path.name}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)
+        return {
+            "ok": True,
+            "version": fetch.version,
+            "bytes": len(data),
+            "donors": dict(fetch.stats.pieces_by_donor),
+            "restarts": fetch.stats.restarts,
+            "corrupt": fetch.stats.corrupt,
+            "donors_lost": fetch.stats.donors_lost,
+            "donor_timeouts": fetch.stats.donor_timeouts,
+            "busy": fetch.stats.busy,
+        }
 
 
 async def serve_unix(

@@ -46,6 +46,9 @@ from ciuic_p2p.transport.base import FrameReceived, PeerConnected, PeerDisconnec
 from ciuic_p2p.transport.quic import QuicTransport, TransportError
 
 MAX_OUTBOX = 4096
+MAX_STORE_CONTROL_BYTES = 60 * 1024
+"""A store offer this small travels on the control stream (a joiner's query is not
+answered behind the bulk backlog)."""
 MAX_UNREAD_DELIVERIES = 1024
 log = get_logger("ciuic.mesh")
 
@@ -84,6 +87,9 @@ def next_incarnation(state_dir: Path) -> int:
 @dataclass
 class _Outbox:
     queue: collections.deque[tuple[FrameType, bytes]] = field(default_factory=collections.deque)
+    side: collections.deque[tuple[FrameType, bytes]] = field(default_factory=collections.deque)
+    """Store pieces: taken in turn with ``queue`` (see _enqueue)."""
+    turn: bool = False
     queued_bytes: int = 0
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
@@ -123,7 +129,7 @@ class MeshDaemon:
         self.started_at = clock()
         self._peer_at: dict[str, bytes] = {}
         self._address_of: dict[bytes, str] = {}
-        self._outboxes: dict[tuple[str, bool], _Outbox] = {}
+        self._outboxes: dict[tuple[str, int], _Outbox] = {}
         self._dialing: dict[str, asyncio.Future[bytes]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -136,6 +142,8 @@ class MeshDaemon:
         """Called with (sender peer, payload) for each DIRECT frame (trainer to trainer)."""
         self.on_store: Callable[[str, bytes], None] | None = None
         """Called with (sender peer, payload) for each STORE_* frame (daemon.store)."""
+        self.status_parts: dict[str, Callable[[], Any]] = {}
+        """Extra sections of :meth:`status` (the store's fetches, ...)."""
         self.on_member_down: list[Callable[[str], None]] = []
         """Called with each member the mesh declares dead or left."""
         self.counters: collections.Counter[str] = collections.Counter()
@@ -224,7 +232,7 @@ class MeshDaemon:
 
     async def _drain(self, timeout_s: float) -> None:
         end = self.clock() + max(0.0, timeout_s)
-        while any(o.queue for o in self._outboxes.values()) and self.clock() < end:
+        while any(o.queue or o.side for o in self._outboxes.values()) and self.clock() < end:
             await asyncio.sleep(0.01)
 
     async def close(self) -> None:
@@ -362,7 +370,10 @@ class MeshDaemon:
         address = self.mesh.address_of(peer)
         if address is None:
             return False
-        self._enqueue(address, FrameType.STORE_DATA if bulk else FrameType.STORE_CONTROL, payload)
+        if not bulk or len(payload) <= MAX_STORE_CONTROL_BYTES:
+            self._enqueue(address, FrameType.STORE_CONTROL, payload)
+        else:  # pieces and large offers: bulk, in their own outbox
+            self._enqueue(address, FrameType.STORE_DATA, payload)
         return True
 
     def backlog_bytes(self) -> int:
@@ -371,11 +382,20 @@ class MeshDaemon:
 
     def _enqueue(self, address: str, ftype: FrameType, data: bytes) -> None:
         # Control and bulk get separate outboxes: a chunk waiting for credit must
-        # never hold up a probe.
-        bulk = ftype in BULK_TYPES
-        box = self._outboxes.get((address, bulk))
+        # never hold up a probe. In the bulk outbox, store pieces have a queue of
+        # their own, taken in turn with the chunks': a joiner's state does not wait
+        # behind a backlog of updates and repairs (nor starve them). A second sender
+        # on the stream would not do: the one with a backlog takes all the credit.
+        lane = int(ftype in BULK_TYPES)
+        box = self._outboxes.get((address, lane))
         if box is None:
-            box = self._outboxes[(address, bulk)] = _Outbox()
+            box = self._outboxes[(address, lane)] = _Outbox()
+        if ftype is FrameType.STORE_DATA:
+            box.side.append((ftype, data))
+            box.wake.set()
+            if box.task is None or box.task.done():
+                box.task = asyncio.get_running_loop().create_task(self._sender(address, box))
+            return
         if len(box.queue) >= MAX_OUTBOX:
             _, old = box.queue.popleft()
             box.queued_bytes -= len(old)
@@ -388,21 +408,26 @@ class MeshDaemon:
 
     async def _sender(self, address: str, box: _Outbox) -> None:
         while not self.closed.is_set():
-            if not box.queue:
+            if not box.queue and not box.side:
                 box.wake.clear()
                 await box.wake.wait()
                 continue
             try:
                 key = await self._link_to(address)
             except (TransportError, OSError, ValueError) as exc:
-                dropped = len(box.queue)
+                dropped = len(box.queue) + len(box.side)
                 box.queue.clear()
+                box.side.clear()
                 box.queued_bytes = 0
                 self.counters["unreachable_dropped"] += dropped
                 log.info("peer_unreachable", address=address, reason=str(exc))
                 continue
-            ftype, data = box.queue.popleft()
-            box.queued_bytes -= len(data)
+            box.turn = not box.turn
+            if box.side and (box.turn or not box.queue):
+                ftype, data = box.side.popleft()
+            else:
+                ftype, data = box.queue.popleft()
+                box.queued_bytes -= len(data)
             try:
                 await self.transport.send(key, ftype, data)
                 self.counters["messages_sent"] += 1
@@ -462,4 +487,5 @@ class MeshDaemon:
             "counters": dict(self.counters),
             "udp_bytes_sent": self.transport.udp_bytes_sent,
             "backlog_bytes": self.backlog_bytes(),
+            **{name: part() for name, part in self.status_parts.items()},
         }

@@ -191,6 +191,7 @@ async def serve(args: argparse.Namespace) -> int:
     )
     await control.start()
     store = StoreService(daemon)  # a node without a trainer still holds and serves objects
+    control.store = store
     trainers: TrainerServer | None = None
     if config.train.socket_path != "none":
         path = trainer_socket_path(config)

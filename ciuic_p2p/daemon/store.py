@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 from ciuic_p2p.core.store import Fetch, FetchState, Holder
 from ciuic_p2p.core.storewire import (
@@ -67,6 +68,7 @@ class StoreService:
         state snapshot so that joiners get current parameters)."""
         daemon.on_store = self._on_message
         daemon.on_member_down.append(self._member_down)
+        daemon.status_parts["store"] = self.status
 
     # -- API -------------------------------------------------------------------------------
 
@@ -150,6 +152,35 @@ class StoreService:
             return local.data, fetch
         raise StoreError(fetch.error or f"nobody holds {name!r}")
 
+    def status(self) -> dict[str, Any]:
+        """What this node holds and fetches now (``ciuic-node status``)."""
+        held = [
+            {"name": name, "version": h.manifest.version, "bytes": h.manifest.total_bytes}
+            for name, versions in sorted(self.holder.objects.items())
+            for h in versions
+        ]
+        fetches = [
+            {
+                "name": f.name,
+                "state": f.state.value,
+                "pieces": f.manifest.pieces if f.manifest else None,
+                "received": f.received_pieces,
+                "donors": f.donors,
+                "by_donor": dict(f.stats.pieces_by_donor),
+                "stray": f.stats.stray,
+                "corrupt": f.stats.corrupt,
+                "busy": f.stats.busy,
+                "donor_timeouts": f.stats.donor_timeouts,
+            }
+            for f in (r.fetch for r in self._fetches.values())
+        ]
+        return {
+            "held": held,
+            "fetches": fetches,
+            "uploads": sorted(self.holder.uploads),
+            "counters": dict(self.holder.counters),
+        }
+
     # -- driving fetches -------------------------------------------------------------------
 
     async def _drive(self, fetch: Fetch) -> None:
@@ -213,8 +244,11 @@ class StoreService:
             self._spawn(self._answer_query(peer, msg))
         elif isinstance(msg, Get):
             got = self.holder.on_get(peer, msg, now)
-            for reply in got if isinstance(got, list) else [got]:
-                self._send(peer, reply)
+            if isinstance(got, list) and self.settings.upload_rate_bps > 0:
+                self._spawn(self._paced(peer, got))
+            else:
+                for reply in got if isinstance(got, list) else [got]:
+                    self._send(peer, reply)
         elif isinstance(msg, Offer | NoneHeld | Piece) or (
             isinstance(msg, Ref) and msg.kind is Kind.BUSY
         ):
@@ -239,6 +273,14 @@ class StoreService:
             queue = self._held_waiters.get((msg.name, msg.version, msg.root))
             if queue is not None:
                 queue.put_nowait(peer)
+
+    async def _paced(self, peer: str, pieces: list[Piece]) -> None:
+        """Send pieces no faster than ``store.upload_rate_bps`` (the donor's own
+        training traffic shares its links)."""
+        rate = self.settings.upload_rate_bps / 8
+        for piece in pieces:
+            self._send(peer, piece)
+            await asyncio.sleep(len(piece.data) / rate)
 
     async def _answer_query(self, peer: str, query: Query) -> None:
         if self.freshen is not None:

@@ -90,6 +90,46 @@ def spread_nodes(scenario: str, count: int) -> list[str]:
     return chosen
 
 
+class JsonLines:
+    """Read the JSON lines of several processes' stdout without blocking: each line
+    comes back as (key, object); a closed pipe is dropped."""
+
+    def __init__(self) -> None:
+        self._sel = selectors.DefaultSelector()
+        self._buffers: dict[int, bytes] = {}
+
+    def add(self, key: Any, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None
+        os.set_blocking(proc.stdout.fileno(), False)
+        self._sel.register(proc.stdout, selectors.EVENT_READ, key)
+        self._buffers[proc.stdout.fileno()] = b""
+
+    def read(self, timeout_s: float) -> list[tuple[Any, dict[str, Any]]]:
+        out: list[tuple[Any, dict[str, Any]]] = []
+        for sk, _ in self._sel.select(timeout=timeout_s):
+            fd = sk.fd
+            chunk = sk.fileobj.read()  # type: ignore[union-attr]
+            if not chunk:
+                self._sel.unregister(sk.fileobj)
+                sk.fileobj.close()  # type: ignore[union-attr]
+                continue
+            *lines, self._buffers[fd] = (self._buffers[fd] + chunk).split(b"\n")
+            for line in lines:
+                try:
+                    obj = json.loads(line)
+                except ValueError:
+                    continue
+                if isinstance(obj, dict):
+                    out.append((sk.data, obj))
+        return out
+
+    def close(self) -> None:
+        for sk in list(self._sel.get_map().values()):
+            self._sel.unregister(sk.fileobj)
+            sk.fileobj.close()  # type: ignore[union-attr]
+        self._sel.close()
+
+
 class LocalCluster:
     def __init__(
         self,
@@ -108,7 +148,9 @@ class LocalCluster:
         self.config_toml = config_toml
         self.daemons: dict[str, subprocess.Popen[bytes]] = {}
         self.trainers: list[subprocess.Popen[bytes]] = []
+        self._trainers_of: dict[str, list[subprocess.Popen[bytes]]] = {}
         self.base_port = 0
+        self._t0 = 0.0
 
     def state_dir(self, name: str) -> Path:
         return self.workdir / "nodes" / name
@@ -129,35 +171,15 @@ class LocalCluster:
         now = dt.datetime.now(dt.UTC)
         ca = ClusterCA.create("ciuic-demo", now)
         self.base_port = free_port_block(len(self.names))
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        for i, name in enumerate(self.names):
+        self._t0 = t0
+        for name in self.names:
             d = self.state_dir(name)
             d.mkdir(parents=True, exist_ok=True)
             key = NodeKey.generate()
             key.save(d / "node.key")
             write_pem(d / "node.pem", ca.issue(key.public_key, now))
             write_pem(d / "ca.pem", ca.certificate)
-            cmd = [
-                sys.executable, "-m", "ciuic_p2p.cli", "run",
-                "--config", str(self.config_path),
-                "--state-dir", str(d),
-                "--name", name,
-                "--region", name,
-                "--listen", f"127.0.0.1:{self.base_port + i}",
-                "--control", str(self.control(name)),
-                "--trainer-socket", str(self.trainer_socket(name)),
-                "--emulate", self.scenario,
-                "--emulate-node", name,
-                "--emulate-nodes", ",".join(self.names),
-                "--emulate-ports", str(self.base_port),
-                "--emulate-start", repr(t0),
-            ]  # fmt: skip
-            if self.rate_scale:
-                cmd += ["--emulate-rate-scale", repr(self.rate_scale)]
-            with (d / "daemon.log").open("ab") as log:
-                self.daemons[name] = subprocess.Popen(
-                    cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
-                )
+            self._spawn_daemon(name)
         deadline = t0 + timeout_s
         for name in self.names:
             self._until(functools.partial(self._answers, name), deadline, f"{name} started")
@@ -168,6 +190,79 @@ class LocalCluster:
                 raise ClusterError(f"{name} could not join: {answer.get('error')}")
         self._until(self._formed, deadline, "the mesh to form")
         return time.monotonic() - t0
+
+    def _spawn_daemon(self, name: str) -> None:
+        i = self.names.index(name)
+        d = self.state_dir(name)
+        cmd = [
+            sys.executable, "-m", "ciuic_p2p.cli", "run",
+            "--config", str(self.config_path),
+            "--state-dir", str(d),
+            "--name", name,
+            "--region", name,
+            "--listen", f"127.0.0.1:{self.base_port + i}",
+            "--control", str(self.control(name)),
+            "--trainer-socket", str(self.trainer_socket(name)),
+            "--emulate", self.scenario,
+            "--emulate-node", name,
+            "--emulate-nodes", ",".join(self.names),
+            "--emulate-ports", str(self.base_port),
+            "--emulate-start", repr(self._t0),
+        ]  # fmt: skip
+        if self.rate_scale:
+            cmd += ["--emulate-rate-scale", repr(self.rate_scale)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with (d / "daemon.log").open("ab") as log:
+            self.daemons[name] = subprocess.Popen(
+                cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+            )
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the node's daemon and the trainers started on it (a crash)."""
+        procs = [self.daemons[name], *self._trainers_of.pop(name, [])]
+        for proc in procs:
+            if proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    proc.kill()
+        for proc in procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(10)
+            if proc in self.trainers:
+                self.trainers.remove(proc)
+
+    def restart(self, name: str, timeout_s: float = 60.0) -> float:
+        """Start the node's daemon again (same key and state: a higher incarnation) and
+        join it through another live member; seconds it took."""
+        t0 = time.monotonic()
+        self._spawn_daemon(name)
+        deadline = t0 + timeout_s
+        self._until(functools.partial(self._answers, name), deadline, f"{name} restarted")
+        seed = next(n for n in self.names if n != name and self.daemons[n].poll() is None)
+        address = f"127.0.0.1:{self.base_port + self.names.index(seed)}"
+        answer = request(self.control(name), {"cmd": "join", "address": address}, timeout_s=30)
+        if not answer.get("ok"):
+            raise ClusterError(f"{name} could not rejoin: {answer.get('error')}")
+        return time.monotonic() - t0
+
+    def spawn_trainer(
+        self, name: str, rank: int, args: list[str], out: Path
+    ) -> subprocess.Popen[bytes]:
+        """One async trainer process on ``name``'s daemon (worker arguments ``args``),
+        its JSON lines on stdout; ended by :meth:`kill` or :meth:`stop`."""
+        cmd = [
+            sys.executable, "-m", "ciuic_p2p.train.worker", "--mode", "async",
+            "--rank", str(rank), "--socket", str(self.trainer_socket(name)),
+            "--config", str(self.config_path), "--out", str(out), *args,
+        ]  # fmt: skip
+        out.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        with (out / f"trainer-{rank}.log").open("ab") as err:
+            proc = subprocess.Popen(
+                cmd, stdout=subprocess.PIPE, stderr=err, env=env, start_new_session=True
+            )
+        self.trainers.append(proc)
+        self._trainers_of.setdefault(name, []).append(proc)
+        return proc
 
     def _status(self, name: str) -> dict[str, Any] | None:
         proc = self.daemons[name]

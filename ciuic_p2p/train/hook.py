@@ -262,6 +262,9 @@ class MeshSync:
         enc = self.encoder
         enc.check()
         update_due = r.local_step()
+        if self._ready and ch.snapshot_wanted.is_set() and enc.idle.is_set():
+            # A joiner waits for this: it goes before the update (merged into the next).
+            self._hand_state(write_checkpoint_too=False)
         if r.wants_params():
             if self._params_due:  # the encoder was busy a whole interval: skipped
                 self.params_skipped += 1

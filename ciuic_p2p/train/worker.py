@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -65,11 +66,20 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             run=args.run,
             socket_path=args.socket,
             config=config,
-            min_replicas=args.world,
+            min_replicas=args.min_replicas or args.world,
             seed=args.seed,
         )
         channel = sync.channel
         buckets = sync.buckets
+        _emit(
+            {
+                "event": "attached",
+                "rank": args.rank,
+                "start_step": sync.start_step,
+                "restored": sync.restored,
+                "at": time.time(),
+            }
+        )
     else:
         if args.mode == "dense":
             channel = DaemonChannel.connect(args.socket)
@@ -106,8 +116,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         curve.append((time.perf_counter() - t_start - eval_s, step, loss, acc, sent))
 
     stop_votes = 0.0
-    done_steps = 0
-    for step in range(1, args.steps + 1):
+    start = sync.start_step if sync is not None else 0
+    done_steps = start
+    max_gap_s = 0.0
+    last_step_at: float | None = None
+    for step in range(start + 1, args.steps + 1):
         scale = 0.5 * (1 + math.cos(math.pi * (step - 1) / args.steps))
         c0 = time.perf_counter()
         for g, lr in zip(optimizer.param_groups, base_lr, strict=True):
@@ -133,6 +146,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         compute_s += time.perf_counter() - c0
         if sync is not None:
             sync.step()
+        stepped_at = time.perf_counter()
+        if last_step_at is None:
+            _emit({"event": "first_step", "rank": args.rank, "step": step, "at": time.time()})
+        else:  # the longest time between two steps (a stall shows here)
+            max_gap_s = max(max_gap_s, stepped_at - last_step_at)
+        last_step_at = stepped_at
         done_steps = step
         lf = float(loss.detach())
         train_loss = lf if math.isnan(train_loss) else 0.9 * train_loss + 0.1 * lf
@@ -151,13 +170,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "loss": round(train_loss, 4),
                 "eval_loss": curve[-1][2] if curve else None,
                 "bytes": curve[-1][4] if curve else 0,
+                "max_gap_s": round(max_gap_s, 3),
+                "at": time.time(),
             }
+            max_gap_s = 0.0
             if sync is not None:
                 st = sync.stats
                 info.update(staleness=st["staleness_p99"], wait_s=round(st["wait_s"], 3))
             _emit(info)
         if stop_votes > 0.5:
             break
+        if args.stop_file and os.path.exists(args.stop_file):
+            break  # told to stop (tests, benchmarks): finish() settles as at the end
     wall_s = time.perf_counter() - t_start - eval_s
     complete = True
     if sync is not None:
@@ -172,14 +196,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rank": args.rank,
         "seed": args.seed,
         "steps": done_steps,
+        "start_step": start,
         "eval_loss": final_loss,
         "accuracy": final_acc,
         "wall_s": wall_s,
         "compute_s": compute_s,
         "wait_fraction": max(0.0, (wall_s - compute_s) / wall_s) if wall_s > 0 else 0.0,
-        "step_ms": 1000 * compute_s / max(1, done_steps),
+        "step_ms": 1000 * compute_s / max(1, done_steps - start),
         "udp_bytes_sent": sent,
-        "bytes_per_step": sent / max(1, done_steps),
+        "bytes_per_step": sent / max(1, done_steps - start),
         "curve": curve,
         "finished_in_sync": complete,
     }
@@ -204,6 +229,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world", type=int, default=1)
+    p.add_argument(
+        "--min-replicas", type=int, default=0, help="async: wait for this many (default --world)"
+    )
     p.add_argument("--socket", default=None)
     p.add_argument("--run", default="demo")
     p.add_argument("--config", default=None)
@@ -213,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         "--time-limit-s", type=float, default=0.0, help="dense: stop after this much training"
     )
     p.add_argument("--hidden", type=int, default=0, help="digits: hidden width")
+    p.add_argument("--stop-file", help="stop after the step during which this file appears")
     p.add_argument("--ring", help="dense: the ring's peer IDs in order (default: sorted)")
     p.add_argument("--switch-interval-s", type=float, default=0.0005)
     args = p.parse_args(argv)
