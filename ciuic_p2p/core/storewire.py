@@ -2,7 +2,8 @@
 each other in pieces (core.store), between daemons.
 
 Control messages and offers that fit travel in ``STORE_CONTROL`` frames (the control
-stream), pieces and large offers in ``STORE_DATA`` frames (bulk, credit flow control). Layout (version 1)::
+stream), pieces and large offers in ``STORE_DATA`` frames (bulk, credit flow
+control). Layout (version 1)::
 
     magic b"CS" | version u8 (1) | kind u8 | body
 

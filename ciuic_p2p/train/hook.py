@@ -27,7 +27,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -41,6 +41,9 @@ from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel
 from ciuic_p2p.train.checkpoint import load_newest, write_checkpoint
 from ciuic_p2p.train.embedded import EmbeddedDaemon
+
+if TYPE_CHECKING:
+    from ciuic_p2p.train.localranks import LocalRanks
 
 STATS_EVERY_STEPS = 8
 JOIN_ANSWER_WAIT_S = 5.0
@@ -508,7 +511,8 @@ def attach(
     seed: int = 0,
     checkpoint_dir: str | Path | None = None,
     handle_sigterm: bool | None = None,
-) -> MeshSync:
+    process_group: Any = None,
+) -> MeshSync | LocalRanks:
     """Attach a model to the node's daemon (see the module docstring).
 
     ``config`` should be the node's (``ciuic_p2p.config.load_config(path)``): its
@@ -526,8 +530,27 @@ def attach(
     ``sync.start_step`` says where to continue. ``checkpoint_dir`` (default
     ``store.checkpoint_dir``; none when empty) gets a checkpoint every
     ``store.checkpoint_interval_s``, at :meth:`MeshSync.finish` and on SIGTERM
-    (``handle_sigterm``, default: when checkpointing, in the main thread)."""
+    (``handle_sigterm``, default: when checkpointing, in the main thread).
+
+    ``process_group``: the local ranks of a node with several GPUs (under torchrun);
+    they train as one replica (train.localranks): the group's first rank talks to the
+    daemon, the others follow it."""
     cfg = config or Config.wan()
+    if process_group is not None:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        from ciuic_p2p.train.localranks import LocalRanks  # noqa: PLC0415
+
+        lead: MeshSync | None = None
+        if dist.get_rank(process_group) == 0:
+            leader = attach(
+                model, optimizer, run=run, socket_path=socket_path, daemon=daemon,
+                config=cfg, min_replicas=min_replicas, join_timeout_s=join_timeout_s,
+                seed=seed, checkpoint_dir=checkpoint_dir, handle_sigterm=handle_sigterm,
+            )  # fmt: skip
+            assert isinstance(leader, MeshSync)
+            lead = leader
+        return LocalRanks(model, optimizer, process_group, lead, cfg.codec.dense_below_numel)
     ckpt_dir = checkpoint_dir if checkpoint_dir is not None else cfg.store.checkpoint_dir
     ckpt_path = Path(ckpt_dir).expanduser() if ckpt_dir else None
     if optimizer is not None and optimizer.state:

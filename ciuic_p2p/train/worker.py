@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     channel: DaemonChannel | None = None
     if args.mode == "async":
         optimizer = task.optimizer(list(model.parameters()))
-        sync = attach(
+        attached = attach(
             model,
             optimizer,
             run=args.run,
@@ -69,6 +69,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             min_replicas=args.min_replicas or args.world,
             seed=args.seed,
         )
+        assert isinstance(attached, MeshSync)  # one process per node here
+        sync = attached
         channel = sync.channel
         buckets = sync.buckets
         _emit(

@@ -1,0 +1,102 @@
+"""Nodes with several ranks: torchrun starts two CPU ranks (gloo, DDP) on each of two
+nodes; the ranks of a node train as one replica of the mesh (train.localranks)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from ciuic_p2p.core.replica import consensus_distance
+from ciuic_p2p.train.cluster import LocalCluster, free_port_block, spread_nodes
+
+SCRIPT = r"""
+import json, sys, torch, torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from ciuic_p2p.config import load_config
+from ciuic_p2p.train.hook import attach
+
+socket_path, config_path, out, node = sys.argv[1:5]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+torch.manual_seed(0)
+model = DDP(torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1)))
+opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+sync = attach(model, opt, run="ranks", socket_path=socket_path, config=load_config(config_path),
+              min_replicas=2, process_group=dist.group.WORLD)
+gen = torch.Generator().manual_seed(100 * int(node) + rank)
+w = torch.linspace(-1, 1, 8).unsqueeze(1)
+for step in range(80):
+    x = torch.randn(16, 8, generator=gen)
+    loss = (model(x) - x @ w).pow(2).mean()
+    opt.zero_grad(); loss.backward(); opt.step()
+    sync.step()
+complete = sync.finish(60)
+stats = sync.stats
+torch.save([b.detach().clone() for b in sync.buckets], f"{out}/params-{node}-{rank}.pt")
+print(json.dumps({"rank": rank, "complete": complete, "local_ranks": stats["local_ranks"],
+                  "applied": stats.get("applied"), "loss": float(loss.detach())}), flush=True)
+sync.close()
+dist.destroy_process_group()
+"""
+
+CONFIG = """
+[codec]
+density = 1.0
+[train]
+consensus_interval_steps = 0
+"""
+
+
+def test_torchrun_two_ranks_per_node_two_nodes(tmp_path: Path) -> None:
+    names = spread_nodes("cities11", 2)
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    procs: list[subprocess.Popen[str]] = []
+    with LocalCluster("cities11", names, tmp_path / "c", CONFIG, rate_scale=0.1) as cluster:
+        cluster.start()
+        port = free_port_block(2)
+        try:
+            for node, name in enumerate(names):
+                cmd = [
+                    sys.executable, "-m", "torch.distributed.run", "--nnodes", "1",
+                    "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+                    "--master-port", str(port + node), str(script),
+                    str(cluster.trainer_socket(name)), str(cluster.config_path), str(out),
+                    str(node),
+                ]  # fmt: skip
+                procs.append(
+                    subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     text=True, env=env, start_new_session=True)  # fmt: skip
+                )
+            outputs = [p.communicate(timeout=240) for p in procs]
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()
+    for p, (stdout, stderr) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, stderr[-3000:]
+        lines = [json.loads(x) for x in stdout.splitlines() if x.startswith("{")]
+        assert sorted(x["rank"] for x in lines) == [0, 1]
+        assert all(x["complete"] and x["local_ranks"] == 2 for x in lines), lines
+        # Only the first rank of a node speaks to the mesh.
+        assert [x["applied"] is not None for x in sorted(lines, key=lambda x: x["rank"])] == [
+            True,
+            False,
+        ]
+    params = {
+        (n, r): torch.load(out / f"params-{n}-{r}.pt") for n in range(2) for r in range(2)
+    }
+    for n in range(2):  # the ranks of a node hold the very same parameters
+        assert all(torch.equal(a, b) for a, b in zip(params[n, 0], params[n, 1], strict=True))
+    # and the two nodes are replicas of one model (density 1: the rule is exact).
+    assert consensus_distance([params[0, 0], params[1, 0]]) < 0.01
