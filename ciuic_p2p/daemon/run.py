@@ -72,6 +72,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate-start", type=float, help=argparse.SUPPRESS)
     p.add_argument("--emulate-nodes", help=argparse.SUPPRESS)
     p.add_argument("--emulate-rate-scale", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--emulate-loss", type=float, help=argparse.SUPPRESS)
 
 
 def build_config(args: argparse.Namespace) -> Config:
@@ -174,6 +175,9 @@ async def serve(args: argparse.Namespace) -> int:
         scenario = load_scenario(path, **overrides)
         if args.emulate_nodes:
             scenario = scenario.subset(args.emulate_nodes.split(","))
+        if args.emulate_loss is not None:  # every link's random loss, for benchmarks
+            links = {k: v.with_changes(loss=args.emulate_loss) for k, v in scenario.links.items()}
+            scenario = dataclasses.replace(scenario, links=links)
         emulated = EmulatedMesh(scenario, start=args.emulate_start)
         for i, name in enumerate(scenario.node_names()):
             emulated.register(name, ("127.0.0.1", args.emulate_ports + i))

@@ -138,9 +138,11 @@ class LocalCluster:
         workdir: Path,
         config_toml: str = "",
         rate_scale: float | None = None,
+        loss: float | None = None,
     ) -> None:
         self.scenario = str(scenario_path(scenario))
         self.rate_scale = rate_scale
+        self.loss = loss
         # Node i of the (subset) scenario listens on base + i, in the scenario's order.
         self.names = load_scenario(self.scenario).subset(names).node_names()
         self.workdir = workdir
@@ -211,6 +213,8 @@ class LocalCluster:
         ]  # fmt: skip
         if self.rate_scale:
             cmd += ["--emulate-rate-scale", repr(self.rate_scale)]
+        if self.loss is not None:
+            cmd += ["--emulate-loss", repr(self.loss)]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with (d / "daemon.log").open("ab") as log:
             self.daemons[name] = subprocess.Popen(

@@ -159,6 +159,8 @@ class MeshSync:
         self._alive_seen: list[str] | None = None
         self.encoder = _Encoder()
         self.wait_s = 0.0
+        self.max_wait_s = 0.0
+        """The longest a single step waited for other replicas (a stall)."""
         self.hook_s = 0.0
         self.merged_steps = 0
         self.params_skipped = 0
@@ -305,7 +307,9 @@ class MeshSync:
                     break
                 ch.wait_any(0.02)
                 self.poll()
-            self.wait_s += time.perf_counter() - w0
+            waited = time.perf_counter() - w0
+            self.wait_s += waited
+            self.max_wait_s = max(self.max_wait_s, waited)
         self.hook_s += time.perf_counter() - t0
 
     def _publish(self, payloads: list[bytes]) -> None:
@@ -477,6 +481,7 @@ class MeshSync:
             "residual_norm": s.residual_norm,
             "residual_norm_max": s.residual_norm_max,
             "wait_s": self.wait_s,
+            "max_wait_s": self.max_wait_s,
             "hook_s": self.hook_s,
             "encoder_s": self.encoder.busy_s,
             "udp_bytes_sent": int(self.channel.stats.get("udp_bytes_sent", 0)),

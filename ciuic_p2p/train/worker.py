@@ -178,7 +178,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             max_gap_s = 0.0
             if sync is not None:
                 st = sync.stats
-                info.update(staleness=st["staleness_p99"], wait_s=round(st["wait_s"], 3))
+                info.update(
+                    staleness=st["staleness_p99"],
+                    wait_s=round(st["wait_s"], 3),
+                    max_wait_s=round(st["max_wait_s"], 3),
+                )
             _emit(info)
         if stop_votes > 0.5:
             break

@@ -1,0 +1,158 @@
+#!/usr/bin/env python3
+"""Crash recovery on the emulated WAN: N nodes (daemon and trainer as separate
+processes) train a model of about 10 M parameters; the node in the region farthest
+from the others is killed (SIGKILL, daemon and trainer) and restarted. Measured:
+
+- ``restart_to_training_s``: from the daemon's restart until the new trainer takes its
+  first step with the synced state (daemon start and rejoin, trainer start and
+  imports, state fetch, load);
+- ``max_survivor_stall_s``: the longest a survivor's step waited for other replicas
+  (the hook's wait) from the kill on; ``max_survivor_gap_s``: the longest time
+  between two of a survivor's steps, compute included (context: ``step_s``);
+- ``state_mb``: the state fetched (parameters and momentum), and its fetch time.
+
+Then the same with 0.05% random loss on every link (``*_lossy``, reported without a
+bar). The last line is one JSON object with ``--json``.
+
+    python bench/recovery.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from ciuic_p2p.core.scenario import load_scenario
+from ciuic_p2p.data import scenario_path
+from ciuic_p2p.train.cluster import JsonLines, LocalCluster, spread_nodes
+
+CONFIG = """
+[codec]
+density = 0.01
+"""
+
+
+def farthest(scenario: str, names: list[str]) -> str:
+    sc = load_scenario(scenario_path(scenario)).subset(names)
+    return max(names, key=lambda n: sum(sc.rtt_s(n, m) for m in names if m != n))
+
+
+def one_run(args: argparse.Namespace, loss: float, workdir: Path) -> dict[str, Any]:
+    names = spread_nodes(args.scenario, args.nodes)
+    victim = farthest(args.scenario, names)
+    survivors = [n for n in names if n != victim]
+    out, stop = workdir / "out", workdir / "stop"
+    events: list[tuple[str, dict[str, Any], float]] = []
+    lines = JsonLines()
+
+    def pump(timeout_s: float = 0.2) -> None:
+        for node, obj in lines.read(timeout_s):
+            events.append((node, obj, time.time()))
+
+    def newest(node: str, kind: str = "progress", since: float = 0.0) -> dict[str, Any] | None:
+        found = [o for n, o, at in events if n == node and o.get("event") == kind and at >= since]
+        return found[-1] if found else None
+
+    def until(cond: Any, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"timed out waiting for {what}")
+            pump()
+
+    def step(node: str) -> int:
+        p = newest(node)
+        return int(p["step"]) if p else 0
+
+    worker = ["--task", "digits", "--hidden", str(args.hidden), "--steps", "100000",
+              "--world", str(args.nodes), "--run", "recovery", "--evals", "1",
+              "--stop-file", str(stop)]  # fmt: skip
+    with LocalCluster(args.scenario, names, workdir / "c", CONFIG, args.rate_scale, loss) as c:
+        c.start()
+        for rank, name in enumerate(names):
+            lines.add(name, c.spawn_trainer(name, rank, worker, out))
+        until(lambda: min(step(n) for n in names) >= args.warm_steps, 1800, "warm-up")
+        killed_at = time.time()
+        c.kill(victim)
+        before = {n: step(n) for n in survivors}
+        until(lambda: all(step(n) >= before[n] + 3 for n in survivors), 600, "survivors")
+        restarted_at = time.time()
+        c.restart(victim)
+        rank = names.index(victim)
+        proc = c.spawn_trainer(victim, rank, [*worker, "--min-replicas", str(args.nodes)], out)
+        lines.add(victim, proc)
+        until(
+            lambda: newest(victim, "first_step", restarted_at) is not None,
+            900,
+            "the restarted trainer",
+        )
+        first = newest(victim, "first_step", restarted_at)
+        attached = newest(victim, "attached", restarted_at)
+        assert first is not None and attached is not None
+        start = step(victim)
+        until(lambda: step(victim) >= start + args.after_steps, 900, "steps after the restart")
+        stop.touch()
+        until(lambda: all(newest(n, "done") for n in names), 900, "the end")
+        lines.close()
+    after = [
+        o for n, o, at in events if n in survivors and o.get("event") == "progress"
+        and at >= killed_at
+    ]  # fmt: skip
+    steps_ms = [newest(n, "done")["step_ms"] for n in survivors]  # type: ignore[index]
+    restored = attached["restored"]
+    return {
+        "regions": names,
+        "victim": victim,
+        "restart_to_training_s": first["at"] - restarted_at,
+        "max_survivor_stall_s": max(o.get("max_wait_s", 0.0) for o in after),
+        "max_survivor_gap_s": max(o["max_gap_s"] for o in after),
+        "step_s": statistics.mean(steps_ms) / 1000,
+        "state_mb": restored.get("bytes", 0) / 1e6,
+        "state_fetch_s": restored.get("seconds"),
+        "state_donors": restored.get("donors"),
+        "restored_from": restored.get("source"),
+        "start_step": attached["start_step"],
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--nodes", type=int, default=4)
+    p.add_argument("--scenario", default="cities11")
+    p.add_argument("--hidden", type=int, default=3150, help="digits MLP width (3150: 10.1 M)")
+    p.add_argument("--rate-scale", type=float, default=0.1)
+    p.add_argument("--warm-steps", type=int, default=15)
+    p.add_argument("--after-steps", type=int, default=5)
+    p.add_argument("--skip-lossy", action="store_true")
+    args = p.parse_args(argv)
+    params = 64 * args.hidden + args.hidden + args.hidden * args.hidden + args.hidden
+    params += args.hidden * 10 + 10
+    result: dict[str, Any] = {"benchmark": "recovery", "parameters": params}
+    with tempfile.TemporaryDirectory(prefix="ciuic-recovery-") as tmp:
+        clean = one_run(args, 0.0, Path(tmp) / "clean")
+        result.update(clean)
+        print(f"no loss: {json.dumps(clean)}", file=sys.stderr, flush=True)
+        if not args.skip_lossy:
+            lossy = one_run(args, 0.0005, Path(tmp) / "lossy")
+            print(f"0.05% loss: {json.dumps(lossy)}", file=sys.stderr, flush=True)
+            for key in ("restart_to_training_s", "max_survivor_stall_s", "max_survivor_gap_s",
+                        "state_mb", "state_fetch_s"):  # fmt: skip
+                lossy_key = key[:-2] + "_lossy_s" if key.endswith("_s") else key + "_lossy"
+                result[lossy_key] = lossy[key]
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for k, v in result.items():
+            print(f"{k:>32}: {v}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
