@@ -35,6 +35,8 @@ from ciuic_p2p.train.cluster import JsonLines, LocalCluster, spread_nodes
 CONFIG = """
 [codec]
 density = 0.01
+[store]
+fetch_timeout_s = 900
 """
 
 
@@ -83,10 +85,12 @@ def one_run(args: argparse.Namespace, loss: float, workdir: Path) -> dict[str, A
         before = {n: step(n) for n in survivors}
         until(lambda: all(step(n) >= before[n] + 3 for n in survivors), 600, "survivors")
         restarted_at = time.time()
-        c.restart(victim)
+        # Daemon and trainer start together, as systemd and a job scheduler would
+        # start them (the trainer waits for the daemon's socket).
         rank = names.index(victim)
         proc = c.spawn_trainer(victim, rank, [*worker, "--min-replicas", str(args.nodes)], out)
         lines.add(victim, proc)
+        daemon_s = c.restart(victim)
         until(
             lambda: newest(victim, "first_step", restarted_at) is not None,
             900,
@@ -110,6 +114,8 @@ def one_run(args: argparse.Namespace, loss: float, workdir: Path) -> dict[str, A
         "regions": names,
         "victim": victim,
         "restart_to_training_s": first["at"] - restarted_at,
+        "daemon_rejoin_s": daemon_s,
+        "trainer_attached_s": attached["at"] - restarted_at,
         "max_survivor_stall_s": max(o.get("max_wait_s", 0.0) for o in after),
         "max_survivor_gap_s": max(o["max_gap_s"] for o in after),
         "step_s": statistics.mean(steps_ms) / 1000,

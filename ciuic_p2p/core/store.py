@@ -47,6 +47,14 @@ class Held:
     manifest: Manifest
     data: bytes
     root: bytes
+    offered_s: float = float("-inf")
+    """When this version was last offered: kept a while for the fetcher that asked."""
+
+
+OFFER_HOLD_S = 30.0
+"""An offered version stays held this long after its offer, though a newer one came
+(a fetcher asks for what it was offered)."""
+MAX_VERSIONS = 3
 
 
 @dataclass(slots=True)
@@ -64,14 +72,21 @@ class Holder:
         self.uploads: dict[str, _Upload] = {}
         self.counters: collections.Counter[str] = collections.Counter()
 
-    def put(self, name: str, version: int, data: bytes, compat: bytes | None = None) -> Manifest:
+    def put(
+        self,
+        name: str,
+        version: int,
+        data: bytes,
+        compat: bytes | None = None,
+        now: float | None = None,
+    ) -> Manifest:
         """Hold ``data`` as ``name`` at ``version`` (replacing older versions once no
-        upload reads them)."""
+        upload reads them and no recent offer named them)."""
         manifest = Manifest.build(name, version, data, self.settings.piece_bytes, compat)
         held = Held(manifest, bytes(data), manifest.root)
         versions = [h for h in self.objects.get(name, []) if h.manifest.version != version]
         self.objects[name] = [*versions, held]
-        self._trim(name)
+        self._trim(name, now)
         return manifest
 
     def newest(self, name: str) -> Held | None:
@@ -93,6 +108,7 @@ class Holder:
         self.counters["queries"] += 1
         if held is None or held.manifest.version < query.min_version:
             return NoneHeld(query.name, query.token)
+        held.offered_s = now
         return Offer(query.token, self.load(now), held.manifest)
 
     def on_get(self, peer: str, get: Get, now: float) -> list[Piece] | Ref:
@@ -125,15 +141,19 @@ class Holder:
         for peer in [p for p, u in self.uploads.items() if now - u.last_s > idle]:
             del self.uploads[peer]
         for name in list(self.objects):
-            self._trim(name)
+            self._trim(name, now)
 
-    def _trim(self, name: str) -> None:
-        versions = self.objects[name]
-        newest = max(h.manifest.version for h in versions)
+    def _trim(self, name: str, now: float | None = None) -> None:
+        """Keep the newest version, those an upload reads, and (up to MAX_VERSIONS in
+        all) those offered in the last OFFER_HOLD_S."""
+        versions = sorted(self.objects[name], key=lambda h: -h.manifest.version)
         reading = {u.root for u in self.uploads.values()}
-        self.objects[name] = [
-            h for h in versions if h.manifest.version == newest or h.root in reading
-        ]
+        keep = [versions[0]] + [h for h in versions[1:] if h.root in reading]
+        for h in versions[1:]:
+            recent = now is not None and now - h.offered_s <= OFFER_HOLD_S
+            if h not in keep and recent and len(keep) < MAX_VERSIONS:
+                keep.append(h)
+        self.objects[name] = keep
 
 
 class FetchState(enum.Enum):

@@ -75,7 +75,8 @@ class StoreService:
     def put_local(
         self, name: str, version: int, data: bytes, compat: bytes | None = None
     ) -> Manifest:
-        return self.holder.put(name, version, data, compat)
+        now = asyncio.get_running_loop().time()
+        return self.holder.put(name, version, data, compat, now)
 
     async def put(
         self, name: str, data: bytes, version: int | None = None, timeout_s: float = 60.0

@@ -69,7 +69,7 @@ MAX_HELD = 4096
 """Deliveries held while no trainer is attached (peers that started first), for the
 trainer that attaches next."""
 MEMBERS_POLL_S = 0.05
-FRESH_SNAPSHOT_S = 1.0
+FRESH_SNAPSHOT_S = 5.0
 """A joiner's query is answered with a snapshot at most this old (else the trainer is
 asked for a new one first)."""
 MAX_PENDING_OBJECTS = 4

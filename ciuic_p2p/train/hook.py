@@ -20,9 +20,7 @@ The update rule and its references: core.replica.
 
 from __future__ import annotations
 
-import io
 import queue
-import signal
 import threading
 import time
 from collections.abc import Callable
@@ -35,12 +33,11 @@ from ciuic_p2p.config import Config, trainer_socket_path
 from ciuic_p2p.core.codec import ChunkSource
 from ciuic_p2p.core.layout import BucketLayout
 from ciuic_p2p.core.replica import RefusedChunk, Replica
-from ciuic_p2p.core.statefile import StateFormatError, pack_state, unpack_state
 from ciuic_p2p.core.trainwire import Kind, encode_done, encode_presence, run_id_of
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel
-from ciuic_p2p.train.checkpoint import load_newest, write_checkpoint
 from ciuic_p2p.train.embedded import EmbeddedDaemon
+from ciuic_p2p.train.statesync import StateSync
 
 if TYPE_CHECKING:
     from ciuic_p2p.train.localranks import LocalRanks
@@ -114,7 +111,7 @@ class _Encoder:
         self._thread.join(timeout=10)
 
 
-class MeshSync:
+class MeshSync(StateSync):
     """What :func:`attach` returns; see the module docstring."""
 
     def __init__(
@@ -212,49 +209,6 @@ class MeshSync:
             self.channel.wait_any(0.1)
             self.poll()
 
-    def _restore(self) -> dict[str, Any]:
-        """Start from the newest state there is: the replicas' (fetched from the nearest
-        up-to-date one) when they are past this node's checkpoint, else the checkpoint,
-        else (a run that starts now) the model as it is. A replica never trains from
-        its fresh weights while the others are mid-run: a failed fetch raises."""
-        t0 = time.monotonic()
-        r = self.replica
-        ckpt = load_newest(self.checkpoint_path) if self.checkpoint_path else None
-        ckpt_step = ckpt.step if ckpt else 0
-        peer_step = max((p.step for p in r.peers.values()), default=0)
-        opt = self.optimizer if self.config.store.sync_optimizer_state else None
-        info: dict[str, Any] = {"source": "fresh", "step": 0}
-        if peer_step > ckpt_step:
-            s = self.config.store
-            data, got = self.channel.get_object(
-                self.state_name,
-                min_version=ckpt_step + 1,
-                slack=s.state_version_slack_steps,
-                timeout_s=s.fetch_timeout_s + 30.0,
-            )
-            try:
-                meta = unpack_state(data, self.layout.layout_id, self.buckets, opt)
-            except StateFormatError as exc:
-                raise ChannelError(f"the run's state does not fit this model: {exc}") from None
-            start = max(int(got["version"]), peer_step)
-            applied = meta.get("applied", {})
-            info = {"source": "mesh", "step": start, "state_version": got["version"], **got}
-        elif ckpt is not None:
-            try:
-                meta = unpack_state(ckpt.state, self.layout.layout_id, self.buckets, opt)
-            except StateFormatError as exc:
-                raise ChannelError(f"{ckpt.path} does not fit this model: {exc}") from None
-            start = ckpt.step
-            applied = meta.get("applied", {})
-            info = {"source": "checkpoint", "step": start, "bytes": len(ckpt.state)}
-        else:
-            start, applied = 0, {}
-        r.start_at(start, applied if isinstance(applied, dict) else {})
-        info["seconds"] = round(time.monotonic() - t0, 3)
-        if info["source"] != "fresh":
-            log.info("state_restored", **{k: v for k, v in info.items() if k != "id"})
-        return info
-
     # -- the loop --------------------------------------------------------------------------
 
     def step(self) -> None:
@@ -312,77 +266,15 @@ class MeshSync:
             self.max_wait_s = max(self.max_wait_s, waited)
         self.hook_s += time.perf_counter() - t0
 
+    def _submit(self, job: Callable[[], None]) -> None:
+        self.encoder.submit(job)
+
+    def _encoder_idle(self, timeout_s: float) -> bool:
+        return self.encoder.idle.wait(timeout_s)
+
     def _publish(self, payloads: list[bytes]) -> None:
         for payload in payloads:
             self.channel.publish(payload)
-
-    def _pack(self) -> tuple[bytearray, bytes]:
-        self.replica.flush()
-        opt = self.optimizer if self.config.store.sync_optimizer_state else None
-        meta = {"applied": self.replica.applied_steps()}
-        return pack_state(self.layout.layout_id, self.buckets, opt, meta)
-
-    def _hand_state(self, write_checkpoint_too: bool) -> None:
-        """Snapshot the state (training thread: a consistent copy) and hand it to the
-        daemon for joiners, and to the checkpoint file, on the encoder thread."""
-        self.channel.snapshot_wanted.clear()
-        blob, compat = self._pack()
-        step = self.replica.step
-        path = self.checkpoint_path if write_checkpoint_too else None
-        if path is not None:
-            self._checkpoint_at = time.monotonic()
-
-        def job() -> None:
-            self.channel.put_parts(self.state_name, step, blob, compat)
-            self.snapshots_sent += 1
-            if path is not None:
-                write_checkpoint(path, step, blob, compat)
-                self.checkpoints_written += 1
-
-        self.encoder.submit(job)
-
-    def checkpoint(self) -> Path | None:
-        """Write a checkpoint now (this thread, atomically); its path, or None when no
-        checkpoint directory is set."""
-        if self.checkpoint_path is None:
-            return None
-        self.encoder.idle.wait(self.config.train.finish_timeout_s)
-        blob, compat = self._pack()
-        write_checkpoint(self.checkpoint_path, self.replica.step, blob, compat)
-        self.checkpoints_written += 1
-        self._checkpoint_at = time.monotonic()
-        return self.checkpoint_path
-
-    def install_sigterm(self) -> None:
-        """On SIGTERM, the next :meth:`step` writes a checkpoint, closes and exits
-        (status 143); before the first step, exit at once. Main thread only."""
-
-        def handler(signum: int, frame: object) -> None:
-            self._terminate = True
-
-        signal.signal(signal.SIGTERM, handler)
-
-    def _exit_on_sigterm(self) -> None:
-        path = self.checkpoint()
-        log.info("terminated", step=self.replica.step, checkpoint=str(path) if path else None)
-        self.close()
-        raise SystemExit(143)
-
-    def put(self, name: str, obj: Any) -> int:
-        """Have the mesh hold ``obj`` (a state dict, tensors, plain values) under
-        ``name``; the version it got. Held here and by the ``store.replicas`` nearest
-        members, so it outlives this node."""
-        if name.startswith("state/"):
-            raise ValueError("names under state/ are the runs' own")
-        buf = io.BytesIO()
-        torch.save(obj, buf)
-        return int(self.channel.put_object(name, buf.getbuffer())["version"])
-
-    def get(self, name: str, min_version: int = 0) -> Any:
-        """The newest version of ``name`` that the mesh holds (from the nearest holders,
-        verified by hash), loaded with ``weights_only``."""
-        data, _ = self.channel.get_object(name, min_version=min_version, patient=False)
-        return torch.load(io.BytesIO(data), weights_only=True)
 
     def poll(self) -> int:
         """Apply every peer chunk that has arrived (each exactly once); how many."""

@@ -257,8 +257,16 @@ def test_holder_keeps_an_old_version_while_an_upload_reads_it() -> None:
     assert h.find("x", 1, m1.root) is not None  # p still reads version 1
     assert isinstance(h.on_get("q", Get("x", 1, m1.root, (1,)), 0.1), Ref)  # one slot
     h.finished("p")
+    # A version that was just offered stays a while for the fetcher that asked.
+    offer = h.on_query(Query("x", 0, 1), 5.0)
+    assert isinstance(offer, Offer) and offer.manifest.version == 2
+    h.put("x", 3, os.urandom(10_000), now=6.0)
+    assert [v.manifest.version for v in h.objects["x"]] == [3, 2]
+    h.put("x", 4, os.urandom(10_000), now=60.0)
+    assert [v.manifest.version for v in h.objects["x"]] == [4]
     h.put("x", 3, os.urandom(10_000))
-    assert h.find("x", 1, m1.root) is None and [v.manifest.version for v in h.objects["x"]] == [3]
+    assert h.find("x", 1, m1.root) is None
+    assert [v.manifest.version for v in h.objects["x"]] == [4]
     assert h.load(100.0) == 0
 
 
