@@ -74,8 +74,14 @@ def test_torchrun_two_ranks_per_node_two_nodes(tmp_path: Path) -> None:
                     str(node),
                 ]  # fmt: skip
                 procs.append(
-                    subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                     text=True, env=env, start_new_session=True)  # fmt: skip
+                    subprocess.Popen(
+                        cmd,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        env=env,
+                        start_new_session=True,
+                    )
                 )
             outputs = [p.communicate(timeout=240) for p in procs]
         finally:
@@ -93,9 +99,7 @@ def test_torchrun_two_ranks_per_node_two_nodes(tmp_path: Path) -> None:
             True,
             False,
         ]
-    params = {
-        (n, r): torch.load(out / f"params-{n}-{r}.pt") for n in range(2) for r in range(2)
-    }
+    params = {(n, r): torch.load(out / f"params-{n}-{r}.pt") for n in range(2) for r in range(2)}
     for n in range(2):  # the ranks of a node hold the very same parameters
         assert all(torch.equal(a, b) for a, b in zip(params[n, 0], params[n, 1], strict=True))
     # and the two nodes are replicas of one model (density 1: the rule is exact).
