@@ -12,13 +12,16 @@ Two parts:
 - :class:`Fetch` gets one object: it asks every member which version it holds, picks
   donors by RTT and load (score ``rtt * (1 + load)``) among those with a version no
   more than ``version_slack`` behind the newest, keeps ``window_pieces`` requests in
-  flight per donor, and stripes over every donor holding the exact same content. A
-  piece whose digest is wrong is fetched again; a donor that goes quiet, dies or is
-  busy is replaced and its pieces reassigned. Pieces already verified are kept across
-  donors whose ``compat`` digest is the same: for an exact object that is its content
-  digest; for a training replica's state it is the state's layout, since replicas
-  hold nearly the same values (within the consensus bound) and a state assembled
-  from two of them is, element by element, one replica's or the other's.
+  flight per donor, and stripes over up to ``max_donors`` donors whose content is
+  compatible (one QUIC connection over a long path carries far less than the link:
+  several donors multiply it). A piece whose digest is wrong is fetched again; a
+  donor that goes quiet, dies or is busy is replaced and its pieces reassigned,
+  verified pieces kept. Content is compatible when the ``compat`` digests match: for
+  an exact object that is its content digest (every holder has the same bytes); for
+  a training replica's state it is the state's layout, since replicas hold nearly
+  the same values (within the consensus bound) and a state assembled from several of
+  them is, element by element, one replica's or another's; each piece is checked
+  against the digest in its own donor's manifest.
 """
 
 from __future__ import annotations
@@ -313,8 +316,7 @@ class Fetch:
             if sent and now - self._heard.get(peer, now) >= self.settings.piece_timeout_s:
                 self.stats.donor_timeouts += 1
                 self._fail_donor(peer)
-        if not self._active:
-            self._activate(now)
+        self._activate(now)  # replaces lost donors, hands their pieces to the others
 
     def get_timer(self) -> float | None:
         if self.done:
@@ -429,8 +431,8 @@ class Fetch:
         self._activate(now)
 
     def _activate(self, now: float) -> None:
-        """Bring the donor set up to strength: the best candidate, plus every other
-        holder of the same exact content (striping), up to ``max_donors``."""
+        """Bring the donor set up to strength: the best candidate, plus the next best
+        holders of compatible content (striping), up to ``max_donors``."""
         if self.done or self.state is not FetchState.FETCHING:
             return
         if not self._active:
@@ -441,11 +443,10 @@ class Fetch:
                 self._query(now)  # every known donor failed: ask again
                 return
             self._start_donor(best[0], now)
-        root = self.offers[next(iter(self._active))].manifest.root
-        for peer in self._candidates(now):
+        for peer in self._candidates(now):  # all of one compat group: see the docstring
             if len(self._active) >= self.settings.max_donors:
                 break
-            if peer not in self._active and self.offers[peer].manifest.root == root:
+            if peer not in self._active:
                 self._start_donor(peer, now)
         self._fill(now)
 

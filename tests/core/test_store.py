@@ -325,3 +325,17 @@ def test_limits_are_enforced() -> None:
         Manifest("n", 1, 10, 4096, b"x" * 32, ())
     with pytest.raises(ValueError):
         encode(Get("n", 1, b"r" * 32, tuple(range(storewire.MAX_GET_PIECES + 1))))
+
+
+def test_a_replica_state_is_striped_over_compatible_donors() -> None:
+    """Replicas' states differ in their bytes but share a layout (compat): a fetch
+    takes pieces from several at once, each checked against its own donor's digest."""
+    states = {p: os.urandom(64_000) for p in "abc"}
+    net, _ = make({"a": 0.01, "b": 0.02, "c": 0.03}, states, compat=b"L" * 32)
+    f = fetch_for(net)
+    net.run(f)
+    assert f.state is FetchState.DONE and set(f.stats.pieces_by_donor) == {"a", "b", "c"}
+    got = bytes(f.result or b"")
+    for i in range(16):
+        span = slice(i * 4096, (i + 1) * 4096)
+        assert got[span] in {s[span] for s in states.values()}
