@@ -25,7 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
@@ -393,6 +393,42 @@ class MeshSync(StateSync):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+@overload
+def attach(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    run: str = "default",
+    socket_path: str | Path | None = None,
+    daemon: EmbeddedDaemon | None = None,
+    config: Config | None = None,
+    min_replicas: int = 1,
+    join_timeout_s: float = 120.0,
+    seed: int = 0,
+    checkpoint_dir: str | Path | None = None,
+    handle_sigterm: bool | None = None,
+    process_group: None = None,
+) -> MeshSync: ...
+
+
+@overload
+def attach(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    run: str = "default",
+    socket_path: str | Path | None = None,
+    daemon: EmbeddedDaemon | None = None,
+    config: Config | None = None,
+    min_replicas: int = 1,
+    join_timeout_s: float = 120.0,
+    seed: int = 0,
+    checkpoint_dir: str | Path | None = None,
+    handle_sigterm: bool | None = None,
+    process_group: Any,
+) -> MeshSync | LocalRanks: ...
 
 
 def attach(

@@ -117,7 +117,8 @@ def make(peers: dict[str, float], data: dict[str, bytes], version: dict[str, int
 def fetch_for(net: Net, **kw: object) -> Fetch:
     args: dict[str, object] = {"settings": S, "rtt_s": lambda p: 2 * net.latency_s[p]}
     args.update(kw)
-    return Fetch("obj", int(args.pop("min_version", 0)), list(net.holders), 0.0, **args)  # type: ignore[arg-type]
+    min_version = int(args.pop("min_version", 0))  # type: ignore[call-overload]
+    return Fetch("obj", min_version, list(net.holders), 0.0, **args)  # type: ignore[arg-type]
 
 
 def test_fetches_from_the_nearest_and_stripes_over_exact_copies() -> None:
@@ -275,14 +276,15 @@ def test_holder_keeps_an_old_version_while_an_upload_reads_it() -> None:
 
 def test_every_message_round_trips() -> None:
     m = Manifest.build("run/state", 7, os.urandom(10_000), 4096)
-    for msg in [
+    messages: list[storewire.Message] = [
         Query("n", 3, 9),
         NoneHeld("n", 9),
         Offer(9, 2, m),
         Get("n", 3, m.root, (0, 5, 7)),
         Piece("n", 3, m.root, 2, b"abc"),
         Ref(Kind.HOLD, "n", 3, m.root),
-    ]:
+    ]
+    for msg in messages:
         back = decode(encode(msg))
         if isinstance(msg, Piece):
             assert isinstance(back, Piece) and bytes(back.data) == b"abc"

@@ -248,9 +248,9 @@ def test_checkpoints_are_atomic_and_a_cut_short_one_is_never_loaded(tmp_path: Pa
     assert load_newest(path).step == 10  # type: ignore[union-attr]  # the previous one
     # A flipped byte anywhere is caught by the digest.
     write_checkpoint(path, 30, b"state-30" * 1000, b"c" * 32)
-    raw = bytearray(path.read_bytes())
-    raw[100] ^= 1
-    path.write_bytes(raw)
+    flipped = bytearray(path.read_bytes())
+    flipped[100] ^= 1
+    path.write_bytes(flipped)
     with pytest.raises(CheckpointError, match="digest"):
         read_checkpoint(path)
     assert load_newest(path).step == 10  # type: ignore[union-attr]  # the cut one was not kept
