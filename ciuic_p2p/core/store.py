@@ -115,15 +115,15 @@ class Holder:
         return Offer(query.token, self.load(now), held.manifest)
 
     def on_get(self, peer: str, get: Get, now: float) -> list[Piece] | Ref:
-        """The pieces asked for, or BUSY; an unknown object or index is answered BUSY
-        too (the fetcher then asks elsewhere)."""
+        """The pieces asked for; BUSY when every upload slot is taken; GONE for a
+        version not held (any more) or an index out of range."""
         held = self.find(get.name, get.version, get.root)
         self._expire(now)
         upload = self.uploads.get(peer)
         busy = Ref(Kind.BUSY, get.name, get.version, get.root)
         if held is None or any(i >= held.manifest.pieces for i in get.indices):
             self.counters["gets_unknown"] += 1
-            return busy
+            return Ref(Kind.GONE, get.name, get.version, get.root)
         if upload is None and len(self.uploads) >= self.settings.upload_slots:
             self.counters["gets_busy"] += 1
             return busy
@@ -174,6 +174,8 @@ class FetchStats:
     donor_timeouts: int = 0
     donors_lost: int = 0
     busy: int = 0
+    gone: int = 0
+    """Donors that no longer held the version they offered."""
     queries: int = 0
     restarts: int = 0
     """Times verified pieces were thrown away (no holder of a compatible state left)."""
@@ -250,6 +252,15 @@ class Fetch:
             self.stats.busy += 1
             self._drop(peer)
             self._busy_until[peer] = now + self.settings.retry_s
+            self._activate(now)
+
+    def on_gone(self, peer: str, now: float) -> None:
+        """The donor no longer holds what it offered (a newer snapshot replaced it):
+        forget its offer; the next query round asks again."""
+        self.offers.pop(peer, None)
+        if peer in self._active:
+            self.stats.gone += 1
+            self._drop(peer)
             self._activate(now)
 
     def on_piece(self, peer: str, piece: Piece, now: float) -> None:

@@ -18,6 +18,7 @@ control). Layout (version 1)::
 - ``HOLD``:   name str8, version u64, root (32)       (please fetch and hold it)
 - ``HELD``:   name str8, version u64, root (32)       (holding it now)
 - ``FINISHED``: name str8, version u64, root (32)     (fetched: free the upload slot)
+- ``GONE``:   name str8, version u64, root (32)       (not held here any more)
 
 A manifest is: name str8, version u64, total_bytes u64, piece_bytes u32, compat (32),
 count u32, then a 32-byte BLAKE2b digest per piece. The root (BLAKE2b-256 of the
@@ -71,6 +72,7 @@ class Kind(enum.IntEnum):
     HOLD = 7
     HELD = 8
     FINISHED = 9
+    GONE = 10
 
 
 DATA_KINDS = frozenset({Kind.OFFER, Kind.PIECE})
@@ -172,7 +174,7 @@ class Piece:
 
 @dataclass(frozen=True, slots=True)
 class Ref:
-    """BUSY, HOLD, HELD and FINISHED: one exact object."""
+    """BUSY, HOLD, HELD, FINISHED and GONE: one exact object."""
 
     kind: Kind
     name: str

@@ -251,7 +251,7 @@ class StoreService:
                 for reply in got if isinstance(got, list) else [got]:
                     self._send(peer, reply)
         elif isinstance(msg, Offer | NoneHeld | Piece) or (
-            isinstance(msg, Ref) and msg.kind is Kind.BUSY
+            isinstance(msg, Ref) and msg.kind in (Kind.BUSY, Kind.GONE)
         ):
             for running in list(self._fetches.values()):
                 f = running.fetch
@@ -263,6 +263,8 @@ class StoreService:
                     continue
                 elif isinstance(msg, Piece):
                     f.on_piece(peer, msg, now)
+                elif msg.kind is Kind.GONE:
+                    f.on_gone(peer, now)
                 else:
                     f.on_busy(peer, now)
                 running.wake.set()

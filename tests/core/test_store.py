@@ -95,6 +95,8 @@ class Net:
                         self.dead.add(peer)
                 elif isinstance(msg, Ref) and msg.kind is Kind.BUSY:
                     fetch.on_busy(peer, self.now)
+                elif isinstance(msg, Ref) and msg.kind is Kind.GONE:
+                    fetch.on_gone(peer, self.now)
             else:
                 assert timer is not None
                 self.now = max(self.now, timer)
@@ -341,3 +343,21 @@ def test_a_replica_state_is_striped_over_compatible_donors() -> None:
     for i in range(16):
         span = slice(i * 4096, (i + 1) * 4096)
         assert got[span] in {s[span] for s in states.values()}
+
+
+def test_a_version_the_donor_dropped_is_asked_for_again_not_waited_on() -> None:
+    """A donor replaced the snapshot it offered (its trainer took a newer one): it
+    answers GONE, and the fetcher asks again and keeps what it verified."""
+    layout = b"L" * 32
+    old, new = os.urandom(64_000), os.urandom(64_000)
+    net, holders = make({"a": 0.01}, {"a": old}, compat=layout)
+    f = fetch_for(net, settings=dataclasses.replace(S, max_donors=1))
+    net.run(f, limit_s=0.05)  # offered, a few pieces in
+    got_before = f.received_pieces
+    assert 0 < got_before < 16
+    h = holders["a"]
+    h.objects["obj"] = []  # the offered version is gone; a newer one is held
+    h.put("obj", 6, new, layout)
+    net.run(f)
+    assert f.state is FetchState.DONE and f.stats.gone == 1 and f.stats.restarts == 0
+    assert f.stats.pieces_by_donor["a"] == 16
