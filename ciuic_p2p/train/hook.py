@@ -20,10 +20,8 @@ The update rule and its references: core.replica.
 
 from __future__ import annotations
 
-import queue
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
@@ -37,78 +35,17 @@ from ciuic_p2p.core.trainwire import Kind, encode_done, encode_presence, run_id_
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel
 from ciuic_p2p.train.embedded import EmbeddedDaemon
+from ciuic_p2p.train.encoder import Encoder, flatten_parameters
 from ciuic_p2p.train.statesync import StateSync
 
 if TYPE_CHECKING:
     from ciuic_p2p.train.localranks import LocalRanks
 
+__all__ = ["MeshSync", "attach", "flatten_parameters"]
+
 STATS_EVERY_STEPS = 8
 JOIN_ANSWER_WAIT_S = 5.0
 log = get_logger("ciuic.train")
-
-
-def flatten_parameters(model: torch.nn.Module, layout: BucketLayout) -> list[torch.Tensor]:
-    """Move the model's trainable parameters into flat fp32 buckets on their device and
-    make each parameter a view into its bucket (values kept)."""
-    params = dict(model.named_parameters())
-    devices = {p.device for p in params.values()}
-    if len(devices) != 1:
-        raise ValueError(f"the model's parameters span devices {sorted(map(str, devices))}")
-    for name, p in params.items():
-        if p.requires_grad and p.dtype != torch.float32:
-            raise ValueError(f"{name} is {p.dtype}: the hook trains fp32 parameters")
-    buckets = layout.new_buckets(next(iter(devices)))
-    views = layout.views(buckets)
-    with torch.no_grad():
-        for name, view in views.items():
-            view.copy_(params[name])
-            params[name].data = view
-    return buckets
-
-
-class _Encoder:
-    """The thread that encodes and publishes this replica's updates (and hands over
-    state snapshots) while the trainer computes the next steps (on a GPU, the codec's
-    kernels overlap the same way). It takes one job at a time: a step whose update is
-    due while it is busy stays in the model's local progress and goes with the next
-    send (merged steps)."""
-
-    def __init__(self) -> None:
-        self.jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(1)
-        self.idle = threading.Event()
-        self.idle.set()
-        self.error: BaseException | None = None
-        self.busy_s = 0.0
-        self._thread = threading.Thread(target=self._run, name="ciuic-encoder", daemon=True)
-        self._thread.start()
-
-    def submit(self, job: Callable[[], None]) -> None:
-        self.idle.clear()
-        self.jobs.put(job)
-
-    def _run(self) -> None:
-        while (job := self.jobs.get()) is not None:
-            t0 = time.perf_counter()
-            try:
-                job()
-            except BaseException as exc:  # handed to the trainer at its next step
-                self.error = exc
-            finally:
-                self.busy_s += time.perf_counter() - t0
-                self.idle.set()
-
-    def check(self) -> None:
-        if self.error is not None:
-            raise self.error
-
-    def close(self) -> None:
-        # The channel is closed first, so a publish blocked in sendmsg fails and the
-        # thread reaches the queue; never block here.
-        try:
-            self.jobs.put(None, timeout=10)
-        except queue.Full:
-            return
-        self._thread.join(timeout=10)
 
 
 class MeshSync(StateSync):
@@ -154,7 +91,7 @@ class MeshSync(StateSync):
             None if checkpoint_dir is None else checkpoint_dir / f"{source.run_id.hex()}.ckpt"
         )
         self._alive_seen: list[str] | None = None
-        self.encoder = _Encoder()
+        self.encoder = Encoder()
         self.wait_s = 0.0
         self.max_wait_s = 0.0
         """The longest a single step waited for other replicas (a stall)."""
@@ -266,11 +203,11 @@ class MeshSync(StateSync):
             self.max_wait_s = max(self.max_wait_s, waited)
         self.hook_s += time.perf_counter() - t0
 
-    def _submit(self, job: Callable[[], None]) -> None:
-        self.encoder.submit(job)
-
-    def _encoder_idle(self, timeout_s: float) -> bool:
-        return self.encoder.idle.wait(timeout_s)
+    def _exit_on_sigterm(self) -> None:
+        path = self.checkpoint()
+        log.info("terminated", step=self.replica.step, checkpoint=str(path) if path else None)
+        self.close()
+        raise SystemExit(143)
 
     def _publish(self, payloads: list[bytes]) -> None:
         for payload in payloads:

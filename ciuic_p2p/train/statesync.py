@@ -20,6 +20,7 @@ from ciuic_p2p.core.statefile import StateFormatError, pack_state, unpack_state
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel
 from ciuic_p2p.train.checkpoint import load_newest, write_checkpoint
+from ciuic_p2p.train.encoder import Encoder
 
 log = get_logger("ciuic.train")
 
@@ -37,17 +38,9 @@ class StateSync:
     checkpoint_path: Path | None
     snapshots_sent: int
     checkpoints_written: int
+    encoder: Encoder
     _checkpoint_at: float
     _terminate: bool
-
-    def close(self) -> None:
-        raise NotImplementedError
-
-    def _submit(self, job: Any) -> None:
-        raise NotImplementedError
-
-    def _encoder_idle(self, timeout_s: float) -> bool:
-        raise NotImplementedError
 
     def _restore(self) -> dict[str, Any]:
         """Start from the newest state there is: the replicas' (fetched from the nearest
@@ -115,14 +108,14 @@ class StateSync:
                 write_checkpoint(path, step, blob, compat)
                 self.checkpoints_written += 1
 
-        self._submit(job)
+        self.encoder.submit(job)
 
     def checkpoint(self) -> Path | None:
         """Write a checkpoint now (this thread, atomically); its path, or None when no
         checkpoint directory is set."""
         if self.checkpoint_path is None:
             return None
-        self._encoder_idle(self.config.train.finish_timeout_s)
+        self.encoder.idle.wait(self.config.train.finish_timeout_s)
         blob, compat = self._pack()
         write_checkpoint(self.checkpoint_path, self.replica.step, blob, compat)
         self.checkpoints_written += 1
@@ -137,12 +130,6 @@ class StateSync:
             self._terminate = True
 
         signal.signal(signal.SIGTERM, handler)
-
-    def _exit_on_sigterm(self) -> None:
-        path = self.checkpoint()
-        log.info("terminated", step=self.replica.step, checkpoint=str(path) if path else None)
-        self.close()
-        raise SystemExit(143)
 
     def put(self, name: str, obj: Any) -> int:
         """Have the mesh hold ``obj`` (a state dict, tensors, plain values) under
