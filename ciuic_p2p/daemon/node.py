@@ -5,7 +5,7 @@ decision. Messages leave as GOSSIP frames (control stream) or MESH_CHUNK frames 
 stream, credit flow control) to the link whose peer listens at the message's
 address, dialling it first when there is none. Each destination has its own outbox
 and sender task, so a slow or dead peer never holds up the others; an outbox that
-grows past ``MAX_OUTBOX`` messages drops its oldest (membership repeats what matters,
+grows past ``outbox.MAX_OUTBOX`` messages drops its oldest (membership repeats what matters,
 repair re-fetches chunks) and counts them. DIRECT frames carry bytes from this node's
 trainer to one peer's trainer (the dense baseline), outside the mesh.
 
@@ -39,13 +39,19 @@ from ciuic_p2p.core.broadcast import Delivery
 from ciuic_p2p.core.frames import BULK_TYPES, FrameType
 from ciuic_p2p.core.members import State
 from ciuic_p2p.core.meshnode import MeshNode
-from ciuic_p2p.core.meshwire import Kind, MeshDecodeError, decode_message, encode_message
+from ciuic_p2p.core.meshwire import (
+    Chunk,
+    Kind,
+    MeshDecodeError,
+    decode_message,
+    encode_message,
+)
+from ciuic_p2p.daemon.outbox import ChunkKey, Outbox
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.transport.base import FrameReceived, PeerConnected, PeerDisconnected
 from ciuic_p2p.transport.quic import QuicTransport, TransportError
 
-MAX_OUTBOX = 4096
 MAX_STORE_CONTROL_BYTES = 60 * 1024
 """A store offer this small travels on the control stream (a joiner's query is not
 answered behind the bulk backlog)."""
@@ -85,12 +91,8 @@ def next_incarnation(state_dir: Path) -> int:
 
 
 @dataclass
-class _Outbox:
-    queue: collections.deque[tuple[FrameType, bytes]] = field(default_factory=collections.deque)
-    side: collections.deque[tuple[FrameType, bytes]] = field(default_factory=collections.deque)
-    """Store pieces: taken in turn with ``queue`` (see _enqueue)."""
-    turn: bool = False
-    queued_bytes: int = 0
+class _Destination:
+    box: Outbox = field(default_factory=Outbox)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
 
@@ -129,7 +131,7 @@ class MeshDaemon:
         self.started_at = clock()
         self._peer_at: dict[str, bytes] = {}
         self._address_of: dict[bytes, str] = {}
-        self._outboxes: dict[tuple[str, int], _Outbox] = {}
+        self._outboxes: dict[tuple[str, int], _Destination] = {}
         self._dialing: dict[str, asyncio.Future[bytes]] = {}
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at: float | None = None
@@ -232,7 +234,7 @@ class MeshDaemon:
 
     async def _drain(self, timeout_s: float) -> None:
         end = self.clock() + max(0.0, timeout_s)
-        while any(o.queue or o.side for o in self._outboxes.values()) and self.clock() < end:
+        while any(o.box for o in self._outboxes.values()) and self.clock() < end:
             await asyncio.sleep(0.01)
 
     async def close(self) -> None:
@@ -266,8 +268,11 @@ class MeshDaemon:
             except ValueError as exc:  # our own message over a limit: a bug, not fatal
                 log.error("mesh_message_too_large", kind=msg.kind.name, error=str(exc))
                 continue
-            kind = FrameType.MESH_CHUNK if msg.kind is Kind.CHUNK else FrameType.GOSSIP
-            self._enqueue(address, kind, data)
+            body = msg.body
+            if isinstance(body, Chunk):
+                self._enqueue(address, FrameType.MESH_CHUNK, data, (body.origin, body.seq))
+            else:
+                self._enqueue(address, FrameType.GOSSIP, data)
         for delivery in node.take_deliveries():
             self.counters["chunks_delivered"] += 1
             if self.on_delivery is not None:
@@ -378,56 +383,41 @@ class MeshDaemon:
 
     def backlog_bytes(self) -> int:
         """Bulk bytes queued here and not yet handed to the transport."""
-        return sum(box.queued_bytes for (_, bulk), box in self._outboxes.items() if bulk)
+        return sum(d.box.queued_bytes for (_, bulk), d in self._outboxes.items() if bulk)
 
-    def _enqueue(self, address: str, ftype: FrameType, data: bytes) -> None:
+    def _enqueue(
+        self, address: str, ftype: FrameType, data: bytes, chunk: ChunkKey | None = None
+    ) -> None:
         # Control and bulk get separate outboxes: a chunk waiting for credit must
-        # never hold up a probe. In the bulk outbox, store pieces have a queue of
-        # their own, taken in turn with the chunks': a joiner's state does not wait
-        # behind a backlog of updates and repairs (nor starve them). A second sender
-        # on the stream would not do: the one with a backlog takes all the credit.
+        # never hold up a probe.
         lane = int(ftype in BULK_TYPES)
-        box = self._outboxes.get((address, lane))
-        if box is None:
-            box = self._outboxes[(address, lane)] = _Outbox()
-        if ftype is FrameType.STORE_DATA:
-            box.side.append((ftype, data))
-            box.wake.set()
-            if box.task is None or box.task.done():
-                box.task = asyncio.get_running_loop().create_task(self._sender(address, box))
+        dest = self._outboxes.get((address, lane))
+        if dest is None:
+            dest = self._outboxes[(address, lane)] = _Destination()
+        dropped = dest.box.dropped
+        accepted = dest.box.push(ftype, data, chunk)
+        self.counters["outbox_dropped"] += dest.box.dropped - dropped
+        if not accepted:  # that chunk is still queued for this peer (see daemon.outbox)
+            self.counters["repairs_already_queued"] += 1
             return
-        if len(box.queue) >= MAX_OUTBOX:
-            _, old = box.queue.popleft()
-            box.queued_bytes -= len(old)
-            self.counters["outbox_dropped"] += 1
-        box.queue.append((ftype, data))
-        box.queued_bytes += len(data)
-        box.wake.set()
-        if box.task is None or box.task.done():
-            box.task = asyncio.get_running_loop().create_task(self._sender(address, box))
+        dest.wake.set()
+        if dest.task is None or dest.task.done():
+            dest.task = asyncio.get_running_loop().create_task(self._sender(address, dest))
 
-    async def _sender(self, address: str, box: _Outbox) -> None:
+    async def _sender(self, address: str, dest: _Destination) -> None:
+        box = dest.box
         while not self.closed.is_set():
-            if not box.queue and not box.side:
-                box.wake.clear()
-                await box.wake.wait()
+            if not box:
+                dest.wake.clear()
+                await dest.wake.wait()
                 continue
             try:
                 key = await self._link_to(address)
             except (TransportError, OSError, ValueError) as exc:
-                dropped = len(box.queue) + len(box.side)
-                box.queue.clear()
-                box.side.clear()
-                box.queued_bytes = 0
-                self.counters["unreachable_dropped"] += dropped
+                self.counters["unreachable_dropped"] += box.clear()
                 log.info("peer_unreachable", address=address, reason=str(exc))
                 continue
-            box.turn = not box.turn
-            if box.side and (box.turn or not box.queue):
-                ftype, data = box.side.popleft()
-            else:
-                ftype, data = box.queue.popleft()
-                box.queued_bytes -= len(data)
+            ftype, data = box.pop()
             try:
                 await self.transport.send(key, ftype, data)
                 self.counters["messages_sent"] += 1

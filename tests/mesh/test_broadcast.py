@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import itertools
 
 import pytest
 
 from ciuic_p2p.config import MeshSection
+from ciuic_p2p.core.broadcast import Disseminator
+from ciuic_p2p.core.meshwire import Heads, Message, Want
 from ciuic_p2p.core.scenario import load_scenario
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
@@ -91,3 +94,24 @@ def test_every_node_computes_the_same_trees() -> None:
     for origin in NAMES:
         trees = [node.tree(origin) for node in sim.nodes.values()]
         assert all(t == trees[0] for t in trees), origin
+
+
+def test_unanswered_wants_back_off() -> None:
+    """A chunk announced but never answered is asked for at 0.3, 0.9, 2.1, 4.5, ... s:
+    each re-ask waits twice as long, up to 32 x repair_after_s."""
+    settings = MeshSection(heads_interval_s=0.05, repair_after_s=0.3, chunk_retain_s=60.0)
+    d = Disseminator("me", settings, children=lambda origin: [], live=lambda: ["me", "holder"])
+    d.handle(Message("holder", Heads((("origin", 1),))), now=0.0)
+    asked_at = []
+    now = 0.0
+    while now < 40.0:
+        now = round(now + 0.05, 2)
+        d.handle_timer(now)
+        for peer, msg in d.messages_to_send():
+            if isinstance(msg.body, Want):
+                assert peer == "holder" and msg.body.seqs == (1,)
+                asked_at.append(now)
+    gaps = [round(b - a, 2) for a, b in itertools.pairwise(asked_at)]
+    assert asked_at[0] == pytest.approx(0.3, abs=0.06)
+    assert gaps[:5] == pytest.approx([0.6, 1.2, 2.4, 4.8, 9.6], abs=0.06)
+    assert all(g == pytest.approx(9.6, abs=0.06) for g in gaps[5:])
