@@ -1,7 +1,8 @@
 """The node's configuration: one frozen dataclass with documented defaults.
 
 ``Config`` groups its settings in sections (``node``, ``codec``, ``transport``,
-``mesh``, ``train``, ``store``, ``log``); each section is itself frozen. Two presets
+``mesh``, ``train``, ``store``, ``log``, ``web``, ``audit``); each section is itself
+frozen. Two presets
 exist: :meth:`Config.lan` for nodes in one data centre and :meth:`Config.wan` (the
 default) for nodes continents apart. A TOML file may name a preset and then override single keys::
 
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from ciuic_p2p.config_rules import MAX_CHUNK_PAYLOAD_BYTES, validate
 from ciuic_p2p.errors import ConfigError
 
 ValueMode = Literal["int8", "fp16"]
@@ -35,9 +37,6 @@ DenseDtype = Literal["fp32", "fp16", "bf16"]
 Selection = Literal["approx", "exact"]
 LogFormat = Literal["auto", "json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error"]
-
-#: Hard limit of the wire format on one chunk's payload (see core.wire).
-MAX_CHUNK_PAYLOAD_BYTES = 1 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +56,21 @@ class NodeSection:
     listen host. Required when listening on a wildcard (0.0.0.0 or ::)."""
     state_dir: str = "/var/lib/ciuic"
     """Directory for the key, checkpoints and the audit log (systemd StateDirectory)."""
+    join: tuple[str, ...] = ()
+    """Members (``HOST:PORT``) to join the mesh through at start, tried in turn
+    (``--join`` adds one in front)."""
+    first_join_timeout_s: float = 30.0
+    """How long the first join attempt may take before the daemon reports ready
+    anyway and keeps trying in the background (a node whose seeds are down at boot is
+    not restarted in a loop by systemd)."""
+    join_retry_s: float = 10.0
+    """Pause between background join attempts."""
+    stop_timeout_s: float = 4.0
+    """SIGTERM/Ctrl+C: the announced leave, the trainers' last checkpoint and the
+    audit log's flush get this long before the daemon exits anyway (systemd waits 5 s)."""
+    runtime_dir: str = ""
+    """Directory for the control and trainer sockets (systemd RuntimeDirectory);
+    default: ``state_dir``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +255,7 @@ class TrainSection:
     """
 
     socket_path: str = ""
-    """The daemon's trainer socket; empty: ``trainer.sock`` in ``node.state_dir``."""
+    """The daemon's trainer socket; empty: ``trainer.sock`` in ``node.runtime_dir``."""
     staleness_bound_steps: int = 64
     send_interval_steps: int = 1
     max_send_interval_steps: int = 16
@@ -316,6 +330,35 @@ class LogSection:
 
 
 @dataclass(frozen=True, slots=True)
+class WebSection:
+    """The daemon's HTTP endpoint: the live status page (``/``), its JSON
+    (``/api/status``) and Prometheus metrics (``/metrics``); see daemon.web."""
+
+    enabled: bool = True
+    listen_host: str = "127.0.0.1"
+    """Loopback by default: the page shows the mesh's addresses; opening it is explicit."""
+    port: int = 7947
+    """TCP port; 0 picks a free one (logged, and shown by ``ciuic-node status``)."""
+    refresh_s: float = 1.0
+    """How often the page refreshes itself."""
+
+
+@dataclass(frozen=True, slots=True)
+class AuditSection:
+    """The tamper-evident audit log (see core.audit): hash-chained entries signed with
+    the node key, in JSON-lines files that rotate without breaking the chain."""
+
+    enabled: bool = True
+    dir: str = ""
+    """Where the files go; default: ``audit`` in ``node.state_dir``."""
+    interval_s: float = 60.0
+    """Traffic (chunks received and forwarded per origin) is summed over this long and
+    written as one entry per interval, not per chunk."""
+    rotate_bytes: int = 16 * 1024 * 1024
+    """A file past this size is closed and a new one continues the chain."""
+
+
+@dataclass(frozen=True, slots=True)
 class Config:
     """Everything a node can be configured with. Build with :meth:`wan`, :meth:`lan`
     or :func:`load_config`; change with :func:`dataclasses.replace`."""
@@ -329,9 +372,11 @@ class Config:
     train: TrainSection = field(default_factory=TrainSection)
     store: StoreSection = field(default_factory=StoreSection)
     log: LogSection = field(default_factory=LogSection)
+    web: WebSection = field(default_factory=WebSection)
+    audit: AuditSection = field(default_factory=AuditSection)
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate(self)
 
     @classmethod
     def wan(cls) -> Config:
@@ -363,115 +408,90 @@ class Config:
         )
 
 
-def _validate(cfg: Config) -> None:
-    c = cfg.codec
-    checks: list[tuple[bool, str, str]] = [
-        (0.0 < c.density <= 1.0, "codec.density", "must be in (0, 1]"),
-        (1 <= c.block_size <= 4096, "codec.block_size", "must be in [1, 4096]"),
-        (c.exact_below_numel >= 0, "codec.exact_below_numel", "must be >= 0"),
-        (c.dense_below_numel >= 0, "codec.dense_below_numel", "must be >= 0"),
-        (c.sample_size >= 1024, "codec.sample_size", "must be >= 1024"),
-        (
-            4096 <= c.chunk_payload_bytes <= MAX_CHUNK_PAYLOAD_BYTES,
-            "codec.chunk_payload_bytes",
-            f"must be in [4096, {MAX_CHUNK_PAYLOAD_BYTES}]",
-        ),
-        (c.residual_max_ratio >= 0.0, "codec.residual_max_ratio", "must be >= 0"),
-        (0 <= cfg.node.listen_port <= 65535, "node.listen_port", "must be in [0, 65535]"),
-        (bool(cfg.node.name.strip()), "node.name", "must not be empty"),
-        (cfg.transport.auth_timeout_s > 0, "transport.auth_timeout_s", "must be > 0"),
-        (cfg.transport.idle_timeout_s > 0, "transport.idle_timeout_s", "must be > 0"),
-        (cfg.transport.ping_interval_s > 0, "transport.ping_interval_s", "must be > 0"),
-        (cfg.transport.stall_timeout_s > 0, "transport.stall_timeout_s", "must be > 0"),
-        (cfg.transport.reconnect_base_s > 0, "transport.reconnect_base_s", "must be > 0"),
-        (
-            cfg.transport.reconnect_max_s >= cfg.transport.reconnect_base_s,
-            "transport.reconnect_max_s",
-            "must be >= reconnect_base_s",
-        ),
-        (
-            cfg.transport.receive_window_bytes >= 2 * MAX_CHUNK_PAYLOAD_BYTES + 4096,
-            "transport.receive_window_bytes",
-            "must hold at least two largest chunks (>= 2101248)",
-        ),
-        (
-            1200 <= cfg.transport.max_datagram_size <= 65527,
-            "transport.max_datagram_size",
-            "must be in [1200, 65527]",
-        ),
-    ]
-    m = cfg.mesh
-    positive = [
-        "probe_interval_s", "probe_timeout_min_s", "probe_timeout_initial_s",
-        "suspicion_mult", "gossip_interval_s", "sync_interval_s", "reconnect_interval_s",
-        "join_retry_s", "leave_propagate_s", "link_sync_interval_s", "heads_interval_s",
-        "repair_after_s", "chunk_retain_s", "default_rate_bps",
-    ]  # fmt: skip
-    checks += [(getattr(m, k) > 0, f"mesh.{k}", "must be > 0") for k in positive]
-    checks += [
-        (m.probe_timeout_max_s >= m.probe_timeout_min_s, "mesh.probe_timeout_max_s",
-         "must be >= probe_timeout_min_s"),
-        (m.suspicion_max_mult >= 1.0, "mesh.suspicion_max_mult", "must be >= 1"),
-        (m.indirect_probes >= 0, "mesh.indirect_probes", "must be >= 0"),
-        (m.gossip_fanout >= 1, "mesh.gossip_fanout", "must be >= 1"),
-        (m.heads_fanout >= 1, "mesh.heads_fanout", "must be >= 1"),
-        (m.retransmit_mult >= 1, "mesh.retransmit_mult", "must be >= 1"),
-        (m.awareness_max >= 1, "mesh.awareness_max", "must be >= 1"),
-        (m.tree_max_fanout >= 1, "mesh.tree_max_fanout", "must be >= 1"),
-        (0 <= m.route_hysteresis < 1, "mesh.route_hysteresis", "must be in [0, 1)"),
-        (256 <= m.piggyback_bytes <= 16384, "mesh.piggyback_bytes", "must be in [256, 16384]"),
-        (1 <= m.link_state_max_peers <= 1024, "mesh.link_state_max_peers", "must be in [1, 1024]"),
-        (m.suspicion_confirmations >= 0, "mesh.suspicion_confirmations", "must be >= 0"),
-    ]  # fmt: skip
-    t = cfg.train
-    checks += [
-        (t.staleness_bound_steps >= 1, "train.staleness_bound_steps", "must be >= 1"),
-        (t.send_interval_steps >= 1, "train.send_interval_steps", "must be >= 1"),
-        (t.max_send_interval_steps >= t.send_interval_steps, "train.max_send_interval_steps",
-         "must be >= send_interval_steps"),
-        (t.max_send_interval_steps < t.staleness_bound_steps, "train.max_send_interval_steps",
-         "must be below staleness_bound_steps (or peers would always wait)"),
-        (0.0 < t.min_density <= c.density, "train.min_density", "must be in (0, codec.density]"),
-        (t.backlog_low_bytes < t.backlog_high_bytes, "train.backlog_low_bytes",
-         "must be below backlog_high_bytes"),
-        (t.consensus_interval_steps >= 0, "train.consensus_interval_steps", "must be >= 0"),
-        (0.0 <= t.consensus_mix <= 1.0, "train.consensus_mix", "must be in [0, 1]"),
-        (t.update_norm_max_ratio > 1.0, "train.update_norm_max_ratio", "must be > 1"),
-        (t.norm_warmup_chunks >= 1, "train.norm_warmup_chunks", "must be >= 1"),
-        (t.finish_timeout_s > 0, "train.finish_timeout_s", "must be > 0"),
-        (t.stall_grace_s > 0, "train.stall_grace_s", "must be > 0"),
-    ]  # fmt: skip
-    st = cfg.store
-    checks += [
-        (4096 <= st.piece_bytes <= 1 << 20, "store.piece_bytes", "must be in [4096, 1048576]"),
-        (1 <= st.window_pieces <= 256, "store.window_pieces", "must be in [1, 256]"),
-        (st.max_donors >= 1, "store.max_donors", "must be >= 1"),
-        (st.upload_slots >= 1, "store.upload_slots", "must be >= 1"),
-        (st.replicas >= 0, "store.replicas", "must be >= 0"),
-        (st.max_corrupt_per_donor >= 1, "store.max_corrupt_per_donor", "must be >= 1"),
-        (st.state_version_slack_steps >= 0, "store.state_version_slack_steps", "must be >= 0"),
-        (st.checkpoint_interval_s >= 0, "store.checkpoint_interval_s", "must be >= 0"),
-        (st.upload_rate_bps >= 0, "store.upload_rate_bps", "must be >= 0"),
-    ]  # fmt: skip
-    checks += [
-        (getattr(st, k) > 0, f"store.{k}", "must be > 0")
-        for k in ("upload_idle_s", "query_timeout_s", "piece_timeout_s", "retry_s",
-                  "fetch_timeout_s", "unknown_rtt_s")
-    ]  # fmt: skip
-    for ok, key, why in checks:
-        if not ok:
-            raise ConfigError(f"{key}: {why}")
-
-
 _PRESETS = {"lan": Config.lan, "wan": Config.wan}
+
+SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "preset")
+ENV_PREFIX = "CIUIC_"
+
+
+def environment_overrides(environ: typing.Mapping[str, str]) -> dict[str, Any]:
+    """``CIUIC_<SECTION>_<KEY>=value`` variables as a TOML-shaped mapping (``CIUIC_PRESET``
+    for the preset). A value is read as a TOML value when it parses as one (numbers,
+    booleans, lists), else as a string: ``CIUIC_NODE_NAME=tokyo-1``,
+    ``CIUIC_CODEC_DENSITY=0.001``, ``CIUIC_NODE_JOIN='["10.0.0.1:7946"]'``."""
+    out: dict[str, Any] = {}
+    for name, raw in sorted(environ.items()):
+        if not name.startswith(ENV_PREFIX) or name in _ENV_NOT_CONFIG:
+            continue
+        rest = name[len(ENV_PREFIX) :].lower()
+        if rest == "preset":
+            out["preset"] = raw
+            continue
+        section = next((s for s in SECTIONS if rest.startswith(s + "_")), None)
+        if section is None:
+            raise ConfigError(
+                f"environment {name}: unknown section (CIUIC_<SECTION>_<KEY>, sections: "
+                f"{', '.join(SECTIONS)})"
+            )
+        key = rest[len(section) + 1 :]
+        try:
+            value: Any = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        out.setdefault(section, {})[key] = value
+    return out
+
+
+_ENV_NOT_CONFIG = frozenset({"CIUIC_CONFIG"})
+"""Variables that name where the config is rather than a setting."""
+
+
+def merge_mappings(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """``over``'s keys replace ``base``'s, section by section."""
+    out = {k: dict(v) if isinstance(v, dict) else v for k, v in base.items()}
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = out[key] | value
+        else:
+            out[key] = value
+    return out
+
+
+def load_layered(
+    path: str | Path | None, environ: typing.Mapping[str, str] | None = None
+) -> Config:
+    """The file (if any), then ``CIUIC_*`` environment variables over it; command-line
+    flags go over the result (daemon.run). Errors name the file or the variable."""
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        try:
+            text = p.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{p}: not UTF-8 text") from exc
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{p}: not valid TOML: {exc}") from exc
+        source = str(p)
+    env = environment_overrides(environ if environ is not None else {})
+    if env:
+        source = f"{source} + environment"
+    return config_from_mapping(merge_mappings(data, env), source=source)
 
 
 def trainer_socket_path(config: Config) -> Path:
-    """``train.socket_path``, or ``trainer.sock`` in ``node.state_dir`` when unset; the
+    """``train.socket_path``, or ``trainer.sock`` in the runtime directory when unset; the
     daemon serves it and the hook dials it."""
-    return Path(
-        config.train.socket_path or Path(config.node.state_dir) / "trainer.sock"
-    ).expanduser()
+    return Path(config.train.socket_path or runtime_dir(config) / "trainer.sock").expanduser()
+
+
+def runtime_dir(config: Config) -> Path:
+    """Where the sockets live: ``node.runtime_dir``, else ``node.state_dir``."""
+    return Path(config.node.runtime_dir or config.node.state_dir).expanduser()
 
 
 def load_config(path: str | Path) -> Config:
@@ -509,7 +529,7 @@ def config_from_mapping(data: dict[str, Any], source: str = "<mapping>") -> Conf
         if key not in hints or not dataclasses.is_dataclass(hints[key]):
             raise ConfigError(
                 f"{source}: {key}: unknown key (top-level keys: preset, and the sections "
-                "node, codec, transport, mesh, train, store, log)"
+                f"{', '.join(SECTIONS)})"
             )
         if not isinstance(value, dict):
             raise ConfigError(f"{source}: {key}: must be a table")
@@ -555,4 +575,8 @@ def _coerce(value: Any, typ: Any, where: str) -> Any:
         if not isinstance(value, str):
             raise ConfigError(f"{where}: must be a string, got {value!r}")
         return value
+    if origin is tuple and get_args(typ) == (str, ...):
+        if not isinstance(value, list | tuple) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where}: must be a list of strings, got {value!r}")
+        return tuple(value)
     raise ConfigError(f"{where}: unsupported type {typ!r}")  # pragma: no cover
