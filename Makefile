@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean
+.PHONY: demo test lint typecheck unit bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -28,7 +28,15 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
 
-unit: $(STAMP)
+# The status page is tested in a real headless browser: Debian's chromium, installed
+# here when missing and we may (root with apt); otherwise that one test says why it
+# cannot run.
+browser:
+	@command -v chromium >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+	  && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends chromium \
+	  >/dev/null; } || echo "make: no chromium; the status page test will be skipped"
+
+unit: $(STAMP) browser
 	$(VENV)/bin/pytest -q
 
 # The whole test suite: lint, types, then the tests.
