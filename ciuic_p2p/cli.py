@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -18,7 +19,7 @@ from cryptography.exceptions import InvalidSignature
 
 from ciuic_p2p import __version__
 from ciuic_p2p.admission import ClusterCA, Trust, load_certificate, load_crl, write_pem
-from ciuic_p2p.config import Config, load_config
+from ciuic_p2p.config import Config, load_config, load_layered, runtime_dir
 from ciuic_p2p.errors import AdmissionError, CiuicError, IdentityError
 from ciuic_p2p.identity import NodeKey, peer_id_of
 
@@ -280,10 +281,10 @@ def _netem(args: argparse.Namespace) -> int:
 def _control_path(args: argparse.Namespace) -> Path:
     if args.control:
         return Path(args.control)
-    state_dir = args.state_dir or (
-        load_config(args.config).node.state_dir if args.config else Config().node.state_dir
-    )
-    return Path(state_dir) / "control.sock"
+    if args.state_dir:
+        return Path(args.state_dir) / "control.sock"
+    path = args.config or os.environ.get("CIUIC_CONFIG") or None
+    return runtime_dir(load_layered(path, os.environ)) / "control.sock"
 
 
 def _steer(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
-"""``ciuic-node run``: start the daemon from the config file and flags, serve the
-control socket, stop cleanly on SIGTERM/SIGINT (a graceful leave) or on ``leave``.
+"""``ciuic-node run``: build the config (file, environment, flags), load the
+credentials, start the parts and hand them to daemon.service (join, ready, reload on
+SIGHUP, clean stop on SIGTERM/SIGINT or ``leave``).
 
 Credentials default to files in the state directory: ``node.key`` (``ciuic-node
 keygen``), ``node.pem`` (``ciuic-node ca issue``) and ``ca.pem`` (the cluster CA's
@@ -14,12 +15,9 @@ listens on 127.0.0.1:BASE+i and every datagram is shaped by the scenario's links
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import fcntl
 import os
-import signal
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -28,16 +26,16 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ciuic_p2p.admission import Trust, load_certificate, load_crl
-from ciuic_p2p.config import Config, load_config, trainer_socket_path
+from ciuic_p2p.config import Config, load_layered, runtime_dir, trainer_socket_path
 from ciuic_p2p.daemon.control import ControlServer
 from ciuic_p2p.daemon.node import MeshDaemon, parse_address
+from ciuic_p2p.daemon.service import NodeService, Parts
 from ciuic_p2p.daemon.store import StoreService
 from ciuic_p2p.daemon.trainer import TrainerServer
 from ciuic_p2p.errors import CiuicError, ConfigError
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.logsetup import configure_logging, get_logger
 from ciuic_p2p.transport.loop import new_event_loop
-from ciuic_p2p.transport.quic import TransportError
 
 log = get_logger("ciuic.daemon")
 
@@ -76,7 +74,10 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def build_config(args: argparse.Namespace) -> Config:
-    config = load_config(args.config) if args.config else Config.wan()
+    """The config file (``--config``, else ``$CIUIC_CONFIG``), ``CIUIC_*`` environment
+    variables over it, then the flags."""
+    path = args.config or os.environ.get("CIUIC_CONFIG") or None
+    config = load_layered(path, os.environ)
     node = config.node
     changes: dict[str, Any] = {}
     if args.listen:
@@ -157,31 +158,35 @@ def lock_state_dir(state_dir: Path) -> int:
     return fd
 
 
+def _emulated_wrapper(args: argparse.Namespace) -> Any:
+    from ciuic_p2p.core.scenario import load_scenario  # noqa: PLC0415
+    from ciuic_p2p.data import scenario_path  # noqa: PLC0415
+    from ciuic_p2p.emulator.mesh import EmulatedMesh  # noqa: PLC0415
+
+    path = Path(args.emulate) if Path(args.emulate).exists() else scenario_path(args.emulate)
+    overrides: dict[str, Any] = {}
+    if args.emulate_rate_scale:
+        overrides["rate_scale"] = args.emulate_rate_scale
+    scenario = load_scenario(path, **overrides)
+    if args.emulate_nodes:
+        scenario = scenario.subset(args.emulate_nodes.split(","))
+    if args.emulate_loss is not None:  # every link's random loss, for benchmarks
+        links = {k: v.with_changes(loss=args.emulate_loss) for k, v in scenario.links.items()}
+        scenario = dataclasses.replace(scenario, links=links)
+    emulated = EmulatedMesh(scenario, start=args.emulate_start)
+    for i, name in enumerate(scenario.node_names()):
+        emulated.register(name, ("127.0.0.1", args.emulate_ports + i))
+    return emulated.wrapper(args.emulate_node)
+
+
 async def serve(args: argparse.Namespace) -> int:
     config = build_config(args)
     state_dir = Path(config.node.state_dir)
     key, cert, trust = load_credentials(args, state_dir)
     lock_state_dir(state_dir)
-    wrap = None
-    if args.emulate:
-        from ciuic_p2p.core.scenario import load_scenario  # noqa: PLC0415
-        from ciuic_p2p.data import scenario_path  # noqa: PLC0415
-        from ciuic_p2p.emulator.mesh import EmulatedMesh  # noqa: PLC0415
-
-        path = Path(args.emulate) if Path(args.emulate).exists() else scenario_path(args.emulate)
-        overrides: dict[str, Any] = {}
-        if args.emulate_rate_scale:
-            overrides["rate_scale"] = args.emulate_rate_scale
-        scenario = load_scenario(path, **overrides)
-        if args.emulate_nodes:
-            scenario = scenario.subset(args.emulate_nodes.split(","))
-        if args.emulate_loss is not None:  # every link's random loss, for benchmarks
-            links = {k: v.with_changes(loss=args.emulate_loss) for k, v in scenario.links.items()}
-            scenario = dataclasses.replace(scenario, links=links)
-        emulated = EmulatedMesh(scenario, start=args.emulate_start)
-        for i, name in enumerate(scenario.node_names()):
-            emulated.register(name, ("127.0.0.1", args.emulate_ports + i))
-        wrap = emulated.wrapper(args.emulate_node)
+    sockets = runtime_dir(config)
+    sockets.mkdir(parents=True, exist_ok=True)
+    wrap = _emulated_wrapper(args) if args.emulate else None
     daemon = MeshDaemon(config, key, cert, trust, state_dir=state_dir, wrap_udp=wrap)
     try:
         address = await daemon.start()
@@ -191,45 +196,28 @@ async def serve(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise CiuicError(str(exc)) from None
     control = ControlServer(
-        daemon, Path(args.control) if args.control else state_dir / "control.sock"
+        daemon, Path(args.control) if args.control else sockets / "control.sock"
     )
     await control.start()
     store = StoreService(daemon)  # a node without a trainer still holds and serves objects
     control.store = store
-    trainers: TrainerServer | None = None
+    parts = Parts(daemon, control, store)
     if config.train.socket_path != "none":
         path = trainer_socket_path(config)
-        trainers = TrainerServer(daemon, path, store)
+        parts.trainers = TrainerServer(daemon, path, store)
         try:
-            await trainers.start()
+            await parts.trainers.start()
         except (OSError, CiuicError) as exc:
             await control.close()
             await daemon.close()
             raise CiuicError(f"trainer socket {path}: {exc}") from None
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, control.leave_requested.set)
     print(f"ciuic-node: {daemon.peer_id} listening on {address}", flush=True)
-    if args.join:
-        try:
-            view = await daemon.join(args.join)
-            print(f"ciuic-node: joined through {args.join}: {len(view)} members", flush=True)
-        except (TransportError, TimeoutError, ValueError) as exc:
-            print(f"ciuic-node: error: cannot join through {args.join}: {exc}", file=sys.stderr)
-            if trainers is not None:
-                await trainers.close()
-            await store.close()
-            await control.close()
-            await daemon.close()
-            return 1
-    await control.leave_requested.wait()
-    log.info("leaving")
-    if trainers is not None:
-        await trainers.close()
-    await store.close()
-    await daemon.leave()
-    await control.close()
-    return 0
+    crl_path = Path(args.crl) if args.crl else state_dir / "revoked.pem"
+    service = NodeService(
+        config, parts, reload_config=lambda: build_config(args), crl_path=crl_path
+    )
+    seeds = ([args.join] if args.join else []) + list(config.node.join)
+    return await service.run(seeds)
 
 
 def run(args: argparse.Namespace) -> int:

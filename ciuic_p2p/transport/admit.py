@@ -22,7 +22,7 @@ from ciuic_p2p.errors import AdmissionError
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.transport.base import PeerConnected, TransportEvent
-from ciuic_p2p.transport.errors import TransportError
+from ciuic_p2p.transport.errors import RefusedError
 from ciuic_p2p.transport.link import QuicLink
 
 log = get_logger("ciuic.transport")
@@ -135,7 +135,7 @@ class AdmissionMixin:
                 reason=reason,
             )
             if not link.ready.done():
-                link.ready.set_exception(TransportError(f"refused: {reason}"))
+                link.ready.set_exception(RefusedError(f"refused: {reason}"))
         else:
             log.warning("peer_dropped", peer=link.claimed, reason=reason)
         self._close_link(link, reason)

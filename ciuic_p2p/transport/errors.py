@@ -11,3 +11,8 @@ class TransportError(CiuicError):
 
 class DuplicateLinkError(TransportError):
     """Both ends dialled at once and the peer kept the other connection."""
+
+
+class RefusedError(TransportError):
+    """The peer (or our own check of it) refused the link: a credential problem that
+    retrying will not fix."""

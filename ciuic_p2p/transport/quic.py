@@ -64,7 +64,7 @@ from ciuic_p2p.transport.base import (
     Transport,
     TransportEvent,
 )
-from ciuic_p2p.transport.errors import DuplicateLinkError, TransportError
+from ciuic_p2p.transport.errors import DuplicateLinkError, RefusedError, TransportError
 from ciuic_p2p.transport.link import (
     ALPN,
     BULK_STREAM,
@@ -439,7 +439,7 @@ class QuicTransport(AdmissionMixin, Transport):
             link.ping_task.cancel()
         link.credit_changed.set()
         if not link.ready.done():
-            error = DuplicateLinkError if reason == "duplicate link" else TransportError
+            error = DuplicateLinkError if reason == "duplicate link" else RefusedError
             link.ready.set_exception(error(f"refused: {reason}"))
         for cid in [c for c, lk in self._by_cid.items() if lk is link]:
             del self._by_cid[cid]

@@ -1,0 +1,263 @@
+"""The daemon's life as a service: start the parts, join, report ready, reload on
+SIGHUP, stop cleanly on SIGTERM/Ctrl+C.
+
+- Ready (``READY=1`` under systemd) once the node listens and its first join attempt
+  has ended: joined, or ``node.first_join_timeout_s`` spent. A node whose seeds are
+  down at boot is not a failed service (systemd would restart it in a loop): it keeps
+  trying every ``node.join_retry_s`` in the background and says so in its status.
+  Only a refusal (our credential is not accepted) ends it with exit status 1.
+- SIGHUP re-reads the config file and environment: the log settings, the join seeds
+  and the revocation list take effect at once; a changed key that needs a restart is
+  named in a warning and in the status.
+- SIGTERM or Ctrl+C: announce the leave, let the trainers' sessions and the store
+  close, flush the audit log, close every link with a reason, all within
+  ``node.stop_timeout_s``; a second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+from ciuic_p2p.admission import Trust, load_crl
+from ciuic_p2p.config import Config
+from ciuic_p2p.daemon.control import ControlServer
+from ciuic_p2p.daemon.node import MeshDaemon
+from ciuic_p2p.daemon.sdnotify import Notifier
+from ciuic_p2p.daemon.store import StoreService
+from ciuic_p2p.daemon.trainer import TrainerServer
+from ciuic_p2p.errors import CiuicError
+from ciuic_p2p.logsetup import configure_logging, get_logger
+from ciuic_p2p.transport.errors import RefusedError, TransportError
+
+log = get_logger("ciuic.service")
+
+RELOADABLE = {"log", "node.join", "node.first_join_timeout_s", "node.join_retry_s",
+              "node.stop_timeout_s"}  # fmt: skip
+"""Settings a SIGHUP applies to the running node; any other change needs a restart."""
+
+
+class JoinRefused(CiuicError):
+    """A seed refused our credential: retrying cannot help."""
+
+
+@dataclasses.dataclass
+class Parts:
+    daemon: MeshDaemon
+    control: ControlServer
+    store: StoreService
+    trainers: TrainerServer | None = None
+    closers: list[Callable[[], Awaitable[None]]] = dataclasses.field(default_factory=list)
+    """Extra parts (web endpoint, audit log), closed last-in first-out."""
+
+
+class NodeService:
+    def __init__(
+        self,
+        config: Config,
+        parts: Parts,
+        *,
+        reload_config: Callable[[], Config],
+        crl_path: Path | None,
+        notifier: Notifier | None = None,
+    ) -> None:
+        self.config = config
+        self.parts = parts
+        self.reload_config = reload_config
+        self.crl_path = crl_path
+        self.notifier = notifier or Notifier()
+        self.state = "starting"
+        self.join_error = ""
+        self.join_attempts = 0
+        self.needs_restart: list[str] = []
+        self.reloads = 0
+        self._stop = asyncio.Event()
+        self._signals = 0
+        self._join_task: asyncio.Task[None] | None = None
+        parts.daemon.status_parts["service"] = self.status
+
+    def status(self) -> dict[str, Any]:
+        return {
+            "state": self.state,
+            "join_error": self.join_error,
+            "join_attempts": self.join_attempts,
+            "reloads": self.reloads,
+            "needs_restart": self.needs_restart,
+        }
+
+    # -- running ------------------------------------------------------------------------------
+
+    async def run(self, seeds: list[str]) -> int:
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, self._on_stop_signal, signal.SIGTERM)
+        loop.add_signal_handler(signal.SIGINT, self._on_stop_signal, signal.SIGINT)
+        loop.add_signal_handler(signal.SIGHUP, self._on_reload_signal)
+        self.parts.control.leave_requested = self._stop  # `ciuic-node leave` stops us too
+        self.notifier.start_watchdog(loop)
+        code = 0
+        try:
+            if seeds:
+                await self._first_join(seeds)
+            self.state = "running" if self._joined() or not seeds else "joining"
+            self.notifier.ready(self._summary())
+            log.info("ready", state=self.state, address=self.parts.daemon.address)
+            await self._stop.wait()
+        except JoinRefused as exc:
+            print(f"ciuic-node: error: {exc}", flush=True)
+            code = 1
+        await self.stop("refused" if code else "requested")
+        return code
+
+    def _joined(self) -> bool:
+        node = self.parts.daemon.node
+        return node is not None and node.membership.joined and len(node.view()) > 1
+
+    def _summary(self) -> str:
+        d = self.parts.daemon
+        alive = len(d.mesh.view()) if d.node is not None else 0
+        if self.state == "joining":
+            return (
+                f"joining (attempt {self.join_attempts}: {self.join_error}); "
+                f"listening on {d.address}"
+            )
+        return f"{self.state}: {alive} members alive; listening on {d.address}"
+
+    async def _first_join(self, seeds: list[str]) -> None:
+        timeout_s = self.config.node.first_join_timeout_s
+        try:
+            await asyncio.wait_for(self._join_any(seeds, once=True), timeout_s)
+        except TimeoutError:
+            self.join_error = self.join_error or f"no seed answered within {timeout_s:g} s"
+        if not self._joined():
+            log.warning("join_pending", seeds=seeds, error=self.join_error)
+            print(f"ciuic-node: not joined yet ({self.join_error}); retrying", flush=True)
+            self._join_task = asyncio.get_running_loop().create_task(self._join_any(seeds))
+
+    async def _join_any(self, seeds: list[str], once: bool = False) -> None:
+        """Try each seed in turn until one lets us in (once: one round only)."""
+        while not self._stop.is_set():
+            for seed in self.config.node.join if not once and self.config.node.join else seeds:
+                self.join_attempts += 1
+                try:
+                    view = await self.parts.daemon.join(seed)
+                except TransportError as exc:
+                    if isinstance(exc, RefusedError):
+                        raise JoinRefused(f"cannot join through {seed}: {exc}") from None
+                    self.join_error = f"{seed}: {exc}"
+                    continue
+                except (TimeoutError, ValueError) as exc:
+                    self.join_error = f"{seed}: {exc}"
+                    continue
+                self.join_error = ""
+                print(f"ciuic-node: joined through {seed}: {len(view)} members", flush=True)
+                if self.state == "joining":
+                    self.state = "running"
+                    self.notifier.status(self._summary())
+                return
+            if once:
+                return
+            self.notifier.status(self._summary())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self.config.node.join_retry_s)
+
+    # -- signals --------------------------------------------------------------------------------
+
+    def _on_stop_signal(self, signum: int) -> None:
+        self._signals += 1
+        if self._signals > 1:
+            # The second Ctrl+C: the user does not want to wait for a clean leave.
+            print("ciuic-node: second signal, exiting now", flush=True)
+            os._exit(128 + signum)
+        log.info("stop_requested", signal=signal.Signals(signum).name)
+        self._stop.set()
+
+    def _on_reload_signal(self) -> None:
+        asyncio.get_running_loop().create_task(self.reload())
+
+    async def reload(self) -> None:
+        self.notifier.reloading()
+        try:
+            new = self.reload_config()
+        except CiuicError as exc:
+            log.error("reload_failed", error=str(exc))
+            self.notifier.ready(f"reload failed, old config kept: {exc}")
+            return
+        changed = _changed_keys(self.config, new)
+        self.needs_restart = sorted(k for k in changed if not _reloadable(k))
+        if new.log != self.config.log:
+            configure_logging(new.log)
+        keep = self.config
+        self.config = dataclasses.replace(
+            keep, log=new.log, node=dataclasses.replace(
+                keep.node, join=new.node.join,
+                first_join_timeout_s=new.node.first_join_timeout_s,
+                join_retry_s=new.node.join_retry_s, stop_timeout_s=new.node.stop_timeout_s,
+            ),
+        )  # fmt: skip
+        crl_note = self._reload_crl()
+        self.reloads += 1
+        if self.needs_restart:
+            log.warning("reload_needs_restart", keys=self.needs_restart)
+        log.info("reloaded", changed=sorted(changed), revocation_list=crl_note)
+        self.notifier.ready(self._summary())
+
+    def _reload_crl(self) -> str:
+        transport = self.parts.daemon.transport
+        if self.crl_path is None or not self.crl_path.exists():
+            return "none"
+        try:
+            transport.trust = Trust(transport.trust.ca, load_crl(self.crl_path))
+        except (CiuicError, ValueError, OSError) as exc:
+            log.error("revocation_list_not_reloaded", path=str(self.crl_path), error=str(exc))
+            return f"kept the old one: {exc}"
+        return str(self.crl_path)
+
+    # -- stopping -------------------------------------------------------------------------------
+
+    async def stop(self, why: str) -> None:
+        self.state = "stopping"
+        self.notifier.stopping(f"leaving the mesh ({why})")
+        if self._join_task is not None:
+            self._join_task.cancel()
+        parts = self.parts
+        timeout_s = self.config.node.stop_timeout_s
+        try:
+            await asyncio.wait_for(self._close_parts(), timeout_s)
+        except TimeoutError:
+            log.warning("stop_timeout", timeout_s=timeout_s)
+            await parts.daemon.close()
+        await parts.control.close()
+        self.notifier.close()
+
+    async def _close_parts(self) -> None:
+        p = self.parts
+        if p.trainers is not None:
+            await p.trainers.close()
+        await p.store.close()
+        await p.daemon.leave()  # announced, drained, links closed with a reason
+        for close in reversed(p.closers):
+            await close()
+
+
+def _changed_keys(old: Config, new: Config) -> set[str]:
+    out: set[str] = set()
+    for section in dataclasses.fields(old):
+        a, b = getattr(old, section.name), getattr(new, section.name)
+        if not dataclasses.is_dataclass(a):
+            if a != b:
+                out.add(section.name)
+            continue
+        for f in dataclasses.fields(a):
+            if getattr(a, f.name) != getattr(b, f.name):
+                out.add(f"{section.name}.{f.name}")
+    return out
+
+
+def _reloadable(key: str) -> bool:
+    return key in RELOADABLE or key.split(".", maxsplit=1)[0] in RELOADABLE
