@@ -19,7 +19,7 @@ from cryptography.exceptions import InvalidSignature
 
 from ciuic_p2p import __version__
 from ciuic_p2p.admission import ClusterCA, Trust, load_certificate, load_crl, write_pem
-from ciuic_p2p.config import Config, load_config, load_layered, runtime_dir
+from ciuic_p2p.config import SECTIONS, Config, load_config, load_layered, runtime_dir
 from ciuic_p2p.errors import AdmissionError, CiuicError, IdentityError
 from ciuic_p2p.identity import NodeKey, peer_id_of
 
@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _config_check(path: str) -> int:
     cfg: Config = load_config(path)
     print(f"{path}: ok (preset {cfg.preset})")
-    for section in ("node", "codec", "transport", "mesh", "train", "store", "log"):
+    for section in SECTIONS:
         values = getattr(cfg, section)
         for name in values.__dataclass_fields__:
             print(f"  {section}.{name} = {getattr(values, name)!r}")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ciuic_p2p.config import Config, config_from_toml, load_config
+from ciuic_p2p.config import Config, config_from_toml, load_config, load_layered
 from ciuic_p2p.errors import ConfigError
 
 
@@ -73,3 +73,26 @@ def test_mesh_presets_and_bad_mesh_values() -> None:
         config_from_toml("[mesh]\nprobe_interval_s = 0\n")
     with pytest.raises(ConfigError, match=r"mesh\.dissemination"):
         config_from_toml('[mesh]\ndissemination = "flood"\n')
+
+
+def test_environment_overrides_the_file_and_names_a_bad_variable(tmp_path: Path) -> None:
+    f = tmp_path / "node.toml"
+    f.write_text('[node]\nname = "from-file"\nregion = "r"\n[codec]\ndensity = 0.02\n')
+    cfg = load_layered(
+        f,
+        {
+            "CIUIC_NODE_NAME": "from-env",
+            "CIUIC_CODEC_DENSITY": "0.001",
+            "CIUIC_NODE_JOIN": '["10.0.0.1:7946"]',
+            "CIUIC_CONFIG": "/ignored/here",
+            "HOME": "/root",
+        },
+    )
+    assert cfg.node.name == "from-env" and cfg.node.region == "r"
+    assert cfg.codec.density == 0.001 and cfg.node.join == ("10.0.0.1:7946",)
+    with pytest.raises(ConfigError, match="CIUIC_NOPE_X: unknown section"):
+        load_layered(f, {"CIUIC_NOPE_X": "1"})
+    with pytest.raises(ConfigError, match=r"environment: codec.density: must be a number"):
+        load_layered(f, {"CIUIC_CODEC_DENSITY": "lots"})
+    with pytest.raises(ConfigError, match=r"node.join: 'nohost' is not HOST:PORT"):
+        load_layered(None, {"CIUIC_NODE_JOIN": '["nohost"]'})

@@ -49,11 +49,11 @@ class Fleet:
     def control(self, name: str) -> Path:
         return self.root / name / "control.sock"
 
-    def start(self, name: str, *args: str) -> None:
+    def start(self, name: str, *args: str, env: dict[str, str] | None = None) -> None:
         d = self.state_dir(name)
         log = d / "daemon.log"
         self.logs[name] = log
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with log.open("a") as out:
             self.procs[name] = subprocess.Popen(
                 [

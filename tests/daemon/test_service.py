@@ -1,0 +1,195 @@
+"""ciuic-node as a service: the systemd unit, the notify protocol, joining when the
+seeds are down at boot, reload on SIGHUP and clean stops."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from ciuic_p2p.config import Config, load_config
+
+from .conftest import Fleet, free_port_block
+
+ROOT = Path(__file__).resolve().parents[2]
+UNIT = ROOT / "systemd" / "ciuic-node.service"
+IN_CI = os.environ.get("CI") == "true"
+
+
+def _systemd_analyze() -> str:
+    tool = shutil.which("systemd-analyze")
+    if tool is None:
+        if IN_CI:
+            pytest.fail("systemd-analyze is missing on the CI machine")
+        pytest.skip("systemd-analyze is not installed")
+    return tool
+
+
+def test_unit_verifies_and_its_exposure_is_at_most_2(tmp_path: Path) -> None:
+    tool = _systemd_analyze()
+    installed = shutil.which("ciuic-node") or str(Path(sys.executable).parent / "ciuic-node")
+    assert Path(installed).exists(), installed
+    text = UNIT.read_text()
+    assert "ExecStart=/usr/local/bin/ciuic-node run" in text
+    unit = tmp_path / "ciuic-node.service"
+    unit.write_text(text.replace("/usr/local/bin/ciuic-node", installed))
+    verify = subprocess.run(
+        [tool, "verify", str(unit)], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert verify.returncode == 0 and verify.stdout + verify.stderr == "", verify.stderr
+    # --threshold=20 (the scale is 0-10 x 10): systemd-analyze exits non-zero above 2.0.
+    security = subprocess.run(
+        [tool, "security", "--offline=true", "--threshold=20", str(unit)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    tail = security.stdout.rsplit("exposure level for ciuic-node.service:", 1)[-1].split()
+    assert security.returncode == 0 and float(tail[0]) <= 2.0, security.stdout[-500:]
+    # The example config the unit names loads and covers every setting.
+    example = load_config(ROOT / "systemd" / "node.example.toml")
+    body = (ROOT / "systemd" / "node.example.toml").read_text()
+    for section in ("node", "codec", "transport", "mesh", "train", "store", "log", "web", "audit"):
+        assert f"[{section}]" in body
+        for key in getattr(Config(), section).__dataclass_fields__:
+            assert f"\n{key} = " in body, f"{section}.{key} missing from the example"
+    assert example.node.runtime_dir == "/run/ciuic"
+
+
+class NotifySocket:
+    """The systemd end of sd_notify: a datagram socket collecting messages."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(str(path))
+        self.messages: list[dict[str, str]] = []
+
+    def wait_for(self, key: str, timeout_s: float, value: str | None = None) -> dict[str, str]:
+        """The first message not yet consumed that sets ``key`` (bounded)."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for i, m in enumerate(self.messages):
+                if key in m and (value is None or m[key] == value):
+                    del self.messages[: i + 1]
+                    return m
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"no {key} within {timeout_s} s; got {self.messages}")
+            self.sock.settimeout(left)
+            try:
+                data = self.sock.recv(4096)
+            except TimeoutError:
+                continue
+            self.messages.append(dict(line.split("=", 1) for line in data.decode().splitlines()))
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_notify_ready_watchdog_reload_and_stopping(fleet: Fleet, tmp_path: Path) -> None:
+    notify = NotifySocket(tmp_path / "notify.sock")
+    try:
+        fleet.start(
+            "a",
+            "--listen",
+            "127.0.0.1:0",
+            env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "300000"},
+        )
+        ready = notify.wait_for("READY", 60)
+        assert ready["READY"] == "1" and "listening on 127.0.0.1:" in ready["STATUS"]
+        # Keep-alives every half watchdog interval, from the event loop.
+        for _ in range(3):
+            notify.wait_for("WATCHDOG", 2)
+        proc = fleet.procs["a"]
+        proc.send_signal(signal.SIGHUP)
+        notify.wait_for("RELOADING", 10)
+        notify.wait_for("READY", 10)
+        assert fleet.status("a")["service"]["reloads"] == 1  # type: ignore[index]
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        stopping = notify.wait_for("STOPPING", 10)
+        assert "leaving" in stopping["STATUS"]
+        assert proc.wait(10) == 0
+        assert time.monotonic() - t0 < 5.0
+    finally:
+        notify.close()
+
+
+def test_seeds_down_at_boot_ready_anyway_then_joins_in_the_background(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    base = free_port_block(2)
+    notify = NotifySocket(tmp_path / "notify.sock")
+    try:
+        fleet.start(
+            "b",
+            "--listen",
+            f"127.0.0.1:{base + 1}",
+            env={
+                "NOTIFY_SOCKET": str(notify.path),
+                "CIUIC_NODE_JOIN": f'["127.0.0.1:{base}"]',
+                "CIUIC_NODE_FIRST_JOIN_TIMEOUT_S": "1.5",
+                "CIUIC_NODE_JOIN_RETRY_S": "0.5",
+            },
+        )
+        ready = notify.wait_for("READY", 60)
+        assert ready["STATUS"].startswith("joining"), ready
+        status = fleet.status("b")
+        assert status is not None and status["service"]["state"] == "joining"
+        assert f"127.0.0.1:{base}" in status["service"]["join_error"]
+        # The seed comes up: b joins on its own, without a restart.
+        fleet.start("a", "--listen", f"127.0.0.1:{base}")
+        fleet.wait(
+            lambda: (
+                (s := fleet.status("b")) is not None
+                and s["service"]["state"] == "running"
+                and s["alive"] == 2
+            ),
+            60,
+            "b joined a in the background",
+        )
+        assert fleet.procs["b"].poll() is None
+        notify.wait_for("STATUS", 10)
+    finally:
+        notify.close()
+
+
+def test_ctrl_c_leaves_announced_and_a_second_one_exits_at_once(fleet: Fleet) -> None:
+    base = free_port_block(3)
+    fleet.start("a", "--listen", f"127.0.0.1:{base}")
+    fleet.wait(lambda: fleet.status("a") is not None, 60, "a up")
+    for i, name in enumerate(("b", "c"), 1):
+        fleet.start(name, "--listen", f"127.0.0.1:{base + i}", "--join", f"127.0.0.1:{base}")
+    fleet.wait(
+        lambda: all((s := fleet.status(n)) is not None and s["alive"] == 3 for n in "abc"),
+        60,
+        "three members",
+    )
+    b = fleet.procs["b"]
+    t0 = time.monotonic()
+    b.send_signal(signal.SIGINT)
+    assert b.wait(10) == 0
+    assert time.monotonic() - t0 < 5.0
+    fleet.wait(
+        lambda: any(
+            m["state"] == "left" for m in (fleet.status("a") or {"members": []})["members"]
+        ),
+        20,
+        "a sees b's announced leave",
+    )
+    # Twice: the second signal does not wait for the leave.
+    c = fleet.procs["c"]
+    c.send_signal(signal.SIGINT)
+    c.send_signal(signal.SIGINT)
+    assert c.wait(10) in (0, 128 + signal.SIGINT)
+    log = fleet.logs["c"].read_text()
+    assert "Traceback" not in log
