@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +18,8 @@ from cryptography.exceptions import InvalidSignature
 
 from ciuic_p2p import __version__
 from ciuic_p2p.admission import ClusterCA, Trust, load_certificate, load_crl, write_pem
-from ciuic_p2p.config import SECTIONS, Config, load_config, load_layered, runtime_dir
+from ciuic_p2p.cli_control import CONTROL_COMMANDS, add_socket_arguments
+from ciuic_p2p.config import SECTIONS, Config, load_config
 from ciuic_p2p.errors import AdmissionError, CiuicError, IdentityError
 from ciuic_p2p.identity import NodeKey, peer_id_of
 
@@ -60,19 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     from ciuic_p2p.daemon.run import add_run_arguments  # noqa: PLC0415
 
     add_run_arguments(run)
-    for name, text in (
-        ("join", "make the running daemon join a mesh through HOST:PORT"),
-        ("leave", "make the running daemon leave the mesh gracefully and exit"),
-        ("status", "show the running daemon's members, RTTs and routes"),
-    ):
-        cmd = sub.add_parser(name, help=text)
-        if name == "join":
-            cmd.add_argument("address", metavar="HOST:PORT", help="any member of the mesh")
-        if name == "status":
-            cmd.add_argument("--json", action="store_true", help="print JSON")
-        cmd.add_argument("--control", help="control socket (default STATE_DIR/control.sock)")
-        cmd.add_argument("--state-dir", help="state directory (default node.state_dir)")
-        cmd.add_argument("--config", help="TOML config file, for its node.state_dir")
+    from ciuic_p2p.cli_control import add_control_commands  # noqa: PLC0415
+
+    add_control_commands(sub)
 
     store = sub.add_parser("store", help="the shared store: put and get named objects")
     store_sub = store.add_subparsers(dest="store_command", required=True)
@@ -86,9 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     get.add_argument("--min-version", type=int, default=0)
     for cmd in (put, get):
         cmd.add_argument("--json", action="store_true", help="print JSON")
-        cmd.add_argument("--control", help="control socket (default STATE_DIR/control.sock)")
-        cmd.add_argument("--state-dir", help="state directory (default node.state_dir)")
-        cmd.add_argument("--config", help="TOML config file, for its node.state_dir")
+        add_socket_arguments(cmd)
 
     emulate = sub.add_parser(
         "emulate",
@@ -118,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     from ciuic_p2p.train.demo import add_demo_arguments  # noqa: PLC0415
 
     add_demo_arguments(demo)
+
+    audit = sub.add_parser("audit", help="check the tamper-evident audit log")
+    from ciuic_p2p.audit_cli import add_audit_arguments  # noqa: PLC0415
+
+    add_audit_arguments(audit)
 
     config = sub.add_parser("config", help="inspect configuration")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
@@ -278,74 +271,16 @@ def _netem(args: argparse.Namespace) -> int:
     return 0
 
 
-def _control_path(args: argparse.Namespace) -> Path:
-    if args.control:
-        return Path(args.control)
-    if args.state_dir:
-        return Path(args.state_dir) / "control.sock"
-    path = args.config or os.environ.get("CIUIC_CONFIG") or None
-    return runtime_dir(load_layered(path, os.environ)) / "control.sock"
-
-
-def _steer(args: argparse.Namespace) -> int:
-    from ciuic_p2p.daemon.control import request  # noqa: PLC0415
-
-    path = _control_path(args)
-    if args.command == "store":
-        path_arg = str(Path(args.file).resolve())
-        if args.store_command == "put":
-            body = {"cmd": "store_put", "name": args.name, "path": path_arg, "local": args.local}
-        else:
-            body = {"cmd": "store_get", "name": args.name, "path": path_arg,
-                    "min_version": args.min_version}  # fmt: skip
-        answer = request(path, body, timeout_s=300)
-        if answer.get("ok"):
-            if args.json:
-                print(json.dumps(answer))
-            else:
-                print(f"{args.name} version {answer['version']}: {answer}")
-    elif args.command == "join":
-        answer = request(path, {"cmd": "join", "address": args.address})
-        if answer.get("ok"):
-            print(f"joined through {args.address}: {answer['members']} members")
-    elif args.command == "leave":
-        answer = request(path, {"cmd": "leave"})
-        if answer.get("ok"):
-            print("leaving the mesh")
-    else:
-        answer = request(path, {"cmd": "status"})
-        if answer.get("ok"):
-            _print_status(answer, args.json)
-    if not answer.get("ok"):
-        if getattr(args, "json", False):
-            print(json.dumps({"ok": False, "error": answer.get("error", "failed")}))
-        print(f"ciuic-node: error: {answer.get('error', 'failed')}", file=sys.stderr)
-        return 1
-    return 0
-
-
-def _print_status(status: dict[str, object], as_json: bool) -> None:
-    if as_json:
-        print(json.dumps(status))
-        return
-    print(
-        f"{status['name']} {status['peer']} at {status['address']} "
-        f"(incarnation {status['incarnation']}, {status['alive']} alive)"
-    )
-    members = status.get("members")
-    assert isinstance(members, list)
-    for m in members:
-        rtt = "-" if m["rtt_ms"] is None else f"{m['rtt_ms']:.1f} ms ({m['rtt_source']})"
-        via = " via " + " > ".join(p[:12] for p in m["route"][1:-1]) if len(m["route"]) > 2 else ""
-        print(f"  {m['peer']:<40} {m['state']:<8} {m['address']:<22} {rtt}{via}")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "config" and args.config_command == "check":
             return _config_check(args.file)
+        if args.command == "audit":
+            from ciuic_p2p.audit_cli import audit_main  # noqa: PLC0415
+
+            return audit_main(args)
         if args.command == "keygen":
             return _keygen(args)
         if args.command == "ca":
@@ -358,8 +293,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ciuic_p2p.daemon.run import run  # noqa: PLC0415
 
             return run(args)
-        if args.command in ("join", "leave", "status", "store"):
-            return _steer(args)
+        if args.command in CONTROL_COMMANDS:
+            from ciuic_p2p.cli_control import steer  # noqa: PLC0415
+
+            return steer(args)
         if args.command == "demo":
             from ciuic_p2p.train.demo import run_demo  # noqa: PLC0415
 

@@ -1,7 +1,8 @@
 """The control socket: a Unix socket on which ``ciuic-node join/leave/status`` (and
 later the trainer hook) talk to the running daemon.
 
-One JSON object per line each way. Requests: ``{"cmd": "status"}``,
+One JSON object per line each way. Requests: ``{"cmd": "status"}``, ``{"cmd":
+"routes"}`` (each destination's path with its RTT beside the direct one),
 ``{"cmd": "join", "address": "HOST:PORT"}``, ``{"cmd": "leave"}``,
 ``{"cmd": "broadcast", "size": N}`` (a test payload of N bytes),
 ``{"cmd": "store_put", "name", "path", "local"}`` (hold the file's bytes, and have
@@ -79,6 +80,8 @@ class ControlServer:
         try:
             if cmd == "status":
                 return {"ok": True, **d.status()}
+            if cmd == "routes":
+                return {"ok": True, "routes": d.route_table()}
             if cmd == "join":
                 view = await d.join(str(request.get("address", "")))
                 return {"ok": True, "members": len(view)}

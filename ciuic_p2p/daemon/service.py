@@ -133,7 +133,9 @@ class NodeService:
         try:
             await asyncio.wait_for(self._join_any(seeds, once=True), timeout_s)
         except TimeoutError:
-            self.join_error = self.join_error or f"no seed answered within {timeout_s:g} s"
+            self.join_error = self.join_error or (
+                f"no seed answered within {timeout_s:g} s ({', '.join(seeds)})"
+            )
         if not self._joined():
             log.warning("join_pending", seeds=seeds, error=self.join_error)
             print(f"ciuic-node: not joined yet ({self.join_error}); retrying", flush=True)

@@ -1,0 +1,130 @@
+"""The CLI commands that talk to the running daemon over its control socket:
+``join``, ``leave``, ``status``, ``peers``, ``routes`` and ``store put|get``.
+
+Each takes ``--json`` (one JSON object on stdout; a failure is ``{"ok": false,
+"error": ...}``) and finds the socket from ``--control``, ``--state-dir``, or the
+config (``--config``, ``$CIUIC_CONFIG``): ``control.sock`` in ``node.runtime_dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from ciuic_p2p.config import load_layered, runtime_dir
+
+CONTROL_COMMANDS = ("join", "leave", "status", "peers", "routes", "store")
+
+
+def add_socket_arguments(cmd: argparse.ArgumentParser) -> None:
+    cmd.add_argument("--control", help="control socket (default RUNTIME_DIR/control.sock)")
+    cmd.add_argument("--state-dir", help="the daemon's state directory (its control.sock)")
+    cmd.add_argument("--config", help="TOML config file, for node.runtime_dir")
+
+
+def add_control_commands(sub: Any) -> None:
+    for name, text in (
+        ("join", "make the running daemon join a mesh through HOST:PORT"),
+        ("leave", "make the running daemon leave the mesh gracefully and exit"),
+        ("status", "show the running daemon: service state, members, counters"),
+        ("peers", "list the members the running daemon knows: state, address, RTT"),
+        ("routes", "show the running daemon's routes: direct or relayed, and RTTs"),
+    ):
+        cmd = sub.add_parser(name, help=text, description=text)
+        if name == "join":
+            cmd.add_argument("address", metavar="HOST:PORT", help="any member of the mesh")
+        cmd.add_argument("--json", action="store_true", help="print JSON")
+        add_socket_arguments(cmd)
+
+
+def control_path(args: argparse.Namespace) -> Path:
+    if args.control:
+        return Path(args.control)
+    if args.state_dir:
+        return Path(args.state_dir) / "control.sock"
+    path = args.config or os.environ.get("CIUIC_CONFIG") or None
+    return runtime_dir(load_layered(path, os.environ)) / "control.sock"
+
+
+def steer(args: argparse.Namespace) -> int:
+    from ciuic_p2p.daemon.control import request  # noqa: PLC0415
+
+    path = control_path(args)
+    command = args.command
+    if command == "store":
+        path_arg = str(Path(args.file).resolve())
+        if args.store_command == "put":
+            body = {"cmd": "store_put", "name": args.name, "path": path_arg, "local": args.local}
+        else:
+            body = {"cmd": "store_get", "name": args.name, "path": path_arg,
+                    "min_version": args.min_version}  # fmt: skip
+        answer = request(path, body, timeout_s=300)
+    elif command == "join":
+        answer = request(path, {"cmd": "join", "address": args.address})
+    elif command in ("leave", "routes"):
+        answer = request(path, {"cmd": command})
+    else:
+        answer = request(path, {"cmd": "status"})
+    if not answer.get("ok"):
+        if args.json:
+            print(json.dumps({"ok": False, "error": answer.get("error", "failed")}))
+        print(f"ciuic-node: error: {answer.get('error', 'failed')}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(answer))
+    elif command == "store":
+        held = ", ".join(answer.get("held_by") or []) or "-"
+        print(f"{args.name} version {answer['version']} (held by {held})")
+    elif command == "join":
+        print(f"joined through {args.address}: {answer['members']} members")
+    elif command == "leave":
+        print("leaving the mesh")
+    elif command == "routes":
+        _print_routes(answer)
+    elif command == "peers":
+        _print_peers(answer)
+    else:
+        _print_status(answer)
+    return 0
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
+
+
+def _print_status(status: dict[str, Any]) -> None:
+    service = status.get("service") or {}
+    print(
+        f"{status['name']} {status['peer']} at {status['address']} "
+        f"(incarnation {status['incarnation']}, {status['alive']} alive, "
+        f"{service.get('state', 'running')}, up {status['uptime_s']:.0f} s)"
+    )
+    if service.get("join_error"):
+        print(f"  joining: {service['join_error']} (attempt {service['join_attempts']})")
+    if service.get("needs_restart"):
+        print(f"  changed settings that need a restart: {', '.join(service['needs_restart'])}")
+    _print_peers(status)
+    counters = status.get("counters") or {}
+    if counters:
+        print("  " + ", ".join(f"{k} {v}" for k, v in sorted(counters.items())))
+
+
+def _print_peers(status: dict[str, Any]) -> None:
+    for m in status["members"]:
+        rtt = "-" if m["rtt_ms"] is None else f"{m['rtt_ms']:.1f} ms ({m['rtt_source']})"
+        via = " via " + " > ".join(p[:12] for p in m["route"][1:-1]) if len(m["route"]) > 2 else ""
+        print(f"  {m['peer']:<40} {m['state']:<8} {m['address']:<22} {rtt}{via}")
+
+
+def _print_routes(answer: dict[str, Any]) -> None:
+    for r in answer["routes"]:
+        hops = " > ".join(p[:12] for p in r["path"])
+        kind = "direct" if len(r["path"]) == 2 else f"relayed ({len(r['path']) - 2} hop)"
+        print(
+            f"  {r['to']:<40} {kind:<18} {_ms(r['path_rtt_ms']):>10} "
+            f"(direct {_ms(r['direct_rtt_ms'])})  {hops}"
+        )
