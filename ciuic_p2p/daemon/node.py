@@ -97,6 +97,18 @@ class _Destination:
     task: asyncio.Task[None] | None = None
 
 
+@dataclass
+class PeerTraffic:
+    """Frames exchanged with one destination address (read by daemon.metrics)."""
+
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    chunks_sent: int = 0
+    chunks_received: int = 0
+    chunks_relayed: int = 0
+    """Chunks of other origins queued for this destination (forwarded or repaired)."""
+
+
 class MeshDaemon:
     """One node: QUIC transport + mesh state machine + its timer."""
 
@@ -149,6 +161,12 @@ class MeshDaemon:
         self.on_member_down: list[Callable[[str], None]] = []
         """Called with each member the mesh declares dead or left."""
         self.counters: collections.Counter[str] = collections.Counter()
+        self.traffic: collections.defaultdict[str, PeerTraffic] = collections.defaultdict(
+            PeerTraffic
+        )
+        """Per destination address; counted here, named by peer at scrape time."""
+        self.member_events: collections.Counter[str] = collections.Counter()
+        """Membership changes seen, by the state entered (``alive``, ``dead``...)."""
         self.closed = asyncio.Event()
         self._joined = asyncio.Event()
         self._left = asyncio.Event()
@@ -304,6 +322,7 @@ class MeshDaemon:
 
     def _log_events(self, node: MeshNode) -> None:
         for event in node.events:
+            self.member_events[event.state.name.lower()] += 1
             if event.state in (State.DEAD, State.LEFT):
                 for callback in self.on_member_down:
                     callback(event.node)
@@ -318,6 +337,10 @@ class MeshDaemon:
     async def _receive_loop(self) -> None:
         while True:
             event = await self.transport.next_event()
+            if isinstance(event, FrameReceived) and event.peer in self._address_of:
+                traffic = self.traffic[self._address_of[event.peer]]
+                traffic.bytes_received += len(event.payload)
+                traffic.chunks_received += event.type is FrameType.MESH_CHUNK
             if isinstance(event, PeerConnected):
                 self._learn_peer(event.peer, format_address(*event.address))
             elif isinstance(event, PeerDisconnected):
@@ -381,6 +404,19 @@ class MeshDaemon:
             self._enqueue(address, FrameType.STORE_DATA, payload)
         return True
 
+    def outbox_depths(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """(address, lane: 1 bulk, 0 control) -> (frames, bytes) waiting there."""
+        return {
+            dest_key: (len(d.box.queue) + len(d.box.side), d.box.queued_bytes)
+            for dest_key, d in self._outboxes.items()
+        }
+
+    def peers_by_address(self) -> dict[str, str]:
+        """Address -> peer ID: the member table's, then each link's authenticated key."""
+        names = {m.address: p for p, m in self.mesh.membership.members.items()}
+        names.update({address: peer_id_of(key) for address, key in self._peer_at.items()})
+        return names
+
     def backlog_bytes(self) -> int:
         """Bulk bytes queued here and not yet handed to the transport."""
         return sum(d.box.queued_bytes for (_, bulk), d in self._outboxes.items() if bulk)
@@ -400,6 +436,8 @@ class MeshDaemon:
         if not accepted:  # that chunk is still queued for this peer (see daemon.outbox)
             self.counters["repairs_already_queued"] += 1
             return
+        if chunk is not None and chunk[0] != self.peer_id:
+            self.traffic[address].chunks_relayed += 1
         dest.wake.set()
         if dest.task is None or dest.task.done():
             dest.task = asyncio.get_running_loop().create_task(self._sender(address, dest))
@@ -421,6 +459,9 @@ class MeshDaemon:
             try:
                 await self.transport.send(key, ftype, data)
                 self.counters["messages_sent"] += 1
+                traffic = self.traffic[address]
+                traffic.bytes_sent += len(data)
+                traffic.chunks_sent += ftype is FrameType.MESH_CHUNK
             except TransportError:
                 self.counters["send_failed"] += 1
 

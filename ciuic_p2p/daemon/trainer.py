@@ -33,6 +33,7 @@ import asyncio
 import collections
 import contextlib
 import socket
+import time
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ from ciuic_p2p.core.trainwire import (
 )
 from ciuic_p2p.core.wire import parse_chunk
 from ciuic_p2p.daemon.control import serve_unix
+from ciuic_p2p.daemon.metrics import TrainingProgress
 from ciuic_p2p.daemon.node import MeshDaemon
 from ciuic_p2p.daemon.store import StoreError, StoreService
 from ciuic_p2p.errors import CiuicError, CodecError
@@ -96,6 +98,8 @@ class TrainerServer:
         self.snapshot: dict[tuple[int, int], bytes] = {}
         """Newest parameter chunk per (bucket, range start), as published."""
         self.snapshot_step = -1
+        self.progress = TrainingProgress()
+        """Each origin's steps as its chunks pass here, sign/verify times (daemon.metrics)."""
         self._members: list[str] = []
         self._held: collections.deque[tuple[bool, tuple[bytes | memoryview, ...]]] = (
             collections.deque(maxlen=MAX_HELD)
@@ -232,11 +236,14 @@ class TrainerServer:
             d.broadcast(bytes(body))
             return
         chunk = bytearray(msg.body)
+        t0 = time.perf_counter()
         try:
             header, _ = parse_chunk(chunk)
             sign_chunk(chunk, d.key)
         except (CodecError, CiuicError) as exc:
             raise TrainWireError(f"published chunk refused: {exc}") from None
+        self.progress.sign.add(time.perf_counter() - t0)
+        self.progress.observe(d.peer_id, header.incarnation, header.step, d.clock())
         payload = bytes(body[:4]) + chunk
         if msg.kind is Kind.PARAMS:
             if header.step != self.snapshot_step:
@@ -345,9 +352,12 @@ class TrainerServer:
         try:
             msg = decode_message(delivery.payload)
             if msg.kind in (Kind.UPDATE, Kind.PARAMS):
+                t0 = time.perf_counter()
                 header = verify_chunk(msg.body)
+                self.progress.verify.add(time.perf_counter() - t0)
                 if peer_id_of(header.origin) != delivery.origin:
                     raise CiuicError("chunk origin differs from the mesh origin")
+                self.progress.observe(delivery.origin, header.incarnation, header.step, delivery.at)
         except (TrainWireError, CiuicError) as exc:
             counters["deliveries_refused"] += 1
             log.warning("delivery_refused", origin=delivery.origin, reason=str(exc))

@@ -1,0 +1,405 @@
+"""What a daemon tells Prometheus: one custom collector per daemon, read at scrape time.
+
+Nothing here sits on a hot path. The daemon already keeps what is measured (its
+counters, per-peer traffic, outboxes, the membership table, the RTT map); the collector
+reads them when ``/metrics`` is scraped and builds the metric families then, into a
+registry of its own (``new_registry``), never the process-global one, so two daemons
+in one process (tests, the emulator) never share series.
+
+It also owns the two small trackers whose numbers do not exist elsewhere:
+
+- ``TrainingProgress``: each origin's newest step, seen in the chunk headers that
+  pass through daemon.trainer (published by our trainer, delivered from the others),
+  steps per second over a sliding window, and the time spent signing and verifying
+  chunks. The trainer does not send its own step rate or codec times over the socket;
+  what is derived here is what the daemon can see.
+- ``RouteWatch``: route changes, counted by comparing samples of the route table
+  (core.routing keeps no count of its own; web.WebServer samples every ``refresh_s``).
+
+Label ``peer`` is always a peer ID. Per-peer traffic is kept by address in the daemon
+(the key of its outboxes) and named at scrape time (``MeshDaemon.peers_by_address``).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    InfoMetricFamily,
+    SummaryMetricFamily,
+)
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector, CollectorRegistry
+
+from ciuic_p2p.core.members import State
+from ciuic_p2p.daemon.node import MeshDaemon, PeerTraffic
+from ciuic_p2p.identity import peer_id_of
+
+RATE_WINDOW_S = 30.0
+"""Steps per second are averaged over this long: long enough to span a few sends at
+a slow send interval, short enough that a stalled trainer reads as stalled."""
+RATE_SAMPLES = 64
+"""Samples kept per origin (one per step seen), bounding memory at fast step rates."""
+
+
+# -- trackers --------------------------------------------------------------------------------
+
+
+@dataclass
+class StepRate:
+    """One origin's steps as seen in its chunks' headers: ``(time_s, step)`` samples,
+    one per new step, of one trainer session (incarnation)."""
+
+    incarnation: int = -1
+    samples: collections.deque[tuple[float, int]] = field(
+        default_factory=lambda: collections.deque(maxlen=RATE_SAMPLES)
+    )
+
+    def observe(self, incarnation: int, step: int, now_s: float) -> None:
+        if incarnation != self.incarnation:  # a new trainer session counts from 1 again
+            self.incarnation = incarnation
+            self.samples.clear()
+        elif self.samples and step <= self.samples[-1][1]:
+            return  # more chunks of the same step, or a late (repaired) one
+        self.samples.append((now_s, step))
+
+    @property
+    def step(self) -> int | None:
+        return self.samples[-1][1] if self.samples else None
+
+    @property
+    def seen_s(self) -> float | None:
+        return self.samples[-1][0] if self.samples else None
+
+    def per_s(self, now_s: float) -> float | None:
+        """Steps per second from the oldest sample within the window until now; ``now``
+        rather than the newest sample, so that a trainer that stopped decays to 0."""
+        if len(self.samples) < 2:
+            return None
+        first = next((s for s in self.samples if now_s - s[0] <= RATE_WINDOW_S), self.samples[-1])
+        elapsed_s = now_s - first[0]
+        if elapsed_s <= 0:
+            return None
+        return (self.samples[-1][1] - first[1]) / elapsed_s
+
+
+@dataclass
+class Timing:
+    """A summary's count and sum, in seconds."""
+
+    count: int = 0
+    total_s: float = 0.0
+
+    def add(self, seconds: float) -> None:
+        self.count += 1
+        self.total_s += seconds
+
+
+class TrainingProgress:
+    """Training progress per origin (this node's trainer included), fed by
+    daemon.trainer with the header of each chunk it signs or verifies."""
+
+    def __init__(self) -> None:
+        self.origins: dict[str, StepRate] = {}
+        self.sign = Timing()
+        """Signing the chunks our trainer publishes (the daemon's encode side)."""
+        self.verify = Timing()
+        """Verifying delivered chunks before the trainer sees them (its decode side)."""
+
+    def observe(self, origin: str, incarnation: int, step: int, now_s: float) -> None:
+        rate = self.origins.get(origin)
+        if rate is None:
+            rate = self.origins[origin] = StepRate()
+        rate.observe(incarnation, step, now_s)
+
+    def rows(self, own: str, now_s: float) -> dict[str, dict[str, float | int | None]]:
+        """Per origin: step, steps/s, staleness and age of the newest step seen.
+
+        Staleness is how many steps an origin's newest chunk here is behind our own
+        trainer's newest (or, without one, the furthest origin's): chunks delivered,
+        which the trainer applies between steps, so it is a lower bound of
+        core.replica's staleness of applied steps."""
+        steps = {o: r.step for o, r in self.origins.items() if r.step is not None}
+        reference = steps.get(own, max(steps.values(), default=0))
+        out: dict[str, dict[str, float | int | None]] = {}
+        for origin, rate in sorted(self.origins.items()):
+            step, seen_s, per_s = rate.step, rate.seen_s, rate.per_s(now_s)
+            if step is None or seen_s is None:
+                continue
+            out[origin] = {
+                "step": step,
+                "steps_per_s": None if per_s is None else round(per_s, 3),
+                "staleness_steps": max(0, reference - step),
+                "age_s": round(now_s - seen_s, 3),
+            }
+        return out
+
+
+class RouteWatch:
+    """Counts changes of the route table between samples, by kind: ``changed`` (the
+    path to a destination moved), ``added`` and ``removed`` (a destination came or
+    went with the view)."""
+
+    def __init__(self) -> None:
+        self.routes: dict[str, tuple[str, ...]] = {}
+        self.changes: collections.Counter[str] = collections.Counter()
+
+    def sample(self, routes: dict[str, tuple[str, ...]]) -> None:
+        old = self.routes
+        for dst, path in routes.items():
+            before = old.get(dst)
+            if before is None:
+                self.changes["added"] += 1
+            elif before != path:
+                self.changes["changed"] += 1
+        self.changes["removed"] += sum(1 for dst in old if dst not in routes)
+        self.routes = dict(routes)
+
+
+# -- the collector ---------------------------------------------------------------------------
+
+
+def traffic_by_peer(daemon: MeshDaemon) -> dict[str, PeerTraffic]:
+    """The daemon's per-address traffic summed per peer ID (a member that came back on
+    another port has two addresses; one series per peer either way)."""
+    names = daemon.peers_by_address()
+    out: dict[str, PeerTraffic] = {}
+    for address, t in daemon.traffic.items():
+        peer = names.get(address, address)
+        total = out.setdefault(peer, PeerTraffic())
+        total.bytes_sent += t.bytes_sent
+        total.bytes_received += t.bytes_received
+        total.chunks_sent += t.chunks_sent
+        total.chunks_received += t.chunks_received
+        total.chunks_relayed += t.chunks_relayed
+    return out
+
+
+class DaemonCollector(Collector):
+    """The collector of one daemon's state (``collect`` runs at each scrape)."""
+
+    def __init__(
+        self,
+        daemon: MeshDaemon,
+        *,
+        training: TrainingProgress | None = None,
+        routes: RouteWatch | None = None,
+    ) -> None:
+        self.daemon = daemon
+        self.training = training
+        self.routes = routes or RouteWatch()
+
+    def collect(self) -> Iterable[Metric]:
+        d = self.daemon
+        if d.node is None:  # not started yet: nothing but the counters is meaningful
+            yield from self._counters()
+            return
+        yield from self._node()
+        yield from self._traffic()
+        yield from self._queues()
+        yield from self._membership()
+        yield from self._routing()
+        yield from self._training()
+        yield from self._counters()
+
+    def _node(self) -> Iterator[Metric]:
+        d = self.daemon
+        info = InfoMetricFamily("ciuic_node", "This node.", labels=["peer", "name", "address"])
+        info.add_metric(
+            [d.peer_id, d.config.node.name, d.address], {"region": d.config.node.region}
+        )
+        yield info
+        yield GaugeMetricFamily(
+            "ciuic_uptime_seconds", "Seconds since the daemon started.", d.clock() - d.started_at
+        )
+        yield CounterMetricFamily(
+            "ciuic_udp_sent_bytes",
+            "UDP bytes this node sent (every link, QUIC overhead included).",
+            d.transport.udp_bytes_sent,
+        )
+        link_rtt = GaugeMetricFamily(
+            "ciuic_link_rtt_seconds",
+            "Smoothed RTT of each link, by estimator: application pings or QUIC's loss recovery.",
+            labels=["peer", "estimator"],
+        )
+        for key in d.transport.peers():
+            stats = d.transport.rtt(key)
+            if stats is None:
+                continue
+            for estimator, value in (
+                ("ping", stats.ping_smoothed_s),
+                ("quic", stats.quic_smoothed_s),
+            ):
+                if value is not None:
+                    link_rtt.add_metric([peer_id_of(key), estimator], value)
+        yield link_rtt
+
+    def _traffic(self) -> Iterator[Metric]:
+        families = {
+            what: CounterMetricFamily(f"ciuic_peer_{what}", doc, labels=["peer"])
+            for what, doc in (
+                ("sent_bytes", "Frame bytes handed to the transport for this peer."),
+                ("received_bytes", "Frame bytes received from this peer."),
+                ("sent_chunks", "Mesh chunks sent to this peer (own and relayed)."),
+                ("received_chunks", "Mesh chunks received from this peer (duplicates too)."),
+                ("relayed_chunks", "Chunks of other origins queued onward to this peer."),
+            )
+        }
+        for name, t in sorted(traffic_by_peer(self.daemon).items()):
+            peer = [name]
+            families["sent_bytes"].add_metric(peer, t.bytes_sent)
+            families["received_bytes"].add_metric(peer, t.bytes_received)
+            families["sent_chunks"].add_metric(peer, t.chunks_sent)
+            families["received_chunks"].add_metric(peer, t.chunks_received)
+            families["relayed_chunks"].add_metric(peer, t.chunks_relayed)
+        yield from families.values()
+
+    def _queues(self) -> Iterator[Metric]:
+        d = self.daemon
+        names = d.peers_by_address()
+        yield GaugeMetricFamily(
+            "ciuic_bulk_backlog_bytes",
+            "Bulk bytes queued in this daemon's outboxes, not yet handed to the transport.",
+            d.backlog_bytes(),
+        )
+        frames = GaugeMetricFamily(
+            "ciuic_outbox_frames",
+            "Frames waiting per destination and lane.",
+            labels=["peer", "lane"],
+        )
+        queued = GaugeMetricFamily(
+            "ciuic_outbox_bytes",
+            "Bytes waiting per destination and lane (store pieces not counted).",
+            labels=["peer", "lane"],
+        )
+        depths: collections.Counter[tuple[str, str, str]] = collections.Counter()
+        for (address, lane), (n_frames, n_bytes) in d.outbox_depths().items():
+            peer, lane_name = names.get(address, address), "bulk" if lane else "control"
+            depths[(peer, lane_name, "frames")] += n_frames
+            depths[(peer, lane_name, "bytes")] += n_bytes
+        for (peer, lane_name, what), value in sorted(depths.items()):
+            (frames if what == "frames" else queued).add_metric([peer, lane_name], value)
+        yield frames
+        yield queued
+        buffered = GaugeMetricFamily(
+            "ciuic_link_bulk_buffered_bytes",
+            "Bulk bytes in the QUIC stack for a peer, not yet credited back by it.",
+            labels=["peer"],
+        )
+        for key in d.transport.peers():
+            stats = d.transport.link_stats(key)
+            if stats is not None:
+                buffered.add_metric([peer_id_of(key)], stats.bulk_buffered_bytes)
+        yield buffered
+        yield GaugeMetricFamily(
+            "ciuic_deliveries_queued",
+            "Delivered chunks waiting for a reader (when no trainer server takes them).",
+            d.deliveries.qsize(),
+        )
+
+    def _membership(self) -> Iterator[Metric]:
+        d = self.daemon
+        node = d.mesh
+        events = CounterMetricFamily(
+            "ciuic_membership_events",
+            "Membership changes this node saw, by the state entered.",
+            labels=["state"],
+        )
+        for state in State:
+            events.add_metric([state.name.lower()], d.member_events[state.name.lower()])
+        yield events
+        members = GaugeMetricFamily(
+            "ciuic_members",
+            "Members in the table by state (this node not included).",
+            labels=["state"],
+        )
+        by_state = collections.Counter(m.state for m in node.membership.members.values())
+        for state in State:
+            members.add_metric([state.name.lower()], by_state[state])
+        yield members
+        yield GaugeMetricFamily(
+            "ciuic_health_score",
+            "Lifeguard local health: 0 is healthy; higher stretches this node's timeouts.",
+            node.membership.awareness.score,
+        )
+        rtt = GaugeMetricFamily(
+            "ciuic_peer_rtt_seconds",
+            "RTT to each member as routing uses it, by source (measured, vivaldi).",
+            labels=["peer", "source"],
+        )
+        for peer in node.membership.members:
+            value = node.rttmap.rtt_s(d.peer_id, peer)
+            if value is not None:
+                rtt.add_metric([peer, node.rttmap.source(d.peer_id, peer)], value)
+        yield rtt
+
+    def _routing(self) -> Iterator[Metric]:
+        routes = self.daemon.mesh.routes()
+        self.routes.sample(routes)
+        changes = CounterMetricFamily(
+            "ciuic_route_changes",
+            "Route table changes seen between samples (every refresh_s), by kind.",
+            labels=["kind"],
+        )
+        for kind in ("changed", "added", "removed"):
+            changes.add_metric([kind], self.routes.changes[kind])
+        yield changes
+        relays = GaugeMetricFamily(
+            "ciuic_route_relays", "Relays on the current route to each member.", labels=["peer"]
+        )
+        for dst, path in sorted(routes.items()):
+            relays.add_metric([dst], max(0, len(path) - 2))
+        yield relays
+
+    def _training(self) -> Iterator[Metric]:
+        step = GaugeMetricFamily(
+            "ciuic_trainer_step", "Newest step seen in each origin's chunks.", labels=["peer"]
+        )
+        rate = GaugeMetricFamily(
+            "ciuic_trainer_steps_per_second",
+            f"Each origin's steps per second over the last {RATE_WINDOW_S:g} s of its chunks.",
+            labels=["peer"],
+        )
+        stale = GaugeMetricFamily(
+            "ciuic_staleness_steps",
+            "Steps each origin's newest chunk is behind this node's trainer.",
+            labels=["peer"],
+        )
+        sign = SummaryMetricFamily(
+            "ciuic_chunk_sign_seconds", "Signing chunks our trainer published (encode side)."
+        )
+        verify = SummaryMetricFamily(
+            "ciuic_chunk_verify_seconds",
+            "Verifying delivered chunks for our trainer (decode side).",
+        )
+        t = self.training
+        if t is not None:
+            for origin, row in t.rows(self.daemon.peer_id, self.daemon.clock()).items():
+                step.add_metric([origin], float(row["step"] or 0))
+                stale.add_metric([origin], float(row["staleness_steps"] or 0))
+                if row["steps_per_s"] is not None:
+                    rate.add_metric([origin], float(row["steps_per_s"]))
+            sign.add_metric([], t.sign.count, t.sign.total_s)
+            verify.add_metric([], t.verify.count, t.verify.total_s)
+        yield from (step, rate, stale, sign, verify)
+
+    def _counters(self) -> Iterator[Metric]:
+        events = CounterMetricFamily(
+            "ciuic_daemon_events",
+            "The daemon's own counters (drops, refusals, deliveries...), by name.",
+            labels=["event"],
+        )
+        for name, value in sorted(self.daemon.counters.items()):
+            events.add_metric([name], value)
+        yield events
+
+
+def new_registry(collector: DaemonCollector) -> CollectorRegistry:
+    """A registry of this daemon's collector alone (not the process-global one)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return registry

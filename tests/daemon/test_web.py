@@ -1,0 +1,379 @@
+"""The daemon's HTTP endpoint (daemon.web, daemon.metrics): Prometheus metrics of a
+real 3-node mesh with per-peer labels, the status JSON, the loopback Host check, and
+the live page in a real headless Chromium that shows the mesh and a node leaving.
+
+Daemons run in this process (emulator.daemons) on the emulated WAN; trainers are
+stand-ins that speak the trainer socket's frames and publish tiny dense chunks."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import os
+import shutil
+import socket
+import struct
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from ciuic_p2p.admission import ClusterCA, Trust
+from ciuic_p2p.config import Config, WebSection
+from ciuic_p2p.core.scenario import load_scenario
+from ciuic_p2p.core.trainwire import FrameType, Kind, envelope, frame_header, json_frame
+from ciuic_p2p.core.trainwire import run_id_of as trainwire_run_id
+from ciuic_p2p.core.wire import ChunkHeader, Codec, IndexCode, build_chunk
+from ciuic_p2p.daemon.metrics import RouteWatch, StepRate
+from ciuic_p2p.daemon.node import MeshDaemon
+from ciuic_p2p.daemon.trainer import TrainerServer
+from ciuic_p2p.daemon.web import WebServer
+from ciuic_p2p.data import scenario_path
+from ciuic_p2p.emulator.daemons import DaemonMesh
+from ciuic_p2p.identity import NodeKey
+from tests.daemon.conftest import NOW
+
+NAMES = ["azure:westeurope", "gcp:us-east1-b", "azure:japaneast"]
+RUN = "web-test"
+WEB = WebSection(port=0, refresh_s=0.2)
+TRAFFIC = [
+    "peer_sent_bytes",
+    "peer_received_bytes",
+    "peer_sent_chunks",
+    "peer_received_chunks",
+    "peer_relayed_chunks",
+]
+PER_PEER = [
+    *TRAFFIC,
+    "peer_rtt_seconds",
+    "link_rtt_seconds",
+    "outbox_frames",
+    "outbox_bytes",
+    "trainer_step",
+    "trainer_steps_per_second",
+    "staleness_steps",
+]
+NODE_WIDE = [
+    "bulk_backlog_bytes",
+    "membership_events",
+    "members",
+    "route_changes",
+    "chunk_sign_seconds",
+    "chunk_verify_seconds",
+    "health_score",
+    "daemon_events",
+]
+
+
+@contextlib.asynccontextmanager
+async def running_mesh(config: Config) -> AsyncIterator[DaemonMesh]:
+    # 50 Mbit/s links: the shipped 1 Mbit/s would queue what this test is not about.
+    scenario = load_scenario(scenario_path("multicloud8"), rate_scale=0.05)
+    async with DaemonMesh(scenario, NAMES, config) as mesh:
+        await mesh.form()
+        yield mesh
+
+
+class StandInTrainer:
+    """The trainer's end of the socket, enough to publish chunks of given steps."""
+
+    def __init__(self, server: TrainerServer) -> None:
+        self.server = server
+        self.welcome: dict[str, Any] = {}
+        self._writer: asyncio.StreamWriter | None = None
+        self._drain: asyncio.Task[None] | None = None
+        self._closed = False
+
+    async def attach(self) -> None:
+        ours, theirs = socket.socketpair()
+        await self.server.serve_socket(theirs)
+        reader, self._writer = await asyncio.open_unix_connection(sock=ours)
+        self._writer.write(json_frame(FrameType.HELLO, {"run": RUN}))
+        length, ftype = struct.unpack("<IB", await reader.readexactly(5))
+        assert ftype == FrameType.WELCOME
+        self.welcome = json.loads(await reader.readexactly(length - 1))
+        self._drain = asyncio.get_running_loop().create_task(self._read_all(reader))
+
+    async def _read_all(self, reader: asyncio.StreamReader) -> None:
+        while await reader.read(1 << 16):  # deliveries: not what these tests look at
+            pass
+
+    def publish(self, step: int) -> None:
+        header = ChunkHeader(
+            codec=Codec.DENSE_FP32,
+            index_code=IndexCode.NONE,
+            rice_bits=0,
+            block_size=0,
+            run_id=trainwire_run_id(RUN),
+            origin=bytes.fromhex(self.welcome["public_key"]),
+            incarnation=self.welcome["incarnation"],
+            step=step,
+            layout_id=1,
+            bucket=0,
+            range_start=0,
+            range_len=4,
+            count=4,
+        )
+        payload = envelope(Kind.UPDATE) + build_chunk(header, [bytes(16)])
+        assert self._writer is not None
+        self._writer.write(frame_header(FrameType.PUBLISH, len(payload)) + payload)
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._drain is not None:
+            self._drain.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._drain
+        if self._writer is not None:
+            self._writer.close()
+            with contextlib.suppress(ConnectionError):
+                await self._writer.wait_closed()
+        await self.server.close()
+
+
+async def scrape(port: int, path: str, host: str | None = None) -> tuple[int, str]:
+    headers = {"Host": host} if host else {}
+    async with (
+        aiohttp.ClientSession() as session,
+        session.get(f"http://127.0.0.1:{port}{path}", headers=headers) as response,
+    ):
+        return response.status, await response.text()
+
+
+async def test_metrics_of_a_running_mesh_carry_every_family_with_per_peer_labels() -> None:
+    # Gossip dissemination: each node forwards others' chunks, so relaying is counted.
+    config = Config.wan()
+    config = dataclasses.replace(
+        config, mesh=dataclasses.replace(config.mesh, dissemination="gossip")
+    )
+    async with running_mesh(config) as mesh:
+        daemons = [mesh.daemons[n] for n in NAMES]
+        servers = [TrainerServer(d) for d in daemons]
+        trainers = [StandInTrainer(s) for s in servers[:2]]
+        web = WebServer(daemons[0], WEB, trainer=servers[0])
+        port = await web.start()
+        try:
+            for t in trainers:
+                await t.attach()
+            a, others = daemons[0], {d.peer_id for d in daemons[1:]}
+            ids = [d.peer_id for d in daemons]
+
+            def steps_seen() -> dict[str, int | None]:
+                return {o: r.step for o, r in servers[0].progress.origins.items()}
+
+            def settled() -> bool:
+                """Both steps 5 seen at the scraped node, chunks relayed, every RTT known."""
+                return (
+                    steps_seen() == {ids[0]: 5, ids[1]: 5}
+                    and sum(t.chunks_relayed for t in a.traffic.values()) > 0
+                    and all(a.mesh.rttmap.rtt_s(x, y) for x in ids for y in ids if x < y)
+                )
+
+            for step in range(1, 6):
+                for t in trainers:
+                    t.publish(step)
+                await mesh.until(lambda s=step: steps_seen().get(ids[1]) == s, 15)
+            await mesh.until(settled, 15)
+
+            status, text = await scrape(port, "/metrics")
+            assert status == 200
+            families = {f.name: f for f in text_string_to_metric_families(text)}
+            for name in PER_PEER + NODE_WIDE:
+                assert "ciuic_" + name in families, name
+            for name in [*TRAFFIC, "peer_rtt_seconds"]:
+                peers = {s.labels["peer"] for s in families["ciuic_" + name].samples}
+                assert peers == others, name
+            sent = {s.labels["peer"]: s.value for s in families["ciuic_peer_sent_chunks"].samples}
+            assert all(v > 0 for v in sent.values())
+            relayed = [s.value for s in families["ciuic_peer_relayed_chunks"].samples]
+            assert sum(relayed) > 0
+            trained = {s.labels["peer"]: s.value for s in families["ciuic_trainer_step"].samples}
+            assert trained == {a.peer_id: 5, daemons[1].peer_id: 5}
+            assert {
+                s.labels["peer"] for s in families["ciuic_trainer_steps_per_second"].samples
+            } == {
+                a.peer_id,
+                daemons[1].peer_id,
+            }
+            signed = {s.name: s.value for s in families["ciuic_chunk_sign_seconds"].samples}
+            assert signed["ciuic_chunk_sign_seconds_count"] == 5
+            alive = {s.labels["state"]: s.value for s in families["ciuic_members"].samples}
+            assert alive["alive"] == 2
+            events = {
+                s.labels["state"]: s.value for s in families["ciuic_membership_events"].samples
+            }
+            assert events["alive"] >= 2
+
+            status, body = await scrape(port, "/api/status")
+            page_data = json.loads(body)
+            assert status == 200
+            assert {m["peer"] for m in page_data["members"]} == others
+            assert len(page_data["links"]) == 3  # every pair of a 3-node mesh
+            assert set(page_data["traffic"]) == others
+            assert page_data["training"][daemons[1].peer_id]["step"] == 5
+        finally:
+            await web.close()
+            for t in trainers:
+                await t.close()
+            for s in servers[2:]:
+                await s.close()
+
+
+async def test_endpoint_on_loopback_refuses_requests_for_another_host_name(tmp_path: Path) -> None:
+    config = Config.lan()
+    config = dataclasses.replace(config, node=dataclasses.replace(config.node, listen_port=0))
+    ca = ClusterCA.create("web", NOW)
+    key = NodeKey.generate()
+    daemon = MeshDaemon(
+        config, key, ca.issue(key.public_key, NOW), Trust(ca.certificate), state_dir=tmp_path
+    )
+    await daemon.start()
+    web = WebServer(daemon, WEB)
+    port = await web.start()
+    try:
+        # DNS rebinding: a page of evil.example resolved to 127.0.0.1 sends its own name.
+        assert (await scrape(port, "/api/status", host="evil.example"))[0] == 403
+        assert (await scrape(port, "/metrics", host=f"evil.example:{port}"))[0] == 403
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"):
+            assert (await scrape(port, "/api/status", host=host))[0] == 200, host
+        status, page = await scrape(port, "/")
+        assert status == 200 and 'id="mesh"' in page
+    finally:
+        await web.close()
+        await daemon.close()
+
+
+def test_step_rate_follows_a_session_and_decays_when_it_stops() -> None:
+    rate = StepRate()
+    for i in range(11):
+        rate.observe(incarnation=1, step=10 * i, now_s=float(i))
+    rate.observe(incarnation=1, step=50, now_s=10.5)  # a late chunk of an old step
+    assert rate.step == 100
+    assert rate.per_s(10.0) == pytest.approx(10.0)
+    assert rate.per_s(20.0) == pytest.approx(5.0)  # nothing new for 10 s
+    assert rate.per_s(100.0) == 0.0  # nothing in the window at all
+    rate.observe(incarnation=2, step=1, now_s=101.0)  # a restarted trainer counts from 1
+    assert rate.step == 1 and rate.per_s(102.0) is None
+
+
+def test_route_watch_counts_moved_added_and_removed_routes() -> None:
+    watch = RouteWatch()
+    watch.sample({"b": ("a", "b"), "c": ("a", "c")})
+    watch.sample({"b": ("a", "c", "b"), "c": ("a", "c")})
+    watch.sample({"b": ("a", "c", "b")})
+    assert dict(watch.changes) == {"added": 2, "changed": 1, "removed": 1}
+
+
+# -- the page in a real browser --------------------------------------------------------------
+
+
+def chromium_or_skip() -> str:
+    """Debian's Chromium (the test set-up installs it); skipped where it is missing,
+    except on CI, where a missing browser is a broken set-up."""
+    path = os.environ.get("CIUIC_CHROMIUM") or shutil.which("chromium")
+    reason = ""
+    if path is None:
+        reason = "no chromium on PATH (Debian: apt-get install chromium; or set CIUIC_CHROMIUM)"
+    else:
+        try:
+            import playwright.async_api  # noqa: F401, PLC0415
+        except ImportError:
+            reason = "playwright is not installed (pip install -e '.[dev]')"
+    if reason:
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    assert path is not None
+    return path
+
+
+def artifact_path(name: str) -> Path:
+    root = os.environ.get("CIUIC_TEST_ARTIFACTS")
+    folder = Path(root) if root else Path(__file__).resolve().parents[1] / "artifacts"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / name
+
+
+async def keep_stepping(trainers: list[StandInTrainer], interval_s: float = 0.1) -> None:
+    """Every trainer in the list publishes its next step, at a trainer's pace."""
+    step = 0
+    while True:
+        step += 1
+        for t in trainers:
+            t.publish(step)
+        await asyncio.sleep(interval_s)
+
+
+async def cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
+@pytest.mark.timeout(120)
+async def test_status_page_in_a_browser_shows_the_mesh_and_a_node_that_leaves() -> None:
+    chromium = chromium_or_skip()
+    from playwright.async_api import ConsoleMessage, async_playwright  # noqa: PLC0415
+
+    errors: list[str] = []
+
+    def on_console(message: ConsoleMessage) -> None:
+        if message.type == "error":  # a script refused by the CSP, a failed request
+            errors.append(message.text)
+
+    shot = artifact_path("status-page.png")
+    shot.unlink(missing_ok=True)
+    async with running_mesh(Config.wan()) as mesh, contextlib.AsyncExitStack() as stack:
+        trainers = {n: StandInTrainer(TrainerServer(mesh.daemons[n])) for n in NAMES}
+        for t in trainers.values():
+            stack.push_async_callback(t.close)
+            await t.attach()
+        stepping = list(trainers.values())
+        task = asyncio.get_running_loop().create_task(keep_stepping(stepping))
+        stack.push_async_callback(cancel, task)
+        web = WebServer(mesh.daemons[NAMES[0]], WEB, trainer=trainers[NAMES[0]].server)
+        port = await web.start()
+        stack.push_async_callback(web.close)
+        playwright = await stack.enter_async_context(async_playwright())
+        browser = await playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        stack.push_async_callback(browser.close)
+        page = await browser.new_page(viewport={"width": 1700, "height": 720})
+        page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.on("console", on_console)
+
+        await page.goto(f"http://127.0.0.1:{port}/")
+        await page.wait_for_function(
+            """() => {
+                const nodes = [...document.querySelectorAll('g.node[data-state="alive"]')];
+                return nodes.length === 3 && nodes.every(g => Number(g.dataset.step) >= 3)
+                    && document.querySelectorAll('g.link').length === 3;
+            }""",
+            timeout=30_000,
+        )
+        assert await page.locator("#member-rows tr").count() == 3
+
+        leaving = trainers[NAMES[2]]  # as `ciuic-node leave` does: trainer first, then the mesh
+        stepping.remove(leaving)
+        await leaving.close()
+        leaver = mesh.daemons.pop(NAMES[2])
+        await leaver.leave()
+        gone = ["left", "dead", "gone"]
+        await page.wait_for_function(
+            f"states => states.includes(document.getElementById('node-{leaver.peer_id}')"
+            "?.dataset.state)",
+            arg=gone,
+            timeout=30_000,
+        )
+        assert await page.locator(f"#row-{leaver.peer_id}").get_attribute("data-state") in gone
+        assert await page.locator('g.node[data-state="alive"]').count() == 2
+        await page.screenshot(path=str(shot), full_page=True)
+    assert not errors, errors
+    data = shot.read_bytes()
+    assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
