@@ -327,6 +327,10 @@ class LogSection:
     readable console output in a terminal."""
     level: LogLevel = "info"
     """Lowest level that is emitted."""
+    rate_limit_burst: int = 5
+    """A repeated warning (same event and peer) is written at most this many times per
+    ``rate_limit_window_s``; then one line says how many were suppressed."""
+    rate_limit_window_s: float = 60.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -118,6 +118,8 @@ def validate(cfg: Config) -> None:
         (0 < n.stop_timeout_s <= 30, "node.stop_timeout_s", "must be in (0, 30]"),
         (0 <= cfg.web.port <= 65535, "web.port", "must be in [0, 65535]"),
         (cfg.web.refresh_s > 0, "web.refresh_s", "must be > 0"),
+        (cfg.log.rate_limit_burst >= 1, "log.rate_limit_burst", "must be >= 1"),
+        (cfg.log.rate_limit_window_s > 0, "log.rate_limit_window_s", "must be > 0"),
         (cfg.audit.interval_s > 0, "audit.interval_s", "must be > 0"),
         (cfg.audit.rotate_bytes >= 4096, "audit.rotate_bytes", "must be >= 4096"),
     ]

@@ -4,13 +4,26 @@ Under systemd (``JOURNAL_STREAM`` set) or whenever stderr is not a terminal, eac
 is one JSON object per line, which journald, Loki or jq read as is; in a terminal the
 output is structlog's readable console form. Standard-library loggers (aioquic logs
 through ``logging``) are routed through the same renderer.
+
+Two processors guard every event, ours and the standard library's alike:
+
+- no secret is ever written: a field whose name says it holds one (``private_key``,
+  ``secret``, ``password``, ``token``...) is replaced by ``[redacted]``, and raw bytes
+  are never dumped (``<32 bytes>``), since keys and signatures are bytes;
+- a warning that repeats (same event, same peer or address) is written at most
+  ``log.rate_limit_burst`` times per ``log.rate_limit_window_s``; the next one written
+  after that says how many were suppressed. A peer that keeps failing must not flood
+  the journal and hide everything else.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import sys
+import time
+from collections.abc import Callable, MutableMapping
 from typing import Any, TextIO
 
 import structlog
@@ -37,6 +50,58 @@ def wants_json(fmt: str, stream: TextIO) -> bool:
     return not (isatty is not None and isatty())
 
 
+SECRET_FIELD = re.compile(r"(private|secret|password|passphrase|token|credential)", re.I)
+REDACTED = "[redacted]"
+
+
+def redact_secrets(_logger: Any, _method: str, event: MutableMapping[str, Any]) -> Any:
+    for name, value in event.items():
+        if name != "event" and SECRET_FIELD.search(name):
+            event[name] = REDACTED
+        elif isinstance(value, bytes | bytearray | memoryview):
+            event[name] = f"<{len(value)} bytes>"
+    return event
+
+
+class RateLimiter:
+    """Drops repeats of a warning past ``burst`` per ``window_s`` (see the module
+    docstring); keyed by logger, event and the peer or address it concerns."""
+
+    def __init__(
+        self, burst: int, window_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.burst = burst
+        self.window_s = window_s
+        self.clock = clock
+        self._seen: dict[tuple[Any, ...], list[float | int]] = {}
+        """key -> [window start, events in window, suppressed since last written]."""
+
+    def __call__(self, _logger: Any, method: str, event: MutableMapping[str, Any]) -> Any:
+        if method not in ("warning", "warn", "error", "exception", "critical"):
+            return event
+        key = (
+            event.get("logger_name") or event.get("logger"),
+            str(event.get("event")),
+            str(event.get("peer") or event.get("address") or ""),
+        )
+        now = self.clock()
+        entry = self._seen.get(key)
+        if entry is None or now - entry[0] >= self.window_s:
+            suppressed = int(entry[2]) if entry is not None else 0
+            self._seen[key] = [now, 1, 0]
+            if len(self._seen) > 4096:  # bounded: forget the oldest windows
+                for old in sorted(self._seen, key=lambda k: self._seen[k][0])[:1024]:
+                    del self._seen[old]
+            if suppressed:
+                event["suppressed"] = suppressed
+            return event
+        entry[1] += 1
+        if entry[1] <= self.burst:
+            return event
+        entry[2] += 1
+        raise structlog.DropEvent
+
+
 def configure_logging(section: LogSection | None = None, stream: TextIO | None = None) -> None:
     """Configure structlog and the ``logging`` root once for this process."""
     section = section or LogSection()
@@ -44,6 +109,8 @@ def configure_logging(section: LogSection | None = None, stream: TextIO | None =
     level = _LEVELS[section.level]
     shared: list[Any] = [
         structlog.contextvars.merge_contextvars,
+        redact_secrets,
+        RateLimiter(section.rate_limit_burst, section.rate_limit_window_s),
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]

@@ -1,10 +1,12 @@
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
 
 import pytest
+import structlog
 
 from ciuic_p2p.config import LogSection
 from ciuic_p2p.logsetup import configure_logging, get_logger, wants_json
@@ -42,3 +44,39 @@ def test_journald_means_json(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not wants_json("auto", Tty())
     monkeypatch.setenv("JOURNAL_STREAM", "8:1234")
     assert wants_json("auto", Tty())
+
+
+def test_no_secret_or_raw_bytes_reaches_the_log() -> None:
+    from ciuic_p2p.identity import NodeKey  # noqa: PLC0415
+
+    out = io.StringIO()
+    configure_logging(LogSection(format="json"), stream=out)
+    key = NodeKey.generate()
+    pem = key.to_pem().decode()
+    get_logger("test").warning(
+        "loaded", private_key=pem, password="hunter2", sig=b"\x01" * 64, node_key=key
+    )
+    line = json.loads(out.getvalue().splitlines()[-1])
+    assert line["private_key"] == "[redacted]" and line["password"] == "[redacted]"
+    assert line["sig"] == "<64 bytes>"
+    assert "hunter2" not in out.getvalue() and "PRIVATE KEY" not in out.getvalue()
+    assert pem.splitlines()[1] not in out.getvalue()
+
+
+def test_repeated_warnings_are_rate_limited_per_peer() -> None:
+    from ciuic_p2p.logsetup import RateLimiter  # noqa: PLC0415
+
+    now = [0.0]
+    limiter = RateLimiter(burst=3, window_s=10.0, clock=lambda: now[0])
+    written = []
+    for i in range(20):
+        now[0] = i * 0.1
+        for peer in ("a", "b"):
+            with contextlib.suppress(structlog.DropEvent):
+                written.append(limiter(None, "warning", {"event": "refused", "peer": peer}))
+    assert [e["peer"] for e in written] == ["a", "b"] * 3
+    # Info passes untouched; after the window, the next warning says what was dropped.
+    assert limiter(None, "info", {"event": "refused", "peer": "a"}) is not None
+    now[0] = 20.0
+    again = limiter(None, "warning", {"event": "refused", "peer": "a"})
+    assert again["suppressed"] == 17

@@ -89,6 +89,7 @@ class FrameType(enum.IntEnum):
     GOT_PART = 13  # daemon -> trainer: part of a fetched object
     STORE_RESULT = 14  # daemon -> trainer: {"id", "ok", "version", "error", ...}
     PUT_REQUEST = 15  # trainer -> daemon: {"name", "id"}: replicate what PUT_PART sent
+    CHECKPOINT = 16  # trainer -> daemon: {"path", "step", "digest"}: one written (audit log)
 
 
 @dataclass(frozen=True, slots=True)

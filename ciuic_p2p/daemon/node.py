@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import itertools
 import os
 import socket
 import time
@@ -158,6 +159,9 @@ class MeshDaemon:
         """Called with (sender peer, payload) for each STORE_* frame (daemon.store)."""
         self.status_parts: dict[str, Callable[[], Any]] = {}
         """Extra sections of :meth:`status` (the store's fetches, ...)."""
+        self.on_chunk_traffic: Callable[[str, str, int], None] | None = None
+        """Called with ("received" | "forwarded", origin, payload bytes) per chunk (the
+        audit log sums these per interval)."""
         self.on_member_down: list[Callable[[str], None]] = []
         """Called with each member the mesh declares dead or left."""
         self.counters: collections.Counter[str] = collections.Counter()
@@ -288,11 +292,15 @@ class MeshDaemon:
                 continue
             body = msg.body
             if isinstance(body, Chunk):
+                if body.origin != self.peer_id and self.on_chunk_traffic is not None:
+                    self.on_chunk_traffic("forwarded", body.origin, len(body.payload))
                 self._enqueue(address, FrameType.MESH_CHUNK, data, (body.origin, body.seq))
             else:
                 self._enqueue(address, FrameType.GOSSIP, data)
         for delivery in node.take_deliveries():
             self.counters["chunks_delivered"] += 1
+            if self.on_chunk_traffic is not None:
+                self.on_chunk_traffic("received", delivery.origin, len(delivery.payload))
             if self.on_delivery is not None:
                 self.on_delivery(delivery)
             elif self.deliveries.full():
@@ -485,6 +493,25 @@ class MeshDaemon:
             future.exception()  # retrieved: the waiters report it, not the loop
 
     # -- status --------------------------------------------------------------------------------
+
+    def route_table(self) -> list[dict[str, Any]]:
+        """Each destination's current path (relayed when that beats the direct link),
+        with the RTTs of the path and of the direct link as the map has them."""
+        node = self.mesh
+        rtt = node.rttmap.rtt_s
+        table = []
+        for dest, path in sorted(node.routes().items()):
+            legs = [rtt(a, b) for a, b in itertools.pairwise(path)]
+            direct = rtt(self.peer_id, dest)
+            table.append(
+                {
+                    "to": dest,
+                    "path": list(path),
+                    "path_rtt_ms": None if None in legs else round(sum(legs) * 1e3, 2),  # type: ignore[arg-type]
+                    "direct_rtt_ms": None if direct is None else round(direct * 1e3, 2),
+                }
+            )
+        return table
 
     def status(self) -> dict[str, Any]:
         node = self.mesh

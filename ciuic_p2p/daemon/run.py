@@ -27,13 +27,15 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ciuic_p2p.admission import Trust, load_certificate, load_crl
 from ciuic_p2p.config import Config, load_layered, runtime_dir, trainer_socket_path
+from ciuic_p2p.core.audit import AuditError
+from ciuic_p2p.daemon.auditlog import AuditLog
 from ciuic_p2p.daemon.control import ControlServer
 from ciuic_p2p.daemon.node import MeshDaemon, parse_address
 from ciuic_p2p.daemon.service import NodeService, Parts
 from ciuic_p2p.daemon.store import StoreService
 from ciuic_p2p.daemon.trainer import TrainerServer
 from ciuic_p2p.errors import CiuicError, ConfigError
-from ciuic_p2p.identity import NodeKey
+from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.logsetup import configure_logging, get_logger
 from ciuic_p2p.transport.loop import new_event_loop
 
@@ -179,6 +181,46 @@ def _emulated_wrapper(args: argparse.Namespace) -> Any:
     return emulated.wrapper(args.emulate_node)
 
 
+def open_audit_log(
+    config: Config, key: NodeKey, daemon: MeshDaemon, store: StoreService
+) -> AuditLog:
+    """The audit log, fed by the transport (admissions), the mesh (chunk traffic) and
+    the store (state served)."""
+    directory = Path(config.audit.dir or Path(config.node.state_dir) / "audit")
+    try:
+        audit = AuditLog(
+            directory,
+            key,
+            peer_id=daemon.peer_id,
+            interval_s=config.audit.interval_s,
+            rotate_bytes=config.audit.rotate_bytes,
+        )
+    except AuditError as exc:
+        raise CiuicError(f"audit log {directory}: {exc}") from None
+    audit.started()
+
+    def admission(peer: bytes | None, address: tuple[str, int], reason: str) -> None:
+        if peer is None:
+            audit.refused(address, reason)
+        else:
+            audit.admitted(peer_id_of(peer), address)
+
+    def traffic(direction: str, origin: str, nbytes: int) -> None:
+        (audit.received if direction == "received" else audit.forwarded)(origin, nbytes)
+
+    daemon.transport.on_admission = admission
+    daemon.on_chunk_traffic = traffic
+    store.on_served = lambda peer, name, version, nbytes: audit.served_state(
+        name, version, peer, nbytes
+    )
+    daemon.status_parts["audit"] = lambda: {
+        "dir": str(directory),
+        "last_seq": audit.last_seq,
+        "head": audit.head,
+    }
+    return audit
+
+
 async def serve(args: argparse.Namespace) -> int:
     config = build_config(args)
     state_dir = Path(config.node.state_dir)
@@ -211,6 +253,8 @@ async def serve(args: argparse.Namespace) -> int:
             await control.close()
             await daemon.close()
             raise CiuicError(f"trainer socket {path}: {exc}") from None
+    if config.audit.enabled:
+        parts.audit = open_audit_log(config, key, daemon, store)
     print(f"ciuic-node: {daemon.peer_id} listening on {address}", flush=True)
     crl_path = Path(args.crl) if args.crl else state_dir / "revoked.pem"
     service = NodeService(

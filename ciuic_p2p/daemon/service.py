@@ -27,6 +27,7 @@ from typing import Any
 
 from ciuic_p2p.admission import Trust, load_crl
 from ciuic_p2p.config import Config
+from ciuic_p2p.daemon.auditlog import AuditLog
 from ciuic_p2p.daemon.control import ControlServer
 from ciuic_p2p.daemon.node import MeshDaemon
 from ciuic_p2p.daemon.sdnotify import Notifier
@@ -53,6 +54,7 @@ class Parts:
     control: ControlServer
     store: StoreService
     trainers: TrainerServer | None = None
+    audit: AuditLog | None = None
     closers: list[Callable[[], Awaitable[None]]] = dataclasses.field(default_factory=list)
     """Extra parts (web endpoint, audit log), closed last-in first-out."""
 
@@ -100,6 +102,8 @@ class NodeService:
         loop.add_signal_handler(signal.SIGHUP, self._on_reload_signal)
         self.parts.control.leave_requested = self._stop  # `ciuic-node leave` stops us too
         self.notifier.start_watchdog(loop)
+        if self.parts.audit is not None:
+            self._tick_audit(loop, self.parts.audit)
         code = 0
         try:
             if seeds:
@@ -113,6 +117,17 @@ class NodeService:
             code = 1
         await self.stop("refused" if code else "requested")
         return code
+
+    def _tick_audit(self, loop: asyncio.AbstractEventLoop, audit: AuditLog) -> None:
+        # Traffic is written once per interval even when no chunk arrives to do it.
+        period_s = min(self.config.audit.interval_s, 5.0)
+
+        def tick() -> None:
+            if not self._stop.is_set():
+                audit.tick()
+                loop.call_later(period_s, tick)
+
+        loop.call_later(period_s, tick)
 
     def _joined(self) -> bool:
         node = self.parts.daemon.node
@@ -234,6 +249,9 @@ class NodeService:
         except TimeoutError:
             log.warning("stop_timeout", timeout_s=timeout_s)
             await parts.daemon.close()
+        if parts.audit is not None:
+            parts.audit.stopped(why)
+            parts.audit.close()  # the pending traffic tally, then fsync
         await parts.control.close()
         self.notifier.close()
 

@@ -13,6 +13,7 @@ fetch and hold a copy (HOLD/HELD), so the object outlives its writer.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import time
@@ -66,6 +67,11 @@ class StoreService:
         self.freshen: Callable[[str], Awaitable[None]] | None = None
         """Called before answering a query for a name (the trainer server refreshes its
         state snapshot so that joiners get current parameters)."""
+        self.served: collections.Counter[tuple[str, str, int]] = collections.Counter()
+        """Bytes of pieces sent per (peer, name, version), until that peer finishes."""
+        self.on_served: Callable[[str, str, int, int], None] | None = None
+        """Called with (peer, name, version, bytes) once a peer finished fetching from
+        us, or left mid-fetch (the audit log records what state went where)."""
         daemon.on_store = self._on_message
         daemon.on_member_down.append(self._member_down)
         daemon.status_parts["store"] = self.status
@@ -224,9 +230,16 @@ class StoreService:
         if not self.daemon.send_store(peer, encode(msg), bulk=is_data(msg)):
             self.counters["store_unknown_peer"] += 1
 
+    def _served_to(self, peer: str) -> None:
+        for key in [k for k in self.served if k[0] == peer]:
+            nbytes = self.served.pop(key)
+            if self.on_served is not None:
+                self.on_served(peer, key[1], key[2], nbytes)
+
     def _member_down(self, peer: str) -> None:
         now = asyncio.get_running_loop().time()
         self.holder.finished(peer)
+        self._served_to(peer)
         for running in list(self._fetches.values()):
             running.fetch.peer_gone(peer, now)
             running.wake.set()
@@ -245,6 +258,8 @@ class StoreService:
             self._spawn(self._answer_query(peer, msg))
         elif isinstance(msg, Get):
             got = self.holder.on_get(peer, msg, now)
+            if isinstance(got, list):
+                self.served[(peer, msg.name, msg.version)] += sum(len(p.data) for p in got)
             if isinstance(got, list) and self.settings.upload_rate_bps > 0:
                 self._spawn(self._paced(peer, got))
             else:
@@ -270,6 +285,7 @@ class StoreService:
                 running.wake.set()
         elif msg.kind is Kind.FINISHED:
             self.holder.finished(peer)
+            self._served_to(peer)
         elif msg.kind is Kind.HOLD:
             self._spawn(self._hold(peer, msg))
         elif msg.kind is Kind.HELD:

@@ -115,6 +115,10 @@ class DaemonChannel:
         prefix = peer_prefix(peer)
         self._send(frame_header(FrameType.DIRECT_OUT, len(prefix) + len(payload)), prefix, payload)
 
+    def checkpoint_written(self, path: Path, step: int, digest: str) -> None:
+        body = {"path": str(Path(path).resolve()), "step": step, "digest": digest}
+        self._send(json_frame(FrameType.CHECKPOINT, body))
+
     def put_parts(
         self, name: str, version: int, data: bytes | bytearray | memoryview, compat: bytes
     ) -> None:

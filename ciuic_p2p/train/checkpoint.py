@@ -43,8 +43,8 @@ class Checkpoint:
     state: bytes
 
 
-def write_checkpoint(path: Path, step: int, state: bytes | bytearray, compat: bytes) -> None:
-    """Write atomically (see the module docstring)."""
+def write_checkpoint(path: Path, step: int, state: bytes | bytearray, compat: bytes) -> str:
+    """Write atomically (see the module docstring); the file's BLAKE2b digest (hex)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     head = _HEAD.pack(MAGIC, step, len(state), compat)
@@ -72,6 +72,7 @@ def write_checkpoint(path: Path, step: int, state: bytes | bytearray, compat: by
         os.fsync(fd)
     finally:
         os.close(fd)
+    return digest.hexdigest()
 
 
 def read_checkpoint(path: Path) -> Checkpoint:

@@ -39,6 +39,7 @@ class AdmissionMixin:
     clock: Callable[[], float]
     wallclock: Callable[[], dt.datetime]
     refused: int
+    on_admission: Callable[[bytes | None, tuple[str, int], str], None] | None
     _links: dict[bytes, QuicLink]
     _events: asyncio.Queue[TransportEvent]
 
@@ -94,6 +95,8 @@ class AdmissionMixin:
             link.auth_deadline.cancel()
         link.authenticated = True
         link.established_at = self.clock()
+        if self.on_admission is not None:
+            self.on_admission(link.peer, link.address, "")
         existing = self._links.get(link.peer)
         if existing is not None and not existing.closed:
             # Simultaneous dials: both ends keep the link dialed by the smaller key. An
@@ -136,6 +139,8 @@ class AdmissionMixin:
             )
             if not link.ready.done():
                 link.ready.set_exception(RefusedError(f"refused: {reason}"))
+            if self.on_admission is not None:
+                self.on_admission(None, link.address, reason)
         else:
             log.warning("peer_dropped", peer=link.claimed, reason=reason)
         self._close_link(link, reason)

@@ -120,6 +120,9 @@ class QuicTransport(AdmissionMixin, Transport):
         self.certificate = certificate
         self.certificate_der = certificate.public_bytes(serialization.Encoding.DER)
         self.trust = trust
+        self.on_admission: Callable[[bytes | None, tuple[str, int], str], None] | None = None
+        """Called with (peer key, address, "") for each authenticated link and (None,
+        address, reason) for each refused one (the audit log)."""
         self.host, self.port = host, port
         self.settings = settings or TransportSection()
         self.clock = clock
