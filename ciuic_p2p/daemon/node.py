@@ -252,6 +252,10 @@ class MeshDaemon:
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self._left.wait(), self.config.mesh.leave_propagate_s)
         await self._drain(deadline - self.clock())
+        # Sent is not received: a lost packet of the announcement is retransmitted only
+        # while the connection lives, so close once the peers acknowledged everything.
+        while self.transport.unacked_bytes() and self.clock() < deadline:
+            await asyncio.sleep(0.01)
         await self.close()
 
     async def _drain(self, timeout_s: float) -> None:

@@ -30,10 +30,11 @@ from ciuic_p2p.config import Config, load_layered, runtime_dir, trainer_socket_p
 from ciuic_p2p.core.audit import AuditError
 from ciuic_p2p.daemon.auditlog import AuditLog
 from ciuic_p2p.daemon.control import ControlServer
-from ciuic_p2p.daemon.node import MeshDaemon, parse_address
+from ciuic_p2p.daemon.node import MeshDaemon, format_address, parse_address
 from ciuic_p2p.daemon.service import NodeService, Parts
 from ciuic_p2p.daemon.store import StoreService
 from ciuic_p2p.daemon.trainer import TrainerServer
+from ciuic_p2p.daemon.web import WebServer
 from ciuic_p2p.errors import CiuicError, ConfigError
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.logsetup import configure_logging, get_logger
@@ -255,6 +256,23 @@ async def serve(args: argparse.Namespace) -> int:
             raise CiuicError(f"trainer socket {path}: {exc}") from None
     if config.audit.enabled:
         parts.audit = open_audit_log(config, key, daemon, store)
+        if parts.trainers is not None:
+            parts.trainers.on_checkpoint = parts.audit.checkpoint
+    if config.web.enabled:
+        web = WebServer(daemon, config.web, trainer=parts.trainers)
+        try:
+            port = await web.start()
+        except OSError as exc:
+            # Metrics are not worth refusing to train for: say so loudly, run on.
+            where = f"{config.web.listen_host}:{config.web.port}"
+            error = f"cannot listen on {where}: {exc.strerror or exc}"
+            log.error("web_unavailable", error=error)
+            daemon.status_parts["web"] = lambda: {"error": error}
+        else:
+            parts.closers.append(web.close)
+            url = f"http://{format_address(config.web.listen_host, port)}/"
+            daemon.status_parts["web"] = lambda: {"url": url}
+            print(f"ciuic-node: status page {url} (metrics at {url}metrics)", flush=True)
     print(f"ciuic-node: {daemon.peer_id} listening on {address}", flush=True)
     crl_path = Path(args.crl) if args.crl else state_dir / "revoked.pem"
     service = NodeService(

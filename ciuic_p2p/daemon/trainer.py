@@ -34,7 +34,7 @@ import collections
 import contextlib
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +86,8 @@ class TrainerServer:
         self.path = path
         self.store = store or StoreService(daemon)
         self.store.freshen = self._freshen
+        self.on_checkpoint: Callable[[str, int, str], None] | None = None
+        """Called with (path, step, digest) for each checkpoint the trainer wrote."""
         self.state_name = ""
         self._snapshot_at = -1.0
         self._fresh = asyncio.Event()
@@ -219,6 +221,14 @@ class TrainerServer:
             self._spawn(self._get(parse_json(body)))
         elif ftype is FrameType.PUT_REQUEST:
             self._spawn(self._put(parse_json(body)))
+        elif ftype is FrameType.CHECKPOINT:
+            info = parse_json(body)
+            step, digest = info.get("step"), info.get("digest")
+            if not isinstance(step, int) or not isinstance(digest, str):
+                raise TrainWireError("CHECKPOINT needs an integer step and a digest")
+            d.counters["trainer_checkpoints"] += 1
+            if self.on_checkpoint is not None:
+                self.on_checkpoint(str(info.get("path", "")), step, digest)
         elif ftype is FrameType.DIRECT_OUT:
             peer, payload = split_peer(body)
             try:

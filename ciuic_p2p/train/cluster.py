@@ -215,7 +215,8 @@ class LocalCluster:
             cmd += ["--emulate-rate-scale", repr(self.rate_scale)]
         if self.loss is not None:
             cmd += ["--emulate-loss", repr(self.loss)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # Each daemon's status page on a port of its own (status shows the URL).
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "CIUIC_WEB_PORT": "0"}
         with (d / "daemon.log").open("ab") as log:
             self.daemons[name] = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True

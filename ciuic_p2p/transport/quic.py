@@ -368,6 +368,17 @@ class QuicTransport(AdmissionMixin, Transport):
                     self._transmit(link)
         return event
 
+    def unacked_bytes(self) -> int:
+        """Stream bytes sent on live links that the peers have not acknowledged yet
+        (aioquic keeps each stream's unacknowledged data in its sender's buffer)."""
+        total = 0
+        for link in self._links.values():
+            if link.closed:
+                continue
+            for stream in link.quic._streams.values():
+                total += len(getattr(stream.sender, "_buffer", b""))
+        return total
+
     def peers(self) -> list[bytes]:
         return [p for p, link in self._links.items() if not link.closed]
 

@@ -53,7 +53,7 @@ class Fleet:
         d = self.state_dir(name)
         log = d / "daemon.log"
         self.logs[name] = log
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "CIUIC_WEB_PORT": "0", **(env or {})}
         with log.open("a") as out:
             self.procs[name] = subprocess.Popen(
                 [

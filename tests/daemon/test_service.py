@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -109,6 +110,11 @@ def test_notify_ready_watchdog_reload_and_stopping(fleet: Fleet, tmp_path: Path)
         # Keep-alives every half watchdog interval, from the event loop.
         for _ in range(3):
             notify.wait_for("WATCHDOG", 2)
+        # `run` serves the status page and metrics; status names the URL.
+        status = fleet.status("a")
+        assert status is not None and status["web"]["url"].startswith("http://127.0.0.1:")
+        with urllib.request.urlopen(status["web"]["url"] + "metrics", timeout=10) as answer:
+            assert "ciuic_uptime_seconds" in answer.read().decode()
         proc = fleet.procs["a"]
         proc.send_signal(signal.SIGHUP)
         notify.wait_for("RELOADING", 10)
