@@ -14,6 +14,7 @@ from typing import Any
 
 from ciuic_p2p.admission import ClusterCA
 from ciuic_p2p.daemon.control import request
+from ciuic_p2p.train.channel import DaemonChannel
 
 from .conftest import NOW, Fleet, free_port_block
 
@@ -54,6 +55,21 @@ def test_audit_log_records_admissions_traffic_state_and_verifies(
     got = cli("store", "get", "shared/blob", str(tmp_path / "got.bin"), "--state-dir",
               str(tmp_path / "b"))  # fmt: skip
     assert got.returncode == 0, got.stderr
+    # a's trainer reports a checkpoint it wrote.
+    channel = DaemonChannel.connect(tmp_path / "a" / "trainer.sock")
+    try:
+        channel.hello("audit-test")
+        channel.checkpoint_written(tmp_path / "run.ckpt", 42, "ab" * 32)
+        fleet.wait(
+            lambda: (
+                (s := fleet.status("a")) is not None
+                and s["counters"].get("trainer_checkpoints") == 1
+            ),
+            30,
+            "the checkpoint reported",
+        )
+    finally:
+        channel.close()
     # A node of another cluster is refused and recorded.
     fleet.state_dir("rogue", ca=ClusterCA.create("other", NOW))
     fleet.start("rogue", "--listen", f"127.0.0.1:{base + 2}", "--join", f"127.0.0.1:{base}")
@@ -72,6 +88,8 @@ def test_audit_log_records_admissions_traffic_state_and_verifies(
     assert kinds[0] == "started" and kinds[-1] == "stopped"
     assert "admitted" in kinds and "refused" in kinds and "served_state" in kinds
     served = next(e for e in log_a if e["kind"] == "served_state")
+    ckpt = next(e for e in log_a if e["kind"] == "checkpoint")
+    assert ckpt["data"] == {"path": str(tmp_path / "run.ckpt"), "step": 42, "digest": "ab" * 32}
     assert served["data"]["name"] == "shared/blob" and served["data"]["bytes"] == 300_000
     received = [e for e in log_a if e["kind"] == "traffic"]
     assert sum(v["chunks"] for e in received for v in e["data"]["received"].values()) >= 3
