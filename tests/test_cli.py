@@ -150,3 +150,26 @@ def test_user_mistakes_are_one_clear_line(tmp_path: Path, args: list[str]) -> No
     assert result.returncode == 2, result.stdout
     assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
     assert result.stderr.startswith("ciuic-node: error:")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["run"], ["join"], ["leave"], ["status"], ["peers"], ["routes"], ["keygen"],
+        ["ca"], ["ca", "init"], ["ca", "issue"], ["ca", "revoke"], ["audit"],
+        ["audit", "verify"], ["config"], ["config", "check"], ["demo"], ["store"],
+        ["store", "put"], ["store", "get"], ["emulate"], ["netem"],
+    ],
+)  # fmt: skip
+def test_every_command_answers_help(command: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main([*command, "--help"])
+    assert done.value.code == 0
+    assert capsys.readouterr().out.startswith(f"usage: ciuic-node {' '.join(command)}")
+
+
+def test_inspection_commands_without_a_daemon_fail_in_one_line(tmp_path: Path) -> None:
+    for command in ("status", "peers", "routes", "leave"):
+        out = run_cli(command, "--json", "--state-dir", str(tmp_path))
+        assert out.returncode == 2 and out.stderr.count("\n") == 1, (command, out.stderr)
+        assert "no daemon here" in out.stderr and "Traceback" not in out.stderr

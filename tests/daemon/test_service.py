@@ -3,6 +3,7 @@ seeds are down at boot, reload on SIGHUP and clean stops."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -63,6 +64,13 @@ def test_unit_verifies_and_its_exposure_is_at_most_2(tmp_path: Path) -> None:
         for key in getattr(Config(), section).__dataclass_fields__:
             assert f"\n{key} = " in body, f"{section}.{key} missing from the example"
     assert example.node.runtime_dir == "/run/ciuic"
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "ciuic_p2p.cli", *args],
+        capture_output=True, text=True, timeout=60, check=False,
+    )  # fmt: skip
 
 
 class NotifySocket:
@@ -180,6 +188,18 @@ def test_ctrl_c_leaves_announced_and_a_second_one_exits_at_once(fleet: Fleet) ->
         60,
         "three members",
     )
+    # The inspection commands, for people and for scripts.
+    a_dir = str(fleet.root / "a")
+    peers = cli("peers", "--json", "--state-dir", a_dir)
+    assert peers.returncode == 0, peers.stderr
+    listed = json.loads(peers.stdout)["members"]
+    assert sorted(m["state"] for m in listed) == ["alive"] * 2  # the others
+    routes = cli("routes", "--json", "--state-dir", a_dir)
+    table = json.loads(routes.stdout)["routes"]
+    me = json.loads(peers.stdout)["peer"]
+    assert len(table) == 2 and all(r["path"][0] == me and len(r["path"]) >= 2 for r in table)
+    readable = cli("routes", "--state-dir", a_dir)
+    assert readable.returncode == 0 and "(direct" in readable.stdout
     b = fleet.procs["b"]
     t0 = time.monotonic()
     b.send_signal(signal.SIGINT)
