@@ -159,6 +159,8 @@ class MeshDaemon:
         """Called with (sender peer, payload) for each STORE_* frame (daemon.store)."""
         self.status_parts: dict[str, Callable[[], Any]] = {}
         """Extra sections of :meth:`status` (the store's fetches, ...)."""
+        self.banned: set[str] = set()
+        """Peers dropped by a revocation list reloaded while they were linked."""
         self.on_chunk_traffic: Callable[[str, str, int], None] | None = None
         """Called with ("received" | "forwarded", origin, payload bytes) per chunk (the
         audit log sums these per interval)."""
@@ -243,6 +245,13 @@ class MeshDaemon:
             raise TimeoutError(f"{address} did not answer the join in {timeout_s:g} s") from None
         return self.mesh.view()
 
+    def ban(self, key: bytes) -> None:
+        """A peer our trust no longer admits (revoked): its chunks are dropped even
+        when others relay them, until the daemon restarts."""
+        peer = peer_id_of(key)
+        self.banned.add(peer)
+        log.warning("peer_banned", peer=peer)
+
     async def leave(self) -> None:
         """Tell the mesh we are leaving, wait (bounded) for it to spread, then close."""
         node = self.mesh
@@ -302,6 +311,9 @@ class MeshDaemon:
             else:
                 self._enqueue(address, FrameType.GOSSIP, data)
         for delivery in node.take_deliveries():
+            if delivery.origin in self.banned:
+                self.counters["chunks_from_banned"] += 1
+                continue
             self.counters["chunks_delivered"] += 1
             if self.on_chunk_traffic is not None:
                 self.on_chunk_traffic("received", delivery.origin, len(delivery.payload))
@@ -546,6 +558,7 @@ class MeshDaemon:
             "alive": len(node.view()),
             "health_score": node.membership.awareness.score,
             "members": members,
+            "banned": sorted(self.banned),
             "counters": dict(self.counters),
             "udp_bytes_sent": self.transport.udp_bytes_sent,
             "backlog_bytes": self.backlog_bytes(),

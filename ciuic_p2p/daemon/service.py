@@ -229,10 +229,12 @@ class NodeService:
         if self.crl_path is None or not self.crl_path.exists():
             return "none"
         try:
-            transport.trust = Trust(transport.trust.ca, load_crl(self.crl_path))
+            trust = Trust(transport.trust.ca, load_crl(self.crl_path))
         except (CiuicError, ValueError, OSError) as exc:
             log.error("revocation_list_not_reloaded", path=str(self.crl_path), error=str(exc))
             return f"kept the old one: {exc}"
+        for key in transport.set_trust(trust):  # links of revoked nodes close now
+            self.parts.daemon.ban(key)
         return str(self.crl_path)
 
     # -- stopping -------------------------------------------------------------------------------

@@ -60,6 +60,7 @@ class AdmissionMixin:
         if cert is None:
             raise AdmissionError("server sent no certificate")
         server_key = self.trust.verify(cert, self.wallclock())
+        link.certificate = cert
         link.claimed = peer_id_of(server_key)
         link.peer = server_key
         proof = build_auth(
@@ -76,7 +77,7 @@ class AdmissionMixin:
         with contextlib.suppress(ValueError, IndexError):
             cert = x509.load_der_x509_certificate(payload[3:-64])
             link.claimed = cert.subject.rfc4514_string()
-        client_key, _ = check_auth(
+        client_key, client_cert = check_auth(
             payload,
             self.trust,
             self.wallclock(),
@@ -85,6 +86,7 @@ class AdmissionMixin:
             link.quic.original_destination_connection_id,
         )
         link.peer = client_key
+        link.certificate = client_cert
         link.claimed = peer_id_of(client_key)
         self._send_frame(link, FrameType.AUTH_OK, b"")
         self._authenticated(link)

@@ -57,6 +57,9 @@ class QuicLink:
         self.dialed = dialed
         self.peer: bytes | None = None
         self.claimed = "?"
+        self.certificate: x509.Certificate | None = None
+        """The peer's node certificate, once checked (a revocation list reloaded later
+        is held against it)."""
         self.authenticated = False
         self.closed = False
         self.readers = {

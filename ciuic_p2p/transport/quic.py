@@ -368,6 +368,23 @@ class QuicTransport(AdmissionMixin, Transport):
                     self._transmit(link)
         return event
 
+    def set_trust(self, trust: Trust) -> list[bytes]:
+        """Use a new CA/revocation list from now on, and close every link whose peer's
+        certificate it no longer accepts; the keys of those peers."""
+        self.trust = trust
+        now = self.wallclock()
+        dropped = []
+        for key, link in list(self._links.items()):
+            if link.closed or link.certificate is None:
+                continue
+            try:
+                trust.verify(link.certificate, now)
+            except AdmissionError as exc:
+                log.warning("peer_dropped", peer=link.claimed, reason=str(exc))
+                self._close_link(link, f"no longer admitted: {exc}")
+                dropped.append(key)
+        return dropped
+
     def unacked_bytes(self) -> int:
         """Stream bytes sent on live links that the peers have not acknowledged yet
         (aioquic keeps each stream's unacknowledged data in its sender's buffer)."""

@@ -16,9 +16,11 @@ from pathlib import Path
 
 import pytest
 
+from ciuic_p2p.admission import load_certificate, write_pem
 from ciuic_p2p.config import Config, load_config
+from ciuic_p2p.daemon.control import request
 
-from .conftest import Fleet, free_port_block
+from .conftest import NOW, Fleet, free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "ciuic-node.service"
@@ -219,3 +221,32 @@ def test_ctrl_c_leaves_announced_and_a_second_one_exits_at_once(fleet: Fleet) ->
     assert c.wait(10) in (0, 128 + signal.SIGINT)
     log = fleet.logs["c"].read_text()
     assert "Traceback" not in log
+
+
+def test_a_reloaded_revocation_list_drops_a_linked_node(fleet: Fleet) -> None:
+    base = free_port_block(2)
+    fleet.start("a", "--listen", f"127.0.0.1:{base}")
+    fleet.wait(lambda: fleet.status("a") is not None, 60, "a up")
+    fleet.start("b", "--listen", f"127.0.0.1:{base + 1}", "--join", f"127.0.0.1:{base}")
+    fleet.wait(lambda: (s := fleet.status("a")) is not None and s["alive"] == 2, 60, "joined")
+    b_cert = load_certificate(fleet.root / "b" / "node.pem")
+    write_pem(
+        fleet.root / "a" / "revoked.pem", fleet.ca.revocation_list([b_cert.serial_number], NOW)
+    )
+    fleet.procs["a"].send_signal(signal.SIGHUP)
+    fleet.wait(
+        lambda: (s := fleet.status("a")) is not None and len(s["banned"]) == 1,
+        30,
+        "a drops b",
+    )
+    before = fleet.status("a")["counters"].get("chunks_delivered", 0)  # type: ignore[index]
+    request(fleet.control("b"), {"cmd": "broadcast", "size": 1000})
+    fleet.wait(
+        lambda: (
+            (s := fleet.status("a")) is not None
+            and all(m["state"] != "alive" for m in s["members"])
+        ),
+        30,
+        "b no longer alive at a",
+    )
+    assert fleet.status("a")["counters"].get("chunks_delivered", 0) == before  # type: ignore[index]
