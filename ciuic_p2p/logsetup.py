@@ -102,6 +102,19 @@ class RateLimiter:
         raise structlog.DropEvent
 
 
+_json_output = False
+
+
+def announce(logger: Any, event: str, text: str, **fields: Any) -> None:
+    """A milestone a person starting the daemon wants to see (listening, joined):
+    one plain line on stdout in a terminal, an ``info`` event when the output is JSON
+    lines (journald and log shippers read every line as JSON)."""
+    if _json_output:
+        logger.info(event, **fields)
+    else:
+        print(f"ciuic-node: {text}", flush=True)
+
+
 def configure_logging(section: LogSection | None = None, stream: TextIO | None = None) -> None:
     """Configure structlog and the ``logging`` root once for this process."""
     section = section or LogSection()
@@ -115,7 +128,9 @@ def configure_logging(section: LogSection | None = None, stream: TextIO | None =
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     renderer: Any
-    if wants_json(section.format, out):
+    global _json_output  # noqa: PLW0603 (one process-wide logging set-up)
+    _json_output = wants_json(section.format, out)
+    if _json_output:
         renderer = structlog.processors.JSONRenderer()
         shared.append(structlog.processors.format_exc_info)
     else:

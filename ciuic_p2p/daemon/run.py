@@ -37,7 +37,7 @@ from ciuic_p2p.daemon.trainer import TrainerServer
 from ciuic_p2p.daemon.web import WebServer
 from ciuic_p2p.errors import CiuicError, ConfigError
 from ciuic_p2p.identity import NodeKey, peer_id_of
-from ciuic_p2p.logsetup import configure_logging, get_logger
+from ciuic_p2p.logsetup import announce, configure_logging, get_logger
 from ciuic_p2p.transport.loop import new_event_loop
 
 log = get_logger("ciuic.daemon")
@@ -272,8 +272,11 @@ async def serve(args: argparse.Namespace) -> int:
             parts.closers.append(web.close)
             url = f"http://{format_address(config.web.listen_host, port)}/"
             daemon.status_parts["web"] = lambda: {"url": url}
-            print(f"ciuic-node: status page {url} (metrics at {url}metrics)", flush=True)
-    print(f"ciuic-node: {daemon.peer_id} listening on {address}", flush=True)
+            announce(log, "web_started", f"status page {url} (metrics at {url}metrics)", url=url)
+    announce(
+        log, "listening", f"{daemon.peer_id} listening on {address}", peer=daemon.peer_id,
+        address=address,
+    )  # fmt: skip
     crl_path = Path(args.crl) if args.crl else state_dir / "revoked.pem"
     service = NodeService(
         config, parts, reload_config=lambda: build_config(args), crl_path=crl_path

@@ -34,7 +34,7 @@ from ciuic_p2p.daemon.sdnotify import Notifier
 from ciuic_p2p.daemon.store import StoreService
 from ciuic_p2p.daemon.trainer import TrainerServer
 from ciuic_p2p.errors import CiuicError
-from ciuic_p2p.logsetup import configure_logging, get_logger
+from ciuic_p2p.logsetup import announce, configure_logging, get_logger
 from ciuic_p2p.transport.errors import RefusedError, TransportError
 
 log = get_logger("ciuic.service")
@@ -113,7 +113,7 @@ class NodeService:
             log.info("ready", state=self.state, address=self.parts.daemon.address)
             await self._stop.wait()
         except JoinRefused as exc:
-            print(f"ciuic-node: error: {exc}", flush=True)
+            log.error("join_refused", error=str(exc))
             code = 1
         await self.stop("refused" if code else "requested")
         return code
@@ -152,8 +152,12 @@ class NodeService:
                 f"no seed answered within {timeout_s:g} s ({', '.join(seeds)})"
             )
         if not self._joined():
-            log.warning("join_pending", seeds=seeds, error=self.join_error)
-            print(f"ciuic-node: not joined yet ({self.join_error}); retrying", flush=True)
+            log.warning(
+                "join_pending",
+                seeds=seeds,
+                error=self.join_error,
+                retry_s=self.config.node.join_retry_s,
+            )
             self._join_task = asyncio.get_running_loop().create_task(self._join_any(seeds))
 
     async def _join_any(self, seeds: list[str], once: bool = False) -> None:
@@ -172,7 +176,10 @@ class NodeService:
                     self.join_error = f"{seed}: {exc}"
                     continue
                 self.join_error = ""
-                print(f"ciuic-node: joined through {seed}: {len(view)} members", flush=True)
+                announce(
+                    log, "joined", f"joined through {seed}: {len(view)} members", seed=seed,
+                    members=len(view),
+                )  # fmt: skip
                 if self.state == "joining":
                     self.state = "running"
                     self.notifier.status(self._summary())
@@ -189,7 +196,7 @@ class NodeService:
         self._signals += 1
         if self._signals > 1:
             # The second Ctrl+C: the user does not want to wait for a clean leave.
-            print("ciuic-node: second signal, exiting now", flush=True)
+            log.warning("exiting_now", reason="second signal")
             os._exit(128 + signum)
         log.info("stop_requested", signal=signal.Signals(signum).name)
         self._stop.set()

@@ -136,6 +136,10 @@ def test_notify_ready_watchdog_reload_and_stopping(fleet: Fleet, tmp_path: Path)
         assert "leaving" in stopping["STATUS"]
         assert proc.wait(10) == 0
         assert time.monotonic() - t0 < 5.0
+        # Not a terminal: every line it wrote is JSON (journald, jq, log shippers).
+        lines = fleet.logs["a"].read_text().splitlines()
+        events = [json.loads(line)["event"] for line in lines]
+        assert "listening" in events and "web_started" in events and "ready" in events
     finally:
         notify.close()
 
