@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +20,7 @@ from cryptography.exceptions import InvalidSignature
 from ciuic_p2p import __version__
 from ciuic_p2p.admission import ClusterCA, Trust, load_certificate, load_crl, write_pem
 from ciuic_p2p.cli_control import CONTROL_COMMANDS, add_socket_arguments
-from ciuic_p2p.config import SECTIONS, Config, load_config
+from ciuic_p2p.config import ENV_PREFIX, SECTIONS, Config, load_layered
 from ciuic_p2p.errors import AdmissionError, CiuicError, IdentityError
 from ciuic_p2p.identity import NodeKey, peer_id_of
 
@@ -116,12 +117,16 @@ def build_parser() -> argparse.ArgumentParser:
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
     check = config_sub.add_parser("check", help="validate a TOML config file and print it")
     check.add_argument("file", help="path of the TOML file")
+    config_sub.add_parser(
+        "example", help="print the annotated example config (every setting and its default)"
+    )
     return parser
 
 
 def _config_check(path: str) -> int:
-    cfg: Config = load_config(path)
-    print(f"{path}: ok (preset {cfg.preset})")
+    cfg: Config = load_layered(path, os.environ)  # what `run` would use, flags aside
+    env = sorted(k for k in os.environ if k.startswith(ENV_PREFIX) and k != "CIUIC_CONFIG")
+    print(f"{path}: ok (preset {cfg.preset})" + (f" with {', '.join(env)}" if env else ""))
     for section in SECTIONS:
         values = getattr(cfg, section)
         for name in values.__dataclass_fields__:
@@ -277,6 +282,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "config" and args.config_command == "check":
             return _config_check(args.file)
+        if args.command == "config" and args.config_command == "example":
+            from ciuic_p2p.config_example import example_toml  # noqa: PLC0415
+
+            sys.stdout.write(example_toml())
+            return 0
         if args.command == "audit":
             from ciuic_p2p.audit_cli import audit_main  # noqa: PLC0415
 

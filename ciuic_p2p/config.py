@@ -67,7 +67,8 @@ class NodeSection:
     """Pause between background join attempts."""
     stop_timeout_s: float = 4.0
     """SIGTERM/Ctrl+C: the announced leave, the trainers' last checkpoint and the
-    audit log's flush get this long before the daemon exits anyway (systemd waits 5 s)."""
+    audit log's flush get this long before the daemon exits anyway (out within 5 s;
+    the unit's TimeoutStopSec is 10 s)."""
     runtime_dir: str = ""
     """Directory for the control and trainer sockets (systemd RuntimeDirectory);
     default: ``state_dir``."""

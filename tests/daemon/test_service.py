@@ -5,19 +5,22 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import tomllib
 import urllib.request
 from pathlib import Path
 
 import pytest
 
 from ciuic_p2p.admission import load_certificate, write_pem
-from ciuic_p2p.config import Config, load_config
+from ciuic_p2p.config import SECTIONS, Config, config_from_toml, load_config
+from ciuic_p2p.config_example import example_toml
 from ciuic_p2p.daemon.control import request
 
 from .conftest import NOW, Fleet, free_port_block
@@ -58,14 +61,18 @@ def test_unit_verifies_and_its_exposure_is_at_most_2(tmp_path: Path) -> None:
     )
     tail = security.stdout.rsplit("exposure level for ciuic-node.service:", 1)[-1].split()
     assert security.returncode == 0 and float(tail[0]) <= 2.0, security.stdout[-500:]
-    # The example config the unit names loads and covers every setting.
+    # The example config the unit names is the generated one, and loads.
+    shipped = (ROOT / "systemd" / "node.example.toml").read_text()
+    assert shipped == example_toml(), "regenerate: ciuic-node config example > systemd/..."
     example = load_config(ROOT / "systemd" / "node.example.toml")
-    body = (ROOT / "systemd" / "node.example.toml").read_text()
-    for section in ("node", "codec", "transport", "mesh", "train", "store", "log", "web", "audit"):
-        assert f"[{section}]" in body
-        for key in getattr(Config(), section).__dataclass_fields__:
-            assert f"\n{key} = " in body, f"{section}.{key} missing from the example"
-    assert example.node.runtime_dir == "/run/ciuic"
+    assert example.node.runtime_dir == "/run/ciuic" and example.preset == "wan"
+    assert example.codec == Config.wan().codec  # defaults only commented: the preset rules
+    # Uncommenting every default shown gives a valid config naming every setting.
+    full = re.sub(r"(?m)^# (\w+ = )", r"\1", shipped)
+    everything = tomllib.loads(full)
+    for section in SECTIONS:
+        assert set(everything[section]) == set(getattr(Config(), section).__dataclass_fields__)
+    assert config_from_toml(full) == example
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
