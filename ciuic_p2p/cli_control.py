@@ -12,10 +12,12 @@ import argparse
 import json
 import os
 import sys
+import tomllib
 from pathlib import Path
 from typing import Any
 
-from ciuic_p2p.config import load_layered, runtime_dir
+from ciuic_p2p.config import Config, runtime_dir
+from ciuic_p2p.errors import CiuicError
 
 CONTROL_COMMANDS = ("join", "leave", "status", "peers", "routes", "store")
 
@@ -41,13 +43,44 @@ def add_control_commands(sub: Any) -> None:
         add_socket_arguments(cmd)
 
 
+SERVICE_CONFIG = Path("/etc/ciuic/node.toml")
+
+
 def control_path(args: argparse.Namespace) -> Path:
+    """``--control``; ``--state-dir``; else the runtime directory of the config
+    (``--config``, ``$CIUIC_CONFIG`` or /etc/ciuic/node.toml), read leniently: an
+    operator who broke the file must still reach the daemon that runs on the old one."""
     if args.control:
         return Path(args.control)
     if args.state_dir:
         return Path(args.state_dir) / "control.sock"
-    path = args.config or os.environ.get("CIUIC_CONFIG") or None
-    return runtime_dir(load_layered(path, os.environ)) / "control.sock"
+    named = args.config or os.environ.get("CIUIC_CONFIG")
+    files = [Path(named)] if named else [SERVICE_CONFIG] if SERVICE_CONFIG.exists() else []
+    candidates = [_sockets_of(f) / "control.sock" for f in files]
+    if not named:
+        defaults = Config()
+        candidates += [Path("/run/ciuic/control.sock"), runtime_dir(defaults) / "control.sock"]
+    return next((c for c in candidates if c.exists()), candidates[0])
+
+
+def _sockets_of(config_file: Path) -> Path:
+    try:
+        data = tomllib.loads(config_file.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise CiuicError(f"{config_file}: cannot read: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise CiuicError(f"{config_file}: not valid TOML: {exc}") from None
+    found = data.get("node")
+    node: dict[str, Any] = found if isinstance(found, dict) else {}
+    env = os.environ
+    chosen = (
+        env.get("CIUIC_NODE_RUNTIME_DIR")
+        or node.get("runtime_dir")
+        or env.get("CIUIC_NODE_STATE_DIR")
+        or node.get("state_dir")
+        or Config().node.state_dir
+    )
+    return Path(str(chosen)).expanduser()
 
 
 def steer(args: argparse.Namespace) -> int:
@@ -75,6 +108,8 @@ def steer(args: argparse.Namespace) -> int:
         print(f"ciuic-node: error: {answer.get('error', 'failed')}", file=sys.stderr)
         return 1
     if args.json:
+        if command == "peers":
+            answer = {"ok": True, "peer": answer["peer"], "members": answer["members"]}
         print(json.dumps(answer))
     elif command == "store":
         held = ", ".join(answer.get("held_by") or []) or "-"
@@ -105,6 +140,14 @@ def _print_status(status: dict[str, Any]) -> None:
     )
     if service.get("join_error"):
         print(f"  joining: {service['join_error']} (attempt {service['join_attempts']})")
+    web = status.get("web") or {}
+    if web:
+        print(f"  status page: {web.get('url') or web.get('error')}")
+    audit = status.get("audit") or {}
+    if audit:
+        print(f"  audit log: {audit['dir']} (last entry {audit['last_seq']}, head {audit['head']})")
+    if status.get("banned"):
+        print(f"  banned (revoked while linked): {', '.join(status['banned'])}")
     if service.get("needs_restart"):
         print(f"  changed settings that need a restart: {', '.join(service['needs_restart'])}")
     _print_peers(status)

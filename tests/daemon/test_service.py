@@ -213,6 +213,12 @@ def test_ctrl_c_leaves_announced_and_a_second_one_exits_at_once(fleet: Fleet) ->
     assert len(table) == 2 and all(r["path"][0] == me and len(r["path"]) >= 2 for r in table)
     readable = cli("routes", "--state-dir", a_dir)
     assert readable.returncode == 0 and "(direct" in readable.stdout
+    # Found through a config file, even one broken since the daemon started on it.
+    broken = fleet.root / "broken.toml"
+    broken.write_text(f'[node]\nstate_dir = "{a_dir}"\n[audit]\nbogus = 1\n')
+    status = cli("status", "--config", str(broken))
+    assert status.returncode == 0, status.stderr
+    assert "status page: http://127.0.0.1:" in status.stdout and "audit log:" in status.stdout
     b = fleet.procs["b"]
     t0 = time.monotonic()
     b.send_signal(signal.SIGINT)
