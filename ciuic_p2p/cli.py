@@ -21,7 +21,7 @@ from ciuic_p2p import __version__
 from ciuic_p2p.admission import ClusterCA, Trust, load_certificate, load_crl, write_pem
 from ciuic_p2p.cli_control import CONTROL_COMMANDS, add_socket_arguments
 from ciuic_p2p.config import ENV_PREFIX, SECTIONS, Config, load_layered
-from ciuic_p2p.errors import AdmissionError, CiuicError, IdentityError
+from ciuic_p2p.errors import AdmissionError, CiuicError, IdentityError, TransientError
 from ciuic_p2p.identity import NodeKey, peer_id_of
 
 
@@ -311,6 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             from ciuic_p2p.train.demo import run_demo  # noqa: PLC0415
 
             return run_demo(args)
+    except TransientError as exc:
+        print(f"ciuic-node: error: {exc}", file=sys.stderr)
+        return 1
     except CiuicError as exc:
         print(f"ciuic-node: error: {exc}", file=sys.stderr)
         return 2

@@ -12,6 +12,11 @@ class CiuicError(Exception):
     """Base class of every error raised on purpose by ciuic-p2p."""
 
 
+class TransientError(CiuicError):
+    """A failure that may pass by itself (a port still held by a process that is
+    exiting): the command exits with status 1, which systemd retries, not 2."""
+
+
 class ConfigError(CiuicError):
     """A configuration value or file is invalid; the message names the key and why."""
 

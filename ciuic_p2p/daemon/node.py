@@ -83,12 +83,16 @@ def next_incarnation(state_dir: Path) -> int:
         current = int(path.read_text().strip())
     except (OSError, ValueError):
         current = -1
-    value = current + 1
+    save_incarnation(state_dir, current + 1)
+    return current + 1
+
+
+def save_incarnation(state_dir: Path, value: int) -> None:
+    path = state_dir / "incarnation"
     state_dir.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tmp.write_text(f"{value}\n")
     os.replace(tmp, path)
-    return value
 
 
 @dataclass
@@ -147,6 +151,7 @@ class MeshDaemon:
         self._outboxes: dict[tuple[str, int], _Destination] = {}
         self._dialing: dict[str, asyncio.Future[bytes]] = {}
         self._timer: asyncio.TimerHandle | None = None
+        self._saved_incarnation = 0
         self._timer_at: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.deliveries: asyncio.Queue[Delivery] = asyncio.Queue(MAX_UNREAD_DELIVERIES)
@@ -190,6 +195,7 @@ class MeshDaemon:
             )
         self.address = format_address(advertised, port)
         incarnation = next_incarnation(self.state_dir)
+        self._saved_incarnation = incarnation
         self.node = MeshNode(
             self.peer_id,
             self.address,
@@ -255,11 +261,12 @@ class MeshDaemon:
     async def leave(self) -> None:
         """Tell the mesh we are leaving, wait (bounded) for it to spread, then close."""
         node = self.mesh
+        alone = len(node.view()) <= 1  # nobody to tell: no reason to wait
         node.leave(self.clock())
         self._pump()
-        deadline = self.clock() + self.config.mesh.leave_propagate_s
+        deadline = self.clock() + (0.0 if alone else self.config.mesh.leave_propagate_s)
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(self._left.wait(), self.config.mesh.leave_propagate_s)
+            await asyncio.wait_for(self._left.wait(), max(0.0, deadline - self.clock()))
         await self._drain(deadline - self.clock())
         # Sent is not received: a lost packet of the announcement is retransmitted only
         # while the connection lives, so close once the peers acknowledged everything.
@@ -345,6 +352,11 @@ class MeshDaemon:
             self._pump()
 
     def _log_events(self, node: MeshNode) -> None:
+        if node.membership.incarnation > self._saved_incarnation:
+            # A refutation raised it: a restart must come back above this one, or the
+            # mesh would take the restarted node for its suspected past.
+            self._saved_incarnation = node.membership.incarnation
+            save_incarnation(self.state_dir, self._saved_incarnation)
         for event in node.events:
             self.member_events[event.state.name.lower()] += 1
             if event.state in (State.DEAD, State.LEFT):

@@ -35,7 +35,7 @@ from ciuic_p2p.daemon.service import NodeService, Parts
 from ciuic_p2p.daemon.store import StoreService
 from ciuic_p2p.daemon.trainer import TrainerServer
 from ciuic_p2p.daemon.web import WebServer
-from ciuic_p2p.errors import CiuicError, ConfigError
+from ciuic_p2p.errors import CiuicError, ConfigError, TransientError
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.logsetup import announce, configure_logging, get_logger
 from ciuic_p2p.transport.loop import new_event_loop
@@ -60,7 +60,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ca", help="cluster CA certificate (default STATE_DIR/ca.pem)")
     p.add_argument("--crl", help="revocation list (default STATE_DIR/revoked.pem if present)")
     p.add_argument("--join", metavar="HOST:PORT", help="join the mesh through this member")
-    p.add_argument("--control", help="control socket path (default STATE_DIR/control.sock)")
+    p.add_argument(
+        "--control", help="control socket path (default control.sock in node.runtime_dir)"
+    )
     p.add_argument(
         "--trainer-socket",
         metavar="PATH",
@@ -235,7 +237,7 @@ async def serve(args: argparse.Namespace) -> int:
         address = await daemon.start()
     except OSError as exc:
         where = f"{config.node.listen_host}:{config.node.listen_port}"
-        raise CiuicError(f"cannot listen on {where}: {exc.strerror or exc}") from None
+        raise TransientError(f"cannot listen on {where}: {exc.strerror or exc}") from None
     except ValueError as exc:
         raise CiuicError(str(exc)) from None
     control = ControlServer(

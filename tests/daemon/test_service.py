@@ -3,6 +3,8 @@ seeds are down at boot, reload on SIGHUP and clean stops."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -18,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
-from ciuic_p2p.admission import load_certificate, write_pem
+from ciuic_p2p.admission import ClusterCA, Trust, load_certificate, write_pem
 from ciuic_p2p.config import SECTIONS, Config, config_from_toml, load_config
 from ciuic_p2p.config_example import example_toml
 from ciuic_p2p.daemon.control import request
+from ciuic_p2p.daemon.node import MeshDaemon, next_incarnation
+from ciuic_p2p.identity import NodeKey
 
 from .conftest import NOW, Fleet, free_port_block
 
@@ -267,3 +271,36 @@ def test_a_reloaded_revocation_list_drops_a_linked_node(fleet: Fleet) -> None:
         "b no longer alive at a",
     )
     assert fleet.status("a")["counters"].get("chunks_delivered", 0) == before  # type: ignore[index]
+
+
+def test_a_taken_port_exits_1_for_systemd_to_retry(fleet: Fleet) -> None:
+    base = free_port_block(1)
+    fleet.start("a", "--listen", f"127.0.0.1:{base}")
+    fleet.wait(lambda: fleet.status("a") is not None, 60, "a up")
+    b = cli("run", "--state-dir", str(fleet.state_dir("b")), "--listen", f"127.0.0.1:{base}")
+    assert b.returncode == 1, b.stderr  # 2 would be a user mistake: RestartPreventExitStatus
+    assert b.stderr.count("\n") == 1 and f"cannot listen on 127.0.0.1:{base}" in b.stderr
+
+
+def test_an_incarnation_raised_by_a_refutation_survives_a_restart(tmp_path: Path) -> None:
+    async def main() -> None:
+        ca = ClusterCA.create("incarnations", NOW)
+        key = NodeKey.generate()
+        cfg = dataclasses.replace(
+            Config.lan(), node=dataclasses.replace(Config.lan().node, listen_port=0)
+        )
+        daemon = MeshDaemon(
+            cfg, key, ca.issue(key.public_key, NOW), Trust(ca.certificate), state_dir=tmp_path
+        )
+        await daemon.start()
+        try:
+            assert (tmp_path / "incarnation").read_text().strip() == "0"
+            # What a refutation does: the member raises its own incarnation.
+            daemon.mesh.membership.incarnation += 3
+            daemon.broadcast(b"any")  # the next turn of the machine saves it
+            assert (tmp_path / "incarnation").read_text().strip() == "3"
+        finally:
+            await daemon.close()
+        assert next_incarnation(tmp_path) == 4
+
+    asyncio.run(main())
