@@ -79,7 +79,7 @@ class FrameType(enum.IntEnum):
     PUBLISH = 3  # trainer -> daemon: a mesh payload to broadcast
     DELIVER = 4  # daemon -> trainer: peer + a mesh payload from that origin
     MEMBERS = 5  # daemon -> trainer: {"alive": [peer, ...]}
-    STATS_REQUEST = 6  # trainer -> daemon: empty
+    STATS_REQUEST = 6  # trainer -> daemon: empty, or {"step", "encode_s", "decode_s", ...}
     STATS = 7  # daemon -> trainer: {"udp_bytes_sent", "backlog_bytes", ...}
     DIRECT_OUT = 8  # trainer -> daemon: peer + bytes for that peer's trainer
     DIRECT_IN = 9  # daemon -> trainer: peer + bytes from that peer's trainer

@@ -99,6 +99,14 @@ class Timing:
         self.total_s += seconds
 
 
+TRAINER_FIGURES = {
+    "encode_s": "Seconds the trainer's encoder thread spent compressing updates.",
+    "decode_s": "Seconds the trainer spent decoding and checking peers' chunks.",
+    "wait_s": "Seconds the trainer's steps waited for lagging replicas.",
+    "hook_s": "Seconds the training thread spent in the hook's step().",
+}
+
+
 class TrainingProgress:
     """Training progress per origin (this node's trainer included), fed by
     daemon.trainer with the header of each chunk it signs or verifies."""
@@ -109,6 +117,16 @@ class TrainingProgress:
         """Signing the chunks our trainer publishes (the daemon's encode side)."""
         self.verify = Timing()
         """Verifying delivered chunks before the trainer sees them (its decode side)."""
+        self.trainer: dict[str, float] = {}
+        """The attached trainer's reported totals (``TRAINER_FIGURES``)."""
+
+    def report(self, figures: dict[str, object]) -> None:
+        """The trainer's own totals (its encoder thread, its decoding reader, its waits
+        and the hook's time), as it sends them with each stats request."""
+        for key in TRAINER_FIGURES:
+            value = figures.get(key)
+            if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
+                self.trainer[key] = float(value)
 
     def observe(self, origin: str, incarnation: int, step: int, now_s: float) -> None:
         rate = self.origins.get(origin)
@@ -386,6 +404,12 @@ class DaemonCollector(Collector):
             sign.add_metric([], t.sign.count, t.sign.total_s)
             verify.add_metric([], t.verify.count, t.verify.total_s)
         yield from (step, rate, stale, sign, verify)
+        for key, text in TRAINER_FIGURES.items():
+            name = "ciuic_trainer_" + key.removesuffix("_s") + "_seconds"
+            family = CounterMetricFamily(name, text)
+            if t is not None and key in t.trainer:
+                family.add_metric([], t.trainer[key])
+            yield family
 
     def _counters(self) -> Iterator[Metric]:
         events = CounterMetricFamily(

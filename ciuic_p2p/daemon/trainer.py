@@ -205,6 +205,8 @@ class TrainerServer:
         elif ftype is FrameType.PUBLISH:
             self._publish(body)
         elif ftype is FrameType.STATS_REQUEST:
+            if len(body):
+                self.progress.report(parse_json(body))
             self._write(
                 json_frame(
                     FrameType.STATS,

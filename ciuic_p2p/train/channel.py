@@ -44,6 +44,8 @@ class DaemonChannel:
         self.deliveries: collections.deque[Any] = collections.deque()
         """Delivered payloads: ``(peer, payload)``, or what ``prepare`` made of them."""
         self.prepare: Callable[[str, memoryview], Any] | None = None
+        self.decode_s = 0.0
+        """Time the reader thread spent preparing (decoding, checking) deliveries."""
         self.direct: collections.deque[tuple[str, memoryview]] = collections.deque()
         self.alive: list[str] = []
         self.welcome: dict[str, Any] | None = None
@@ -168,9 +170,13 @@ class DaemonChannel:
             raise ChannelError(f"{name}: {result.get('error', 'put failed')}")
         return result
 
-    def request_stats(self) -> None:
-        """Ask for statistics; the answer lands in ``stats`` when it comes."""
-        self._send(frame_header(FrameType.STATS_REQUEST, 0))
+    def request_stats(self, report: dict[str, Any] | None = None) -> None:
+        """Ask for statistics; the answer lands in ``stats`` when it comes. ``report``
+        tells the daemon this trainer's own figures (its metrics export them)."""
+        if report is None:
+            self._send(frame_header(FrameType.STATS_REQUEST, 0))
+        else:
+            self._send(json_frame(FrameType.STATS_REQUEST, report))
 
     def fetch_stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         with self._cond:
@@ -225,7 +231,9 @@ class DaemonChannel:
             peer, payload = split_peer(body)
             # Decode here, on the reader thread, while the trainer computes.
             prepare = self.prepare
+            t0 = time.perf_counter()
             item = (peer, payload) if prepare is None else prepare(peer, payload)
+            self.decode_s += time.perf_counter() - t0
         with self._cond:
             if ftype is FrameType.DELIVER:
                 self.deliveries.append(item)

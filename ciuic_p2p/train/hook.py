@@ -184,7 +184,15 @@ class MeshSync(StateSync):
         if r.step % STATS_EVERY_STEPS == 0:
             if ch.stats:
                 r.adapt(int(ch.stats.get("backlog_bytes", 0)))
-            ch.request_stats()
+            ch.request_stats(
+                {
+                    "step": r.step,
+                    "encode_s": self.encoder.busy_s,
+                    "decode_s": ch.decode_s,
+                    "wait_s": self.wait_s,
+                    "hook_s": self.hook_s,
+                }
+            )
         self.poll()
         if r.blocking():
             w0 = time.perf_counter()

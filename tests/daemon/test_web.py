@@ -123,6 +123,11 @@ class StandInTrainer:
         assert self._writer is not None
         self._writer.write(frame_header(FrameType.PUBLISH, len(payload)) + payload)
 
+    def report(self, figures: dict[str, float]) -> None:
+        """What the hook sends with each stats request (its own timings)."""
+        assert self._writer is not None
+        self._writer.write(json_frame(FrameType.STATS_REQUEST, figures))
+
     async def close(self) -> None:
         if self._closed:
             return
@@ -181,6 +186,8 @@ async def test_metrics_of_a_running_mesh_carry_every_family_with_per_peer_labels
                     t.publish(step)
                 await mesh.until(lambda s=step: steps_seen().get(ids[1]) == s, 15)
             await mesh.until(settled, 15)
+            trainers[0].report({"step": 5, "encode_s": 1.5, "decode_s": 0.25, "hook_s": 2.0})
+            await mesh.until(lambda: "encode_s" in servers[0].progress.trainer, 15)
 
             status, text = await scrape(port, "/metrics")
             assert status == 200
@@ -202,6 +209,10 @@ async def test_metrics_of_a_running_mesh_carry_every_family_with_per_peer_labels
                 a.peer_id,
                 daemons[1].peer_id,
             }
+            for name, value in (("encode", 1.5), ("decode", 0.25), ("hook", 2.0)):
+                (sample,) = families[f"ciuic_trainer_{name}_seconds"].samples
+                assert sample.value == value
+            assert not families["ciuic_trainer_wait_seconds"].samples  # not reported
             signed = {s.name: s.value for s in families["ciuic_chunk_sign_seconds"].samples}
             assert signed["ciuic_chunk_sign_seconds_count"] == 5
             alive = {s.labels["state"]: s.value for s in families["ciuic_members"].samples}
