@@ -20,6 +20,7 @@ The update rule and its references: core.replica.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from pathlib import Path
@@ -156,6 +157,8 @@ class MeshSync(StateSync):
         r = self.replica
         ch = self.channel
         enc = self.encoder
+        if ch.closed:
+            self._daemon_gone()
         enc.check()
         update_due = r.local_step()
         if self._ready and ch.snapshot_wanted.is_set() and enc.idle.is_set():
@@ -210,6 +213,15 @@ class MeshSync(StateSync):
             self.wait_s += waited
             self.max_wait_s = max(self.max_wait_s, waited)
         self.hook_s += time.perf_counter() - t0
+
+    def _daemon_gone(self) -> None:
+        """The daemon stopped (or crashed): keep what this replica learned in a
+        checkpoint before giving up, so that a restart loses nothing."""
+        with contextlib.suppress(Exception):
+            self.encoder.idle.wait(self.config.train.finish_timeout_s)
+        path = self.checkpoint()
+        where = f"; checkpoint of step {self.replica.step} written to {path}" if path else ""
+        raise ChannelError(f"{self.channel.error or 'the daemon went away'}{where}")
 
     def _exit_on_sigterm(self) -> None:
         path = self.checkpoint()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
+import os
 import threading
 from pathlib import Path
 
@@ -15,6 +16,8 @@ from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.replica import consensus_distance
 from ciuic_p2p.identity import NodeKey
+from ciuic_p2p.train.channel import ChannelError
+from ciuic_p2p.train.checkpoint import load_newest
 from ciuic_p2p.train.embedded import EmbeddedDaemon
 from ciuic_p2p.train.hook import MeshSync, attach
 
@@ -101,3 +104,48 @@ def test_three_embedded_replicas_train_and_apply_every_chunk_once(tmp_path: Path
     finally:
         for sync in syncs:
             sync.close()  # stops its embedded daemon too
+
+
+def test_a_trainer_whose_daemon_stops_writes_a_checkpoint_before_it_gives_up(
+    tmp_path: Path,
+) -> None:
+    now = dt.datetime.now(dt.UTC)
+    ca = ClusterCA.create("embedded", now)
+    base = Config.wan()
+    config = dataclasses.replace(base, node=dataclasses.replace(base.node, listen_port=0))
+    key = NodeKey.generate()
+    daemon = EmbeddedDaemon(
+        config, key, ca.issue(key.public_key, now), Trust(ca.certificate), state_dir=tmp_path
+    )
+    daemon.start()
+    model = torch.nn.Linear(8, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    sync = attach(
+        model, optimizer, run="gone", daemon=daemon, config=config,
+        checkpoint_dir=tmp_path / "ck",
+    )  # fmt: skip
+    try:
+        for _ in range(7):
+            optimizer.zero_grad()
+            model(torch.ones(4, 8)).sum().backward()
+            optimizer.step()
+            sync.step()
+        daemon.stop()
+        closed = threading.Event()
+        for _ in range(500):  # the reader thread notices the closed socket
+            if sync.channel.closed:
+                closed.set()
+                break
+            sync.channel.wait_any(0.01)
+        assert closed.is_set()
+        try:
+            sync.step()
+        except ChannelError as exc:
+            assert "checkpoint of step 7 written" in str(exc)
+        else:
+            raise AssertionError("step() went on without its daemon")
+    finally:
+        sync.close()
+    (name,) = [n for n in os.listdir(tmp_path / "ck") if n.endswith(".ckpt")]
+    ckpt = load_newest(tmp_path / "ck" / name)
+    assert ckpt is not None and ckpt.step == 7  # every step it completed
