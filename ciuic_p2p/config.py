@@ -500,15 +500,9 @@ def runtime_dir(config: Config) -> Path:
 
 
 def load_config(path: str | Path) -> Config:
-    """Read a TOML file into a :class:`Config` (see the module docstring)."""
-    p = Path(path)
-    try:
-        text = p.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{p}: cannot read: {exc.strerror or exc}") from exc
-    except UnicodeDecodeError as exc:
-        raise ConfigError(f"{p}: not UTF-8 text") from exc
-    return config_from_toml(text, source=str(p))
+    """Read a TOML file into a :class:`Config` (see the module docstring); no
+    environment variables (``load_layered`` adds them)."""
+    return load_layered(path, {})
 
 
 def config_from_toml(text: str, source: str = "<string>") -> Config:
