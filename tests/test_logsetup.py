@@ -80,3 +80,24 @@ def test_repeated_warnings_are_rate_limited_per_peer() -> None:
     now[0] = 20.0
     again = limiter(None, "warning", {"event": "refused", "peer": "a"})
     assert again["suppressed"] == 17
+
+
+def test_context_bound_in_a_task_names_its_events_and_no_others() -> None:
+    import asyncio  # noqa: PLC0415
+
+    out = io.StringIO()
+    configure_logging(LogSection(format="json"), stream=out)
+    log = get_logger("test")
+
+    async def session(n: int) -> None:
+        structlog.contextvars.bind_contextvars(trainer_session=n)
+        log.info("frame")
+
+    async def main() -> None:
+        await asyncio.gather(session(1), session(2))
+        log.info("outside")
+
+    asyncio.run(main())
+    lines = [json.loads(line) for line in out.getvalue().splitlines()]
+    assert sorted(e["trainer_session"] for e in lines if e["event"] == "frame") == [1, 2]
+    assert "trainer_session" not in next(e for e in lines if e["event"] == "outside")

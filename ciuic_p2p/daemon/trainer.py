@@ -38,6 +38,8 @@ from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any
 
+import structlog
+
 from ciuic_p2p.core.broadcast import Delivery
 from ciuic_p2p.core.origin import sign_chunk, verify_chunk
 from ciuic_p2p.core.trainwire import (
@@ -154,6 +156,8 @@ class TrainerServer:
         self._hello = False
         frames = FrameReader()
         counters = self.daemon.counters
+        # This task's own context: every event it logs names the trainer session.
+        structlog.contextvars.bind_contextvars(trainer_session=counters["trainer_sessions"] + 1)
         try:
             while data := await reader.read(1 << 20):
                 for ftype, body in frames.feed(data):

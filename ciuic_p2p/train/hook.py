@@ -248,7 +248,7 @@ class MeshSync(StateSync):
                 r.apply(item)
                 n += 1
             except RefusedChunk as exc:
-                log.warning("chunk_refused", reason=exc.reason, error=str(exc))
+                log.warning("chunk_refused", step=r.step, reason=exc.reason, error=str(exc))
         r.settle()  # and flushes what was applied
         if self._ready and ch.snapshot_wanted.is_set() and self.encoder.idle.is_set():
             self._hand_state(write_checkpoint_too=False)  # a joiner is waiting for it

@@ -130,7 +130,9 @@ class AdmissionMixin:
             self._refuse_or_drop(link, "not authenticated in time")
             self._transmit(link)
 
-    def _refuse_or_drop(self, link: QuicLink, reason: str) -> None:
+    def _refuse_or_drop(self, link: QuicLink, reason: str, stream: int | None = None) -> None:
+        # The stream is named when a frame on it broke the rules (framing, limits).
+        where = {} if stream is None else {"stream": stream}
         if not link.authenticated:
             self.refused += 1
             log.warning(
@@ -138,11 +140,12 @@ class AdmissionMixin:
                 address=f"{link.address[0]}:{link.address[1]}",
                 claimed=link.claimed,
                 reason=reason,
+                **where,
             )
             if not link.ready.done():
                 link.ready.set_exception(RefusedError(f"refused: {reason}"))
             if self.on_admission is not None:
                 self.on_admission(None, link.address, reason)
         else:
-            log.warning("peer_dropped", peer=link.claimed, reason=reason)
+            log.warning("peer_dropped", peer=link.claimed, reason=reason, **where)
         self._close_link(link, reason)

@@ -249,7 +249,7 @@ class QuicTransport(AdmissionMixin, Transport):
             try:
                 self._handle_event(link, event)
             except (FramingError, AdmissionError) as exc:
-                self._refuse_or_drop(link, str(exc))
+                self._refuse_or_drop(link, str(exc), getattr(event, "stream_id", None))
             if link.closed:
                 break
         self._schedule_transmit(link)
