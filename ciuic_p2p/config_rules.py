@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from ciuic_p2p.addresses import parse_address
 from ciuic_p2p.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -124,9 +125,10 @@ def validate(cfg: Config) -> None:
         (cfg.audit.rotate_bytes >= 4096, "audit.rotate_bytes", "must be >= 4096"),
     ]
     for seed in n.join:
-        host, sep, port = seed.rpartition(":")
-        if not sep or not host or not port.isdigit() or not 0 < int(port) <= 65535:
-            checks.append((False, "node.join", f"{seed!r} is not HOST:PORT"))
+        try:
+            parse_address(seed)
+        except ValueError as exc:
+            checks.append((False, "node.join", str(exc)))
     for ok, key, why in checks:
         if not ok:
             raise ConfigError(f"{key}: {why}")

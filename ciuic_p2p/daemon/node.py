@@ -22,8 +22,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import itertools
-import os
 import socket
 import time
 import zlib
@@ -34,6 +32,7 @@ from typing import Any
 
 from cryptography import x509
 
+from ciuic_p2p.addresses import format_address, parse_address
 from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.broadcast import Delivery
@@ -47,6 +46,8 @@ from ciuic_p2p.core.meshwire import (
     decode_message,
     encode_message,
 )
+from ciuic_p2p.daemon import nodestatus
+from ciuic_p2p.daemon.incarnation import next_incarnation, save_incarnation
 from ciuic_p2p.daemon.outbox import ChunkKey, Outbox
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.logsetup import get_logger
@@ -58,41 +59,6 @@ MAX_STORE_CONTROL_BYTES = 60 * 1024
 answered behind the bulk backlog)."""
 MAX_UNREAD_DELIVERIES = 1024
 log = get_logger("ciuic.mesh")
-
-
-def format_address(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def parse_address(text: str, *, any_port: bool = False) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[V6]:PORT``; ValueError with the reason otherwise. Port 0
-    (let the system choose) only with ``any_port``: one listens there, never dials."""
-    host, sep, port = text.rpartition(":")
-    lowest = 0 if any_port else 1
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"{text!r} is not HOST:PORT")
-    if not lowest <= int(port) < 65536:
-        raise ValueError(f"{text!r}: port {port} is out of range ({lowest}-65535)")
-    return host.strip("[]"), int(port)
-
-
-def next_incarnation(state_dir: Path) -> int:
-    """Read, bump and save the incarnation (atomically: write, then rename)."""
-    path = state_dir / "incarnation"
-    try:
-        current = int(path.read_text().strip())
-    except (OSError, ValueError):
-        current = -1
-    save_incarnation(state_dir, current + 1)
-    return current + 1
-
-
-def save_incarnation(state_dir: Path, value: int) -> None:
-    path = state_dir / "incarnation"
-    state_dir.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(f"{value}\n")
-    os.replace(tmp, path)
 
 
 @dataclass
@@ -523,56 +489,9 @@ class MeshDaemon:
     # -- status --------------------------------------------------------------------------------
 
     def route_table(self) -> list[dict[str, Any]]:
-        """Each destination's current path (relayed when that beats the direct link),
-        with the RTTs of the path and of the direct link as the map has them."""
-        node = self.mesh
-        rtt = node.rttmap.rtt_s
-        table = []
-        for dest, path in sorted(node.routes().items()):
-            legs = [rtt(a, b) for a, b in itertools.pairwise(path)]
-            direct = rtt(self.peer_id, dest)
-            table.append(
-                {
-                    "to": dest,
-                    "path": list(path),
-                    "path_rtt_ms": None if None in legs else round(sum(legs) * 1e3, 2),  # type: ignore[arg-type]
-                    "direct_rtt_ms": None if direct is None else round(direct * 1e3, 2),
-                }
-            )
-        return table
+        """Each destination's path, with its RTT beside the direct one (``routes``)."""
+        return nodestatus.route_table(self)
 
     def status(self) -> dict[str, Any]:
-        node = self.mesh
-        routes = node.routes()
-        members = []
-        for name, m in sorted(node.membership.members.items()):
-            rtt = node.rttmap.rtt_s(self.peer_id, name)
-            members.append(
-                {
-                    "peer": name,
-                    "address": m.address,
-                    "region": m.region,
-                    "state": m.state.name.lower(),
-                    "incarnation": m.incarnation,
-                    "rtt_ms": None if rtt is None else round(rtt * 1000, 2),
-                    "rtt_source": node.rttmap.source(self.peer_id, name),
-                    "route": list(routes.get(name, ())),
-                }
-            )
-        return {
-            "peer": self.peer_id,
-            "name": self.config.node.name,
-            "region": self.config.node.region,
-            "address": self.address,
-            "incarnation": node.membership.incarnation,
-            "joined": node.membership.joined,
-            "uptime_s": round(self.clock() - self.started_at, 1),
-            "alive": len(node.view()),
-            "health_score": node.membership.awareness.score,
-            "members": members,
-            "banned": sorted(self.banned),
-            "counters": dict(self.counters),
-            "udp_bytes_sent": self.transport.udp_bytes_sent,
-            "backlog_bytes": self.backlog_bytes(),
-            **{name: part() for name, part in self.status_parts.items()},
-        }
+        """What ``ciuic-node status``, the status page and the metrics show."""
+        return nodestatus.status(self)

@@ -25,12 +25,13 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
+from ciuic_p2p.addresses import format_address, parse_address
 from ciuic_p2p.admission import Trust, load_certificate, load_crl
 from ciuic_p2p.config import Config, load_layered, runtime_dir, trainer_socket_path
 from ciuic_p2p.core.audit import AuditError
 from ciuic_p2p.daemon.auditlog import AuditLog
 from ciuic_p2p.daemon.control import ControlServer
-from ciuic_p2p.daemon.node import MeshDaemon, format_address, parse_address
+from ciuic_p2p.daemon.node import MeshDaemon
 from ciuic_p2p.daemon.service import NodeService, Parts
 from ciuic_p2p.daemon.store import StoreService
 from ciuic_p2p.daemon.trainer import TrainerServer

@@ -1,0 +1,19 @@
+"""Addresses as users write them: ``HOST:PORT`` or ``[V6]:PORT``."""
+
+from __future__ import annotations
+
+
+def format_address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def parse_address(text: str, *, any_port: bool = False) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT``; ValueError with the reason otherwise. Port 0
+    (let the system choose) only with ``any_port``: one listens there, never dials."""
+    host, sep, port = text.rpartition(":")
+    lowest = 0 if any_port else 1
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"{text!r} is not HOST:PORT")
+    if not lowest <= int(port) < 65536:
+        raise ValueError(f"{text!r}: port {port} is out of range ({lowest}-65535)")
+    return host.strip("[]"), int(port)

@@ -1,0 +1,67 @@
+"""A daemon's state as the operator sees it: ``status`` (members, RTTs, routes,
+counters, and the sections other parts add) and the route table. Read-only."""
+
+from __future__ import annotations
+
+import itertools
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ciuic_p2p.daemon.node import MeshDaemon
+
+
+def route_table(d: MeshDaemon) -> list[dict[str, Any]]:
+    """Each destination's current path (relayed when that beats the direct link),
+    with the RTTs of the path and of the direct link as the map has them."""
+    node = d.mesh
+    rtt = node.rttmap.rtt_s
+    table = []
+    for dest, path in sorted(node.routes().items()):
+        legs = [rtt(a, b) for a, b in itertools.pairwise(path)]
+        direct = rtt(d.peer_id, dest)
+        table.append(
+            {
+                "to": dest,
+                "path": list(path),
+                "path_rtt_ms": None if None in legs else round(sum(legs) * 1e3, 2),  # type: ignore[arg-type]
+                "direct_rtt_ms": None if direct is None else round(direct * 1e3, 2),
+            }
+        )
+    return table
+
+
+def status(d: MeshDaemon) -> dict[str, Any]:
+    node = d.mesh
+    routes = node.routes()
+    members = []
+    for name, m in sorted(node.membership.members.items()):
+        rtt = node.rttmap.rtt_s(d.peer_id, name)
+        members.append(
+            {
+                "peer": name,
+                "address": m.address,
+                "region": m.region,
+                "state": m.state.name.lower(),
+                "incarnation": m.incarnation,
+                "rtt_ms": None if rtt is None else round(rtt * 1000, 2),
+                "rtt_source": node.rttmap.source(d.peer_id, name),
+                "route": list(routes.get(name, ())),
+            }
+        )
+    return {
+        "peer": d.peer_id,
+        "name": d.config.node.name,
+        "region": d.config.node.region,
+        "address": d.address,
+        "incarnation": node.membership.incarnation,
+        "joined": node.membership.joined,
+        "uptime_s": round(d.clock() - d.started_at, 1),
+        "alive": len(node.view()),
+        "health_score": node.membership.awareness.score,
+        "members": members,
+        "banned": sorted(d.banned),
+        "counters": dict(d.counters),
+        "udp_bytes_sent": d.transport.udp_bytes_sent,
+        "backlog_bytes": d.backlog_bytes(),
+        **{name: part() for name, part in d.status_parts.items()},
+    }
