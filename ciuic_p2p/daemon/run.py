@@ -284,8 +284,7 @@ async def serve(args: argparse.Namespace) -> int:
     service = NodeService(
         config, parts, reload_config=lambda: build_config(args), crl_path=crl_path
     )
-    seeds = ([args.join] if args.join else []) + list(config.node.join)
-    return await service.run(seeds)
+    return await service.run([args.join] if args.join else [])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -82,6 +82,8 @@ class NodeService:
         self._stop = asyncio.Event()
         self._signals = 0
         self._join_task: asyncio.Task[None] | None = None
+        self._flag_seeds: list[str] = []
+        self._exit_code = 0
         parts.daemon.status_parts["service"] = self.status
 
     def status(self) -> dict[str, Any]:
@@ -95,7 +97,9 @@ class NodeService:
 
     # -- running ------------------------------------------------------------------------------
 
-    async def run(self, seeds: list[str]) -> int:
+    async def run(self, flag_seeds: list[str]) -> int:
+        """Run until stopped; ``flag_seeds`` (``--join``) go before ``node.join``."""
+        self._flag_seeds = flag_seeds
         loop = asyncio.get_running_loop()
         loop.add_signal_handler(signal.SIGTERM, self._on_stop_signal, signal.SIGTERM)
         loop.add_signal_handler(signal.SIGINT, self._on_stop_signal, signal.SIGINT)
@@ -106,12 +110,13 @@ class NodeService:
             self._tick_audit(loop, self.parts.audit)
         code = 0
         try:
-            if seeds:
-                await self._first_join(seeds)
-            self.state = "running" if self._joined() or not seeds else "joining"
+            if self._seeds():
+                await self._first_join()
+            self.state = "running" if self._joined() or not self._seeds() else "joining"
             self.notifier.ready(self._summary())
             log.info("ready", state=self.state, address=self.parts.daemon.address)
             await self._stop.wait()
+            code = self._exit_code
         except JoinRefused as exc:
             log.error("join_refused", error=str(exc))
             code = 1
@@ -143,10 +148,15 @@ class NodeService:
             )
         return f"{self.state}: {alive} members alive; listening on {d.address}"
 
-    async def _first_join(self, seeds: list[str]) -> None:
+    def _seeds(self) -> list[str]:
+        # Read each round: a reload may have changed node.join.
+        return self._flag_seeds + [s for s in self.config.node.join if s not in self._flag_seeds]
+
+    async def _first_join(self) -> None:
+        seeds = self._seeds()
         timeout_s = self.config.node.first_join_timeout_s
         try:
-            await asyncio.wait_for(self._join_any(seeds, once=True), timeout_s)
+            await asyncio.wait_for(self._join_any(once=True), timeout_s)
         except TimeoutError:
             self.join_error = self.join_error or (
                 f"no seed answered within {timeout_s:g} s ({', '.join(seeds)})"
@@ -158,12 +168,20 @@ class NodeService:
                 error=self.join_error,
                 retry_s=self.config.node.join_retry_s,
             )
-            self._join_task = asyncio.get_running_loop().create_task(self._join_any(seeds))
+            self._join_task = asyncio.get_running_loop().create_task(self._join_later())
 
-    async def _join_any(self, seeds: list[str], once: bool = False) -> None:
+    async def _join_later(self) -> None:
+        try:
+            await self._join_any()
+        except JoinRefused as exc:  # as at the first attempt: retrying cannot help
+            log.error("join_refused", error=str(exc))
+            self._exit_code = 1
+            self._stop.set()
+
+    async def _join_any(self, once: bool = False) -> None:
         """Try each seed in turn until one lets us in (once: one round only)."""
         while not self._stop.is_set():
-            for seed in self.config.node.join if not once and self.config.node.join else seeds:
+            for seed in self._seeds():
                 self.join_attempts += 1
                 try:
                     view = await self.parts.daemon.join(seed)
