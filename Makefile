@@ -47,3 +47,19 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache .hypothesis
+
+# bench/compare.py's separate environment: hivemind 1.1.12 (numpy<2.4: newer numpy makes
+# its 8-bit codecs fail silently) beside the pinned torch and this project.
+#     .venv-bench/bin/python bench/compare.py --json
+BENCH_VENV ?= .venv-bench
+
+bench-deps: $(BENCH_VENV)/.installed
+
+$(BENCH_VENV)/.installed: pyproject.toml
+	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
+	$(BENCH_VENV)/bin/python -c "import torch" 2>/dev/null || $(BENCH_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
+	$(BENCH_VENV)/bin/python -m pip install -q hivemind==1.1.12 "numpy<2.4"
+	$(BENCH_VENV)/bin/python -m pip install -q -e .
+	touch $@
+
+.PHONY: bench-deps
