@@ -31,11 +31,13 @@ Runs in the environment ``make bench-deps`` builds:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
 import platform
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -104,7 +106,9 @@ class Peer:
             self.send("exit")
             self.proc.wait(30)
         except (OSError, subprocess.TimeoutExpired):
-            self.proc.kill()
+            for pid in tree_pids([self.proc.pid]):  # hivemind's DHT, averager and p2pd too
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
             self.proc.wait()
         self.log.close()
 

@@ -55,6 +55,8 @@ def wait_for(command: str) -> None:
             raise SystemExit(f"driver went away while waiting for {command!r}")
         if line.strip() == command:
             return
+        if line.strip() == "exit":  # the driver gave up: leave now (hivemind's children too)
+            raise SystemExit(f"told to exit while waiting for {command!r}")
 
 
 def run_gloo(rank: int, elements: int, port: int, out: str) -> None:
