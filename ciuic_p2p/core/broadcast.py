@@ -17,9 +17,8 @@ Repair: every ``heads_interval_s`` a node tells ``heads_fanout`` random members 
 highest sequence number it holds per origin (``HEADS``). A node that learns of a
 chunk it lacks, and still lacks it ``repair_after_s`` later (the tree had its chance),
 asks the announcer for it (``WANT``), and asks again, of whoever announced it last,
-after 2, 4, ... up to 16 x ``repair_after_s`` while the same member is the last
-announcer, after 2 x when another one is (the adapter queues no second copy of a
-chunk already queued for that peer). Holders keep delivered chunks for
+every 2 x ``repair_after_s`` (the adapter queues no second copy of a chunk already
+queued for that peer). Holders keep delivered chunks for
 ``chunk_retain_s`` (and at most ``chunk_retain_bytes``), so a chunk whose relay died
 still reaches everyone while anyone holds it: in particular while its origin lives.
 A repaired chunk is forwarded down the tree like any other first arrival, so the
@@ -37,10 +36,6 @@ from dataclasses import dataclass, field
 from ciuic_p2p.config import MeshSection
 from ciuic_p2p.core.meshwire import MAX_HEADS, MAX_WANT, Chunk, Heads, Message, Want
 
-MAX_REASK_DOUBLINGS = 4
-"""Re-asks of one holder for a missing chunk back off 2x each time up to 16 x
-``repair_after_s``; another holder is asked after 2 x ``repair_after_s``."""
-
 REORDER_WINDOW = 64
 """On first hearing of an origin at sequence s, chunks from s - 64 on are expected."""
 
@@ -54,8 +49,6 @@ class _OriginLog:
     """Highest sequence number known to exist."""
     missing_since: dict[int, float] = field(default_factory=dict)
     requested_at: dict[int, float] = field(default_factory=dict)
-    asks: dict[int, int] = field(default_factory=dict)
-    asked_of: dict[int, str] = field(default_factory=dict)
     holder: str | None = None
 
     def has(self, seq: int) -> bool:
@@ -68,8 +61,6 @@ class _OriginLog:
             self.above.discard(self.contiguous)
         self.missing_since.pop(seq, None)
         self.requested_at.pop(seq, None)
-        self.asks.pop(seq, None)
-        self.asked_of.pop(seq, None)
         self.high = max(self.high, seq)
 
 
@@ -238,26 +229,20 @@ class Disseminator:
                     log.add(seq)  # given up: counted, never delivered
                     continue
                 asked = log.requested_at.get(seq)
-                # Back off against the same holder only: one that announced a higher
-                # seq may still lack this one, and another announcer should be asked.
-                same = log.asked_of.get(seq) == log.holder
-                wait_s = self._reask_after_s(log.asks.get(seq, 0) if same else 1)
-                if now - since >= s.repair_after_s and (asked is None or now - asked >= wait_s):
+                # No back-off: a longer one (tried, up to 16-32 x) delayed real repairs
+                # by seconds and pushed replicas past the staleness bound; what fed the
+                # backlogs, a second copy queued behind the first, the adapter's outbox
+                # now refuses (daemon.outbox).
+                if now - since >= s.repair_after_s and (
+                    asked is None or now - asked >= 2 * s.repair_after_s
+                ):
                     wanted.append(seq)
                     log.requested_at[seq] = now
-                    log.asks[seq] = log.asks.get(seq, 0) + 1 if same else 1
-                    if log.holder is not None:
-                        log.asked_of[seq] = log.holder
                 if len(wanted) >= MAX_WANT:
                     break
             if wanted and log.holder is not None:
                 self._send(log.holder, Want(origin, tuple(wanted)))
         self._evict(now)
-
-    def _reask_after_s(self, asks: int) -> float:
-        # Backing off: an unanswered WANT mostly means the answer is queued behind a
-        # backlog, and asking at a fixed rate multiplied that backlog.
-        return self.settings.repair_after_s * float(2 ** min(asks, MAX_REASK_DOUBLINGS))
 
     def forget(self, origin: str) -> None:
         """An origin left for good: stop expecting its chunks."""
