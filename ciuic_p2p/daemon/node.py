@@ -437,8 +437,7 @@ class MeshDaemon:
         self.counters["outbox_dropped"] += dest.box.dropped - dropped
         if not accepted:  # that chunk is still queued for this peer (see daemon.outbox)
             self.counters["repairs_already_queued"] += 1
-            return
-        if chunk is not None and chunk[0] != self.peer_id:
+        elif chunk is not None and chunk[0] != self.peer_id:
             self.traffic[address].chunks_relayed += 1
         dest.wake.set()
         if dest.task is None or dest.task.done():
@@ -466,6 +465,11 @@ class MeshDaemon:
                 traffic.chunks_sent += ftype is FrameType.MESH_CHUNK
             except TransportError:
                 self.counters["send_failed"] += 1
+            except Exception as exc:  # this task must outlive any one frame
+                # A sender that died here would strand its queue: the outbox refuses
+                # second copies of the chunks in it, so re-asks could never revive it.
+                self.counters["send_failed"] += 1
+                log.warning("send_failed", address=address, error=repr(exc))
 
     async def _link_to(self, address: str) -> bytes:
         """The peer key of a live link to ``address``, dialling once for all waiters."""
