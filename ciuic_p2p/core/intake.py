@@ -87,6 +87,9 @@ class PeerState:
     """Update chunks of this origin applied here."""
     refused: int = 0
     """Chunks of this origin refused here (duplicates not counted)."""
+    held_by_state: int = 0
+    """Chunks of this origin dropped because the state restored here already held them:
+    accounted for like applied ones (a late joiner waited for them forever at finish)."""
     reported: bool = False
     """It told its step (a JOIN) since it was registered here."""
     lagging: bool = False
@@ -277,6 +280,8 @@ class Intake:
         self._check_once(self._updates, origin, h)
         if h.step <= self.floors.get(origin, -1):  # the restored state holds it already
             self.stats.before_state += 1
+            if state is not None:
+                state.held_by_state += 1
             return
         self._add(h, item.positions, item.values, self.weight)
         if state is not None:

@@ -279,7 +279,7 @@ class MeshSync(StateSync):
         def all_in() -> bool:
             self.poll()
             return all(
-                p.done_at is not None and p.applied + p.refused >= p.chunks_sent
+                p.done_at is not None and p.applied + p.held_by_state + p.refused >= p.chunks_sent
                 for p in r.peers.values()
             )
 
@@ -310,6 +310,7 @@ class MeshSync(StateSync):
             "bytes_published": s.bytes_published,
             "applied": s.applied,
             "applied_by_origin": {k: p.applied for k, p in r.peers.items()},
+            "held_by_state_by_origin": {k: p.held_by_state for k, p in r.peers.items()},
             "refused_by_origin": {k: p.refused for k, p in r.peers.items()},
             "sent_by_origin": {k: p.chunks_sent for k, p in r.peers.items()},
             "params_mixed": s.params_mixed,

@@ -50,8 +50,8 @@ def summarize(results: list[dict[str, Any]], target: float | None = None) -> dic
         out["hook_ms_per_step"] = mean(1000 * s["hook_s"] / s["step"] for s in syncs)
         out["merged_steps"] = sum(s["merged_steps"] for s in syncs)
         out["refused"] = sum(sum(s["refused"].values()) for s in syncs)
-        out["exactly_once"] = all(
-            s["applied_by_origin"].get(o, 0) == n
+        out["exactly_once"] = all(  # applied here, or held by the state restored here
+            s["applied_by_origin"].get(o, 0) + s.get("held_by_state_by_origin", {}).get(o, 0) == n
             for s in syncs
             for o, n in s["sent_by_origin"].items()
         )
