@@ -18,7 +18,6 @@ from pathlib import Path
 
 from ciuic_p2p.core.audit import AuditError
 from ciuic_p2p.daemon.auditlog import public_key_from, verify_directory
-from ciuic_p2p.errors import CiuicError
 
 
 def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,18 +42,8 @@ def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def audit_main(args: argparse.Namespace) -> int:
-    try:
-        if args.audit_command == "verify":
-            return _verify(args)
-    except CiuicError as exc:
-        print(f"ciuic-node: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"ciuic-node: error: {where}{exc.strerror or exc}", file=sys.stderr)
-        return 2
-    print(f"ciuic-node: error: unknown audit action {args.audit_command!r}", file=sys.stderr)
-    return 2
+    """Run an ``audit`` action; errors are ciuic_p2p.cli's to report (one line, 2)."""
+    return _verify(args)
 
 
 def _verify(args: argparse.Namespace) -> int:
@@ -96,9 +85,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ciuic_p2p.audit_cli verify DIR ...``, the same as ``ciuic-node audit``."""
-    parser = argparse.ArgumentParser(prog="ciuic-node audit")
-    add_audit_arguments(parser)
-    return audit_main(parser.parse_args(argv))
+    from ciuic_p2p.cli import main as cli_main  # noqa: PLC0415 (cli imports this module)
+
+    return cli_main(["audit", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":  # pragma: no cover

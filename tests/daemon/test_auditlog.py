@@ -4,7 +4,6 @@ file or an edited entry is named. Virtual time; no sleeps."""
 
 from __future__ import annotations
 
-import argparse
 import datetime as dt
 import json
 import os
@@ -15,7 +14,7 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ciuic_p2p.admission import ClusterCA, write_pem
-from ciuic_p2p.audit_cli import add_audit_arguments, audit_main
+from ciuic_p2p.cli import main as cli_main
 from ciuic_p2p.core.audit import AuditEntry, AuditError, digest, parse_entry
 from ciuic_p2p.daemon.auditlog import AuditLog, public_key_from, verify_directory
 from ciuic_p2p.identity import NodeKey
@@ -217,9 +216,7 @@ def test_public_key_from_key_file_certificate_or_hex(tmp_path: Path) -> None:
 
 
 def audit(*argv: str) -> int:
-    parser = argparse.ArgumentParser(prog="ciuic-node audit")
-    add_audit_arguments(parser)
-    return audit_main(parser.parse_args(list(argv)))
+    return cli_main(["audit", *argv])
 
 
 def test_cli_verify_intact_log_prints_ok_and_exits_0(
