@@ -162,6 +162,9 @@ class BucketEncoder:
         self.source = source
         self.device = torch.device(device)
         self.stats = EncodeStats()
+        self.replicas = 0
+        """Stamped on every chunk (the weight receivers give it is 1/replicas); 0:
+        not stated."""
         self._update_norm_ema = 0.0
         # Dense fp32 is lossless: nothing is ever left behind, so no residual.
         self.residual: torch.Tensor | None = (
@@ -253,6 +256,7 @@ class BucketEncoder:
             range_start=start,
             range_len=length,
             count=count,
+            replicas=self.replicas,
         )
 
     def _encode_sparse(self, acc: torch.Tensor, step: int) -> list[bytearray]:

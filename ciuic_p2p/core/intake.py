@@ -283,7 +283,10 @@ class Intake:
             if state is not None:
                 state.held_by_state += 1
             return
-        self._add(h, item.positions, item.values, self.weight)
+        # The weight its origin gave it: the same in every replica, whoever counted
+        # a joiner or a death first.
+        w = 1.0 / h.replicas if h.replicas else self.weight
+        self._add(h, item.positions, item.values, w)
         if state is not None:
             state.step = max(state.step, h.step)
             state.applied += 1

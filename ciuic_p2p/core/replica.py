@@ -11,6 +11,11 @@ With N the number of training replicas alive and ``w = 1/N``:
     settlement:   params -= (1 - w) * c_i(s)         # once every live replica's
                                                      # stream has reached step s
 
+Each chunk states the N its origin counted when it took the update, and every
+replica (the origin at settlement too) weights it by that N, not by its own count:
+replicas learn of a joiner or a death at different steps, and with their own counts
+they would add different amounts of the same chunk and stay apart for good.
+
 So every value sent ends up with weight ``w`` in every replica: each replica moves by
 the mean of all replicas' updates, as synchronous data parallelism with averaged
 gradients does, and with density 1 and no delay the two are the same computation.
@@ -33,6 +38,13 @@ average reaches it late, as in asynchronous decentralized SGD (AD-PSGD, Lian et 
 2018, which proves convergence under bounded staleness) and in DiLoCo (Douillard et
 al. 2023), whose replicas take local steps between averaged outer updates; with a
 send interval above one step the local deltas are merged, like DiLoCo's inner steps.
+
+A state handed to a joiner (or written as a checkpoint) is :meth:`Replica.shared_params`:
+the parameters without the unsent progress and with the unsettled own chunks at their
+weight, with each origin's newest step in it. The joiner then gets every later chunk
+as the others do; handing the live parameters instead counted the donor's unsent part
+twice and its unsettled part ``1 - w`` too much, and in tests/train/test_elastic.py
+(no consensus mix) left the joiner 0.006 to 0.19 apart where it is now 1e-4 to 6e-4.
 
 Replicas differ by their unsent residuals, the chunks in flight and the unsettled own
 chunks, and drift for good when chunks are lost (an origin that died with chunks in
@@ -117,9 +129,10 @@ class Replica(Intake):
         peer's parameters of step s are compared with ours of step s."""
         self._queued: dict[tuple[int, float], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._debts: collections.deque[
-            tuple[int, int, int, int, torch.Tensor | None, torch.Tensor]
+            tuple[int, float, int, int, int, torch.Tensor | None, torch.Tensor]
         ] = collections.deque()
-        """Own sent chunks not yet settled (appended by the encoder thread)."""
+        """Own sent chunks not yet settled, with the weight they went out with
+        (appended by the encoder thread)."""
         self.encoders = [
             BucketEncoder(
                 info.index,
@@ -224,9 +237,8 @@ class Replica(Intake):
             )
         n = 0
         debts = self._debts
-        w = self.weight
         while debts and debts[0][0] <= floor:
-            _, bucket, start, length, positions, values = debts.popleft()
+            _, w, bucket, start, length, positions, values = debts.popleft()
             if w < 1.0:
                 h = Range(bucket, start, length)
                 self._add(h, positions, values, w - 1.0)
@@ -234,12 +246,20 @@ class Replica(Intake):
         self.flush()
         return n
 
-    def encode_update(self, deltas: Sequence[torch.Tensor], step: int) -> list[bytes]:
+    def encode_update(
+        self, deltas: Sequence[torch.Tensor], step: int, replicas: int | None = None
+    ) -> list[bytes]:
         """Encode a taken update into mesh payloads (may run on another thread: it
-        touches only the encoders, the residuals and the own-RMS reference)."""
+        touches only the encoders, the residuals and the own-RMS reference). Each
+        chunk states ``replicas`` (by default the count now; pass the count read when
+        the update was taken): every replica, this one at settlement included, weights
+        it ``1/replicas``, so a membership change seen at different moments by
+        different replicas does not leave them apart."""
         payloads: list[bytes] = []
+        n = max(1, self.replicas if replicas is None else replicas)
         with torch.no_grad():
             for enc, delta in zip(self.encoders, deltas, strict=True):
+                enc.replicas = n
                 if enc.spec.codec.is_sparse and enc.spec.density != self.density:
                     enc.spec = _with_density(enc.spec, self.density)
                 for chunk in enc.encode(delta, step):
@@ -311,9 +331,34 @@ class Replica(Intake):
                 self.stats.excused += 1
 
     def applied_steps(self) -> dict[str, int]:
-        """For each origin, the newest of its update steps in these parameters (this
-        replica's own included): travels with a state snapshot."""
-        return {self.peer: self.step, **{k: p.step for k, p in self.peers.items()}}
+        """For each origin, the newest of its update steps in :meth:`shared_params`
+        (this replica's own: the last it sent): travels with a state snapshot."""
+        return {self.peer: self.last_send_step, **{k: p.step for k, p in self.peers.items()}}
+
+    def shared_params(self) -> list[torch.Tensor]:
+        """The parameters as every replica will hold them once what this one has
+        applied is settled, without what it has not sent yet: each own sent chunk at
+        its weight instead of in full (unsettled), and no unsent progress (the delta
+        since the last send and the residuals). A joiner or a restart starts from
+        these and gets this replica's later chunks as every other replica does; the
+        live parameters would count the unsent part twice and the unsettled part
+        ``1 - w`` too much, for good. Call with the encoder idle; the tensors are
+        scratch buffers, valid until the next :meth:`take_update`."""
+        self.flush()
+        out = self._spare_other
+        with torch.no_grad():
+            for o, anchor, enc in zip(out, self.anchor, self.encoders, strict=True):
+                o.copy_(anchor)
+                if enc.residual is not None:
+                    o.sub_(enc.residual)
+            for _, w, bucket, start, length, positions, values in self._debts:
+                if w >= 1.0:
+                    continue
+                if positions is None:
+                    out[bucket][start : start + length].add_(values, alpha=w - 1.0)
+                else:
+                    out[bucket].index_add_(0, positions + start, values, alpha=w - 1.0)
+        return out
 
     def start_at(self, step: int, applied: dict[str, int] | None = None) -> None:
         """Begin at ``step`` from the parameters now in the buckets (after a state
@@ -331,8 +376,9 @@ class Replica(Intake):
     def _record_own(self, chunk: bytes | bytearray) -> None:
         decoded = decode_chunk(chunk, self.buckets[0].device)
         h = decoded.header
+        w = 1.0 / h.replicas if h.replicas else self.weight
         self._debts.append(
-            (h.step, h.bucket, h.range_start, h.range_len, decoded.positions, decoded.values)
+            (h.step, w, h.bucket, h.range_start, h.range_len, decoded.positions, decoded.values)
         )
         rms = float(torch.linalg.vector_norm(decoded.values)) / math.sqrt(max(1, h.count))
         n = self._own_count[h.bucket]

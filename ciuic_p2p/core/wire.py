@@ -28,6 +28,14 @@ order. Layout of the v1 header (184 bytes)::
     116    4 checksum       CRC-32 of the header and payload, flags and signature excluded
     120   64 signature      Ed25519 signature slot, filled by core.origin.sign_chunk
 
+Appended fields (a v1 reader that predates them skips them; they are covered by the
+checksum and the signature)::
+
+    184    4 replicas       the origin's count of training replicas when it sent this
+                            update: every replica weights it 1/replicas, so all of them
+                            add the same amount whenever membership changes (0: not
+                            stated; header_len is then 184 and a receiver uses its own)
+
 The checksum and the signature both skip the flags byte and the signature slot, so
 that the origin can sign (and mark signed) a chunk after it was built, and a relay
 forwards the bytes untouched. The signature covers the checksum.
@@ -60,6 +68,9 @@ from ciuic_p2p.errors import (
 MAGIC = b"CIUC"
 VERSION = 1
 HEADER_V1_LEN = 184
+#: With the appended ``replicas`` field.
+HEADER_REPLICAS_LEN = 188
+MAX_REPLICAS = 1 << 16
 #: Hard limits. A chunk larger than this is refused before its payload is looked at.
 MAX_HEADER_LEN = 1024
 MAX_PAYLOAD_BYTES = 1 << 20
@@ -77,6 +88,7 @@ assert _HEADER.size == HEADER_V1_LEN
 _CHECKSUM_OFFSET = 116
 _SIGNATURE_OFFSET = 120
 _SIGNATURE_END = 184
+_REPLICAS = struct.Struct("<I")
 SIGNATURE_LEN = 64
 RUN_ID_LEN = 16
 ORIGIN_LEN = 32
@@ -153,6 +165,7 @@ class ChunkHeader:
     signature: bytes = bytes(SIGNATURE_LEN)
     header_len: int = HEADER_V1_LEN
     payload_len: int = 0
+    replicas: int = 0
 
     @property
     def signed(self) -> bool:
@@ -194,14 +207,15 @@ def build_chunk(header: ChunkHeader, sections: Sequence[memoryview | bytes]) -> 
     if payload_len > MAX_PAYLOAD_BYTES:
         raise OversizeChunkError(f"payload of {payload_len} bytes exceeds {MAX_PAYLOAD_BYTES}")
     _check_header_fields(header, payload_len)
-    buf = bytearray(HEADER_V1_LEN + payload_len)
+    header_len = HEADER_REPLICAS_LEN if header.replicas else HEADER_V1_LEN
+    buf = bytearray(header_len + payload_len)
     _HEADER.pack_into(
         buf,
         0,
         MAGIC,
         VERSION,
         0,
-        HEADER_V1_LEN,
+        header_len,
         int(header.codec),
         int(header.index_code),
         header.rice_bits,
@@ -221,8 +235,10 @@ def build_chunk(header: ChunkHeader, sections: Sequence[memoryview | bytes]) -> 
         0,
         bytes(SIGNATURE_LEN),
     )
+    if header.replicas:
+        _REPLICAS.pack_into(buf, HEADER_V1_LEN, header.replicas)
     view = memoryview(buf)
-    pos = HEADER_V1_LEN
+    pos = header_len
     for s in sections:
         n = len(s)
         view[pos : pos + n] = s
@@ -320,6 +336,9 @@ def parse_chunk(chunk: bytes | bytearray | memoryview) -> tuple[ChunkHeader, mem
         raise InconsistentChunkError(
             f"unknown codec {codec_raw} or index code {index_raw}"
         ) from exc
+    replicas = 0
+    if header_len >= HEADER_REPLICAS_LEN:
+        (replicas,) = _REPLICAS.unpack_from(view, HEADER_V1_LEN)
     header = ChunkHeader(
         codec=codec,
         index_code=index_code,
@@ -338,6 +357,7 @@ def parse_chunk(chunk: bytes | bytearray | memoryview) -> tuple[ChunkHeader, mem
         signature=bytes(signature),
         header_len=header_len,
         payload_len=payload_len,
+        replicas=replicas,
     )
     _check_header_fields(header, payload_len)
     return header, view[header_len:]
@@ -354,6 +374,8 @@ def _check_header_fields(h: ChunkHeader, payload_len: int) -> None:
         raise OversizeChunkError(
             f"range [{h.range_start}, +{h.range_len}) exceeds the bucket limit"
         )
+    if not 0 <= h.replicas <= MAX_REPLICAS:
+        raise InconsistentChunkError(f"replicas {h.replicas} outside [0, {MAX_REPLICAS}]")
     if h.range_start < 0 or h.range_len < 0 or h.bucket < 0 or h.count < 0:
         raise InconsistentChunkError("negative field")
     if h.count > h.range_len:

@@ -175,8 +175,8 @@ class MeshSync(StateSync):
             enc.submit(lambda: self._publish(r.encode_params(params, step)))
         if update_due:
             if enc.idle.is_set():
-                deltas, step = r.take_update(), r.step
-                enc.submit(lambda: self._publish(r.encode_update(deltas, step)))
+                deltas, step, n = r.take_update(), r.step, r.replicas
+                enc.submit(lambda: self._publish(r.encode_update(deltas, step, n)))
             else:
                 self.merged_steps += 1
         due = self.checkpoint_path is not None and (
@@ -269,8 +269,8 @@ class MeshSync(StateSync):
             if not enc.idle.wait(limit):
                 raise ChannelError(f"the encoder did not finish within {limit:g} s")
             if r.last_send_step < r.step:  # merged steps still pending: send them
-                deltas, step = r.take_update(), r.step
-                enc.submit(lambda: self._publish(r.encode_update(deltas, step)))
+                deltas, step, n = r.take_update(), r.step, r.replicas
+                enc.submit(lambda: self._publish(r.encode_update(deltas, step, n)))
                 if not enc.idle.wait(limit):
                     raise ChannelError(f"the encoder did not finish within {limit:g} s")
             enc.check()

@@ -90,7 +90,7 @@ class StateSync:
         self.replica.flush()
         opt = self.optimizer if self.config.store.sync_optimizer_state else None
         meta = {"applied": self.replica.applied_steps()}
-        return pack_state(self.layout.layout_id, self.buckets, opt, meta)
+        return pack_state(self.layout.layout_id, self.replica.shared_params(), opt, meta)
 
     def _hand_state(self, write_checkpoint_too: bool) -> None:
         """Snapshot the state (training thread: a consistent copy) and hand it to the

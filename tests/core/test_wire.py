@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import struct
 
 import pytest
@@ -60,10 +61,30 @@ def test_signature_slot_and_flag_do_not_break_the_checksum() -> None:
 
 def test_appended_header_fields_are_skipped_by_a_v1_reader() -> None:
     chunk = build_chunk(dense_header(), [bytes(range(16))])
-    extended = bytearray(chunk[:184]) + b"\xaa" * 8 + chunk[184:]
-    struct.pack_into("<H", extended, 6, 192)
+    # The known appended field (replicas = 3), then 8 bytes of a later version's.
+    extended = bytearray(chunk[:184]) + struct.pack("<I", 3) + b"\xaa" * 8 + chunk[184:]
+    struct.pack_into("<H", extended, 6, 196)
     parsed, payload = parse_chunk(reseal(extended))
-    assert parsed.header_len == 192 and bytes(payload) == bytes(range(16))
+    assert parsed.header_len == 196 and bytes(payload) == bytes(range(16))
+    assert parsed.replicas == 3
+
+
+def test_the_replicas_field_round_trips_and_is_bounded() -> None:
+    h = dataclasses.replace(dense_header(), replicas=5)
+    chunk = build_chunk(h, [bytes(range(16))])
+    assert len(chunk) == wire.HEADER_REPLICAS_LEN + 16
+    parsed, payload = parse_chunk(chunk)
+    assert parsed.replicas == 5 and bytes(payload) == bytes(range(16))
+    # Unstated: the v1 header alone, read as 0.
+    assert parse_chunk(build_chunk(dense_header(), [bytes(16)]))[0].replicas == 0
+    bad = bytearray(chunk)
+    struct.pack_into("<I", bad, 184, wire.MAX_REPLICAS + 1)
+    with pytest.raises(InconsistentChunkError, match="replicas"):
+        parse_chunk(reseal(bad))
+    # A header too short to hold the field reads it as unstated, never past the header.
+    short = bytearray(chunk[:184]) + b"\x01\x00" + chunk[188:]
+    struct.pack_into("<H", short, 6, 186)
+    assert parse_chunk(reseal(short))[0].replicas == 0
 
 
 @pytest.mark.parametrize(

@@ -166,8 +166,11 @@ def test_late_joiner_starts_from_the_mesh_state_and_the_store_outlives_its_write
         for t in trainers:
             t.join(180)
             assert t.error is None, t.error
+        # The joiner's state left out the donor's unsent and unsettled parts, and every
+        # chunk carries its origin's weight: the three agree to float rounding plus
+        # their own last residuals (measured 1e-4 to 6e-4 here, 0.006 to 0.19 before).
         final = [[b.detach().clone() for b in s.buckets] for s in (*attached.values(), late)]
-        assert consensus_distance(final) < 0.05
+        assert consensus_distance(final) < 0.01
 
         # The shared store: node 0 puts a state dict; two others hold it; node 0 leaves.
         written = {k: v.clone() for k, v in models[0].state_dict().items()}

@@ -236,3 +236,67 @@ def test_backlog_merges_steps_and_lowers_density_then_recovers() -> None:
     for _ in range(5):
         r.adapt(0)
     assert r.send_interval == 1 and r.density == CODEC.density
+
+
+def test_a_joiner_and_a_membership_change_seen_at_different_steps_leave_no_drift() -> None:
+    """Replicas that applied the same chunks hold the same shared parameters, even
+    when they counted a joiner at different steps and the joiner started from one of
+    them mid-run (its unsent residual and unsettled chunks left out of the state)."""
+    run = run_id_of("run")
+    gen = torch.Generator().manual_seed(11)
+    a, b, c = replica(0), replica(1), replica(2)
+    with torch.no_grad():  # the joiner's own weights: all replaced by the state
+        for bucket in c.buckets:
+            bucket.normal_(generator=gen)
+    for r in (a, b):
+        r.set_alive(["p0", "p1"])
+    a.receive("p1", encode_presence(Kind.JOIN, run))
+    b.receive("p0", encode_presence(Kind.JOIN, run))
+    delay = {("p0", "p1"): 2, ("p1", "p0"): 3, ("p0", "p2"): 1, ("p1", "p2"): 4,
+             ("p2", "p0"): 2, ("p2", "p1"): 5}  # fmt: skip
+    pending: list[tuple[int, Replica, str, bytes]] = []
+    live = [a, b]
+    restored = False
+
+    def step_all(now: int) -> None:
+        for r in live:
+            for p in local_update(r, gen):
+                for other in (a, b, c):
+                    if other is not r and (other in live or (other is c and joined_mesh)):
+                        pending.append((now + delay[(r.peer, other.peer)], other, r.peer, p))
+        for item in [x for x in pending if x[0] <= now and (x[1] is not c or restored)]:
+            pending.remove(item)
+            item[1].receive(item[2], item[3])
+        for r in live:
+            r.settle()
+
+    joined_mesh = False
+    for now in range(30):
+        step_all(now)
+    joined_mesh = True  # its daemon is in: chunks reach it from now on
+    for r in (a, b, c):
+        r.set_alive(["p0", "p1", "p2"])
+    pending.append((32, a, "p2", encode_presence(Kind.JOIN, run)))
+    pending.append((35, b, "p2", encode_presence(Kind.JOIN, run)))  # b counts it later
+    for now in range(30, 34):
+        step_all(now)
+    # The state a hands over (with the encoder idle, as the hook does).
+    for mine, shared in zip(c.buckets, a.shared_params(), strict=True):
+        mine.copy_(shared)
+    c.start_at(a.step, a.applied_steps())
+    for origin in ("p0", "p1"):
+        c.receive(origin, encode_presence(Kind.JOIN, run))
+    restored = True
+    live.append(c)
+    for now in range(34, 70):
+        step_all(now)
+    assert a.replicas == b.replicas == c.replicas == 3
+    for _, to, origin, p in sorted(pending, key=lambda x: x[0]):
+        to.receive(origin, p)
+    for r in live:
+        r.settle(everything=True)
+    assert c.stats.before_state > 0  # its state held chunks that reached it too
+    shared = [[t.clone() for t in r.shared_params()] for r in live]
+    assert consensus_distance(shared) < 1e-5, [
+        consensus_distance([shared[i], shared[j]]) for i, j in ((0, 1), (0, 2), (1, 2))
+    ]
