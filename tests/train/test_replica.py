@@ -281,8 +281,8 @@ def test_a_joiner_and_a_membership_change_seen_at_different_steps_leave_no_drift
     for now in range(30, 34):
         step_all(now)
     # The state a hands over (with the encoder idle, as the hook does).
-    for mine, shared in zip(c.buckets, a.shared_params(), strict=True):
-        mine.copy_(shared)
+    for mine, donors in zip(c.buckets, a.shared_params(), strict=True):
+        mine.copy_(donors)
     c.start_at(a.step, a.applied_steps())
     for origin in ("p0", "p1"):
         c.receive(origin, encode_presence(Kind.JOIN, run))
