@@ -59,7 +59,7 @@ $(BENCH_VENV)/.installed: pyproject.toml
 	test -x $(BENCH_VENV)/bin/python || $(PYTHON) -m venv $(BENCH_VENV)
 	$(BENCH_VENV)/bin/python -c "import torch" 2>/dev/null || $(BENCH_VENV)/bin/python -m pip install -q "$(TORCH_SPEC)"
 	$(BENCH_VENV)/bin/python -m pip install -q hivemind==1.1.12 "numpy<2.4"
-	$(BENCH_VENV)/bin/python -m pip install -q -e .
+	$(BENCH_VENV)/bin/python -m pip install -q -e ".[demo]"
 	touch $@
 
 .PHONY: bench-deps

@@ -31,18 +31,13 @@ Runs in the environment ``make bench-deps`` builds:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import importlib.util
 import json
 import os
 import platform
-import queue
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -51,70 +46,12 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from support import plots, train_runs, wan_runs
 from support.compare_meter import SocketMeter, cpu_seconds, tree_pids
 from support.compare_peers import PEERS, exact_mean, rel_error
+from support.peerproc import Peer, all_expect
 
-PEER_SCRIPT = Path(__file__).resolve().parent / "support" / "compare_peers.py"
 SYSTEMS = ("gloo", "hivemind_none", "hivemind_fp16", "hivemind_u8", "ciuic_1pct", "ciuic_01pct")
-
-
-class Peer:
-    """One peer process; its ``@@`` lines are queued, everything else goes to a log."""
-
-    def __init__(self, args: list[str], log: Path) -> None:
-        self.log = log.open("w")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(PEER_SCRIPT), *args],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=self.log,
-            text=True,
-        )
-        self.messages: queue.Queue[dict[str, Any]] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("@@ "):
-                self.messages.put(json.loads(line[3:]))
-            else:
-                self.log.write(line)
-
-    def expect(self, kind: str, timeout_s: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                msg = self.messages.get(timeout=max(0.1, min(1.0, deadline - time.monotonic())))
-            except queue.Empty:
-                if self.proc.poll() is not None:
-                    why = f"peer exited ({self.proc.returncode}): see {self.log.name}"
-                    raise RuntimeError(why) from None
-                if time.monotonic() > deadline:
-                    raise TimeoutError(f"no {kind!r} from peer within {timeout_s} s") from None
-                continue
-            if msg["kind"] == kind:
-                return msg
-
-    def send(self, command: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(command + "\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        try:
-            self.send("exit")
-            self.proc.wait(30)
-        except (OSError, subprocess.TimeoutExpired):
-            for pid in tree_pids([self.proc.pid]):  # hivemind's DHT, averager and p2pd too
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-            self.proc.wait()
-        self.log.close()
-
-
-def all_expect(peers: list[Peer], kind: str, timeout_s: float) -> list[dict[str, Any]]:
-    return [p.expect(kind, timeout_s) for p in peers]
 
 
 def measured_round(peers: list[Peer], elements: int, work: Path) -> dict[str, Any]:
@@ -209,10 +146,33 @@ def main() -> int:
     ap.add_argument("--elements", type=int, default=10_000_000)
     ap.add_argument("--rounds", type=int, default=20, help="ciuic rounds with error feedback")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated subset")
+    ap.add_argument(
+        "--workloads",
+        default="round,train",
+        help="comma-separated: round (workload 1), train (workload 2), wan (workload 3)",
+    )
+    ap.add_argument("--train-peers", default="2,4", help="workload 2: peer counts")
+    ap.add_argument(
+        "--train-steps",
+        type=int,
+        default=60,
+        help="workload 2: global steps (hivemind takes about 7 s each on 2 cores)",
+    )
+    ap.add_argument("--train-seed", type=int, default=0)
+    ap.add_argument(
+        "--train-systems", default=",".join(train_runs.SYSTEMS), help="workload 2 subset"
+    )
+    ap.add_argument("--wan-scenarios", default="cities11,multicloud8", help="workload 3")
+    ap.add_argument("--wan-seeds", type=int, default=1, help="workload 3: seeds per scenario")
+    ap.add_argument("--wan-steps", type=int, default=150, help="workload 3: steps per node")
+    ap.add_argument("--plots", help="workload 2 and 3: write PNG plots into this directory")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     args = ap.parse_args()
-    systems = args.systems.split(",")
-    if any(s.startswith("hivemind") for s in systems) and not importlib.util.find_spec("hivemind"):
+    workloads = args.workloads.split(",")
+    systems = args.systems.split(",") if "round" in workloads else []
+    train_systems = args.train_systems.split(",") if "train" in workloads else []
+    wanted_hivemind = any(s.startswith("hivemind") for s in [*systems, *train_systems])
+    if wanted_hivemind and not importlib.util.find_spec("hivemind"):
         print(f"hivemind is not installed for {sys.executable}: run make bench-deps", flush=True)
         return 2
     result: dict[str, Any] = {
@@ -250,10 +210,57 @@ def main() -> int:
         rows[name] = row
         for key, value in row.items():
             result[f"{name}_{key}"] = value
-    print_table(rows, args.elements, args.rounds)
+    if rows:
+        print_table(rows, args.elements, args.rounds)
+    if train_systems:
+        result.update(workload_train(args, train_systems))
+    if "wan" in workloads:
+        result.update(
+            wan_runs.workload_wan(args.wan_scenarios.split(","), args.wan_seeds, args.wan_steps)
+        )
+    if args.plots:
+        for path in plots.write_all(result, Path(args.plots)):
+            print(f"plot: {path}", flush=True)
     if args.json:
         print(json.dumps(result))
     return 0
+
+
+def workload_train(args: argparse.Namespace, systems: list[str]) -> dict[str, Any]:
+    """Workload 2; keys ``{system}_{n}p_{field}``, and ``{system}_{field}`` for the
+    largest peer count."""
+    out: dict[str, Any] = {"train_steps": args.train_steps, "train_seed": args.train_seed}
+    counts = [int(n) for n in args.train_peers.split(",")]
+    out["train_peers"] = counts
+    table: dict[tuple[str, int], dict[str, Any]] = {}
+    for n in counts:
+        for name in systems:
+            with tempfile.TemporaryDirectory(prefix=f"compare-train-{name}-") as tmp:
+                work = Path(tmp)
+                t0 = time.monotonic()
+                try:
+                    row = train_runs.SYSTEMS[name](n, args.train_steps, args.train_seed, work)
+                except (RuntimeError, TimeoutError, OSError) as exc:
+                    logs = "".join(p.read_text()[-1500:] for p in sorted(work.glob("*.log")))
+                    print(f"{name} x{n}: FAILED: {exc}\n{logs}", file=sys.stderr, flush=True)
+                    row = {"failed": str(exc)}
+                print(f"train {name} x{n}: {json.dumps(row)} ({time.monotonic() - t0:.0f} s)")
+            table[(name, n)] = row
+            for key, value in row.items():
+                out[f"{name}_{n}p_{key}"] = value
+                if n == max(counts):
+                    out[f"{name}_{key}"] = value
+    print(f"\ntraining: digits MLP, {args.train_steps} global steps of peers x 256 samples")
+    print(f"{'system':<10} {'peers':>5} {'loss':>7} {'acc':>6} {'samples/s':>10} {'B/sample':>10}")
+    for (name, n), r in table.items():
+        if "failed" in r:
+            print(f"{name:<10} {n:>5} failed: {r['failed']}")
+            continue
+        print(
+            f"{name:<10} {n:>5} {r['loss']:>7.4f} {r['accuracy']:>6.3f} "
+            f"{r['samples_per_s']:>10.0f} {r['bytes_per_sample']:>10.1f}"
+        )
+    return out
 
 
 def print_table(rows: dict[str, dict[str, Any]], elements: int, rounds: int) -> None:

@@ -65,6 +65,7 @@ def main() -> int:
     ap.add_argument("--send-interval", type=int, default=2)
     ap.add_argument("--staleness-bound", type=int, default=64)
     ap.add_argument("--skip-dense", action="store_true", help="async and single only")
+    ap.add_argument("--skip-single", action="store_true", help="async and dense only")
     ap.add_argument("--out", help="keep the runs here (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     args = ap.parse_args()
@@ -93,9 +94,10 @@ def main() -> int:
                 runs["dense"] = cluster.train(
                     "dense", args.task, steps, seed, out / f"dense-{seed}"
                 )
-            runs["single"] = cluster.train(
-                "single", args.task, steps * len(names), seed, out / f"single-{seed}"
-            )
+            if not args.skip_single:
+                runs["single"] = cluster.train(
+                    "single", args.task, steps * len(names), seed, out / f"single-{seed}"
+                )
             target = None
             if "dense" in runs:
                 target = 1.05 * statistics.fmean(r["eval_loss"] for r in runs["dense"])
@@ -143,6 +145,8 @@ def main() -> int:
         "single_accuracy": mean("single", "accuracy"),
         "async_time_to_target_s": mean("async", "time_to_target_s"),
         "dense_time_to_target_s": mean("dense", "time_to_target_s"),
+        "async_wall_s": mean("async", "wall_s"),
+        "dense_wall_s": mean("dense", "wall_s"),
         "async_bytes_per_step": mean("async", "bytes_per_step"),
         "dense_bytes_per_step": mean("dense", "bytes_per_step"),
         "async_wait_fraction": mean("async", "wait_fraction"),

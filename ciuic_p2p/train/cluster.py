@@ -1,7 +1,7 @@
 """A local training cluster on the emulated WAN: one ``ciuic-node run`` daemon process
 and one trainer process (train.worker) per node, as in production, on loopback ports
-shaped by a scenario's links. What ``ciuic-node demo``, bench/training.py and the
-training tests run.
+shaped by a scenario's links (or on plain loopback, without a scenario). What
+``ciuic-node demo``, bench/training.py and the training tests run.
 
 Every process is started in its own session (a Ctrl+C in the terminal reaches only
 the orchestrator, which then ends them in order) and ended by its PID: SIGTERM, then
@@ -133,18 +133,23 @@ class JsonLines:
 class LocalCluster:
     def __init__(
         self,
-        scenario: str,
+        scenario: str | None,
         names: list[str],
         workdir: Path,
         config_toml: str = "",
         rate_scale: float | None = None,
         loss: float | None = None,
     ) -> None:
-        self.scenario = str(scenario_path(scenario))
+        """``scenario`` None: plain loopback, no emulated WAN (``names`` as given)."""
+        self.scenario = None if scenario is None else str(scenario_path(scenario))
         self.rate_scale = rate_scale
         self.loss = loss
         # Node i of the (subset) scenario listens on base + i, in the scenario's order.
-        self.names = load_scenario(self.scenario).subset(names).node_names()
+        self.names = (
+            list(names)
+            if self.scenario is None
+            else load_scenario(self.scenario).subset(names).node_names()
+        )
         self.workdir = workdir
         self.config_path = workdir / "node.toml"
         self.config_toml = config_toml
@@ -205,16 +210,19 @@ class LocalCluster:
             "--listen", f"127.0.0.1:{self.base_port + i}",
             "--control", str(self.control(name)),
             "--trainer-socket", str(self.trainer_socket(name)),
-            "--emulate", self.scenario,
-            "--emulate-node", name,
-            "--emulate-nodes", ",".join(self.names),
-            "--emulate-ports", str(self.base_port),
-            "--emulate-start", repr(self._t0),
         ]  # fmt: skip
-        if self.rate_scale:
-            cmd += ["--emulate-rate-scale", repr(self.rate_scale)]
-        if self.loss is not None:
-            cmd += ["--emulate-loss", repr(self.loss)]
+        if self.scenario is not None:
+            cmd += [
+                "--emulate", self.scenario,
+                "--emulate-node", name,
+                "--emulate-nodes", ",".join(self.names),
+                "--emulate-ports", str(self.base_port),
+                "--emulate-start", repr(self._t0),
+            ]  # fmt: skip
+            if self.rate_scale:
+                cmd += ["--emulate-rate-scale", repr(self.rate_scale)]
+            if self.loss is not None:
+                cmd += ["--emulate-loss", repr(self.loss)]
         # Each daemon's status page on a port of its own (status shows the URL).
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "CIUIC_WEB_PORT": "0"}
         with (d / "daemon.log").open("ab") as log:
@@ -302,10 +310,10 @@ class LocalCluster:
 
     def ring_order(self) -> list[str]:
         """The ring with the least total RTT (every ordering for up to 8 nodes)."""
-        sc = load_scenario(self.scenario).subset(self.names)
         first, rest = self.names[0], self.names[1:]
-        if len(rest) > 7:
+        if len(rest) > 7 or self.scenario is None:
             return self.names
+        sc = load_scenario(self.scenario).subset(self.names)
         best = min(
             itertools.permutations(rest),
             key=lambda p: sum(sc.rtt_s(a, b) for a, b in itertools.pairwise([first, *p, first])),

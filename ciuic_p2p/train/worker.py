@@ -190,8 +190,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             break  # told to stop (tests, benchmarks): finish() settles as at the end
     wall_s = time.perf_counter() - t_start - eval_s
     complete = True
+    t_finish = time.perf_counter()
     if sync is not None:
         complete = sync.finish()
+    finish_s = time.perf_counter() - t_finish
     final_loss, final_acc = task.evaluate(model)
     stats = channel.fetch_stats() if channel is not None else {}
     sent = int(stats.get("udp_bytes_sent", 0)) - bytes0 if channel else 0
@@ -206,6 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "eval_loss": final_loss,
         "accuracy": final_acc,
         "wall_s": wall_s,
+        "finish_s": finish_s,
         "compute_s": compute_s,
         "wait_fraction": max(0.0, (wall_s - compute_s) / wall_s) if wall_s > 0 else 0.0,
         "step_ms": 1000 * compute_s / max(1, done_steps - start),
