@@ -53,6 +53,12 @@ clean:
 #     .venv-bench/bin/python bench/compare.py --json
 BENCH_VENV ?= .venv-bench
 
+# The README's comparison with hivemind and torch.distributed, all three workloads, its
+# plots into bench/results/compare/ (about 45 minutes on 2 cores).
+compare: bench-deps
+	$(BENCH_VENV)/bin/python bench/compare.py --json --workloads round,train,wan \
+	  --plots bench/results/compare $(COMPARE_ARGS)
+
 bench-deps: $(BENCH_VENV)/.installed
 
 $(BENCH_VENV)/.installed: pyproject.toml
@@ -62,4 +68,4 @@ $(BENCH_VENV)/.installed: pyproject.toml
 	$(BENCH_VENV)/bin/python -m pip install -q -e ".[demo]"
 	touch $@
 
-.PHONY: bench-deps
+.PHONY: bench-deps compare

@@ -5,12 +5,12 @@ peer, in the environment ``make bench-deps`` builds).
     compare_train.py hivemind RANK WORLD STEPS SEED [INITIAL_PEER ...]
 
 Both train the digits task (ciuic_p2p.train.tasks: the same model, optimizer, data
-shards, batch size and seeds as ciuic's worker) for STEPS global steps of WORLD x 256
-samples: DDP averages gradients over gloo every step; hivemind.Optimizer with
-``target_batch_size`` WORLD x 256 averages gradients once per epoch of that many
-samples across the peers (so an epoch is the same global step), stepping the same
-SGD. The driver's protocol on stdin/stdout is compare_peers.py's: ``@@`` JSON lines
-out (``addr``, ``ready``, ``done``), commands in (``go``, ``exit``).
+shards, batch size and seeds as ciuic's worker) on STEPS x 256 samples per peer: DDP
+averages gradients over gloo every step; hivemind.Optimizer with
+``target_batch_size`` WORLD x 256 averages gradients once per epoch of at least that
+many samples across the peers, stepping the same SGD. The driver's protocol on
+stdin/stdout is compare_peers.py's: ``@@`` JSON lines out (``addr``, ``ready``,
+``done``), commands in (``go``, ``exit``).
 """
 
 from __future__ import annotations
@@ -100,8 +100,12 @@ def hivemind_peer(rank: int, world: int, steps: int, seed: int, initial: list[st
     )
     say("ready")
     wait_for("go")
+    # The same samples as the others: this peer's share, STEPS x 256. hivemind keeps
+    # accumulating while an epoch's averaging runs (those samples join the epoch), so
+    # it takes fewer epochs than STEPS for them; stopping at STEPS epochs instead
+    # processed 2-3 times the samples here.
     samples = 0
-    while opt.local_epoch < steps:
+    while samples < steps * task.batch_size:
         loss = task.loss(model, task.batch(rank, world, gen))
         loss.backward()  # type: ignore[no-untyped-call]
         opt.step()

@@ -7,11 +7,13 @@ from pathlib import Path
 from typing import Any
 
 ROUND = ["gloo", "hivemind_none", "hivemind_fp16", "hivemind_u8", "ciuic_1pct", "ciuic_01pct"]
-TRAIN = ["ddp", "hivemind", "ciuic"]
+TRAIN = ["ddp", "hivemind", "ciuic", "ciuic_10pct"]
 COLORS = {"gloo": "tab:red", "ddp": "tab:red", "hivemind": "tab:green", "ciuic": "tab:blue"}
 
 
 def _color(name: str) -> str:
+    if name == "ciuic_10pct":
+        return "tab:cyan"
     return next((c for k, c in COLORS.items() if name.startswith(k)), "tab:gray")
 
 

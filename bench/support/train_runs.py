@@ -87,10 +87,12 @@ def run_hivemind(world: int, steps: int, seed: int, work: Path) -> dict[str, Any
             p.close()
 
 
-def run_ciuic(world: int, steps: int, seed: int, work: Path) -> dict[str, Any]:
+def run_ciuic(
+    world: int, steps: int, seed: int, work: Path, density: float = 0.01
+) -> dict[str, Any]:
     """Real daemons (QUIC) and trainer processes, as in production, on plain loopback;
     the config of bench/training.py (1% density, a send every 2 steps, bound 64)."""
-    config = DEMO_CONFIG.format(density=0.01, send_interval=2, max_interval=16, bound=64)
+    config = DEMO_CONFIG.format(density=density, send_interval=2, max_interval=16, bound=64)
     names = [f"n{i}" for i in range(world)]
     with LocalCluster(None, names, work / "ciuic", config) as cluster:
         cluster.start()
@@ -120,4 +122,14 @@ def run_ciuic(world: int, steps: int, seed: int, work: Path) -> dict[str, Any]:
     }
 
 
-SYSTEMS = {"ddp": run_ddp, "hivemind": run_hivemind, "ciuic": run_ciuic}
+def run_ciuic_10pct(world: int, steps: int, seed: int, work: Path) -> dict[str, Any]:
+    """ciuic at 10% density: what the loss costs in bytes."""
+    return run_ciuic(world, steps, seed, work, density=0.1)
+
+
+SYSTEMS = {
+    "ddp": run_ddp,
+    "hivemind": run_hivemind,
+    "ciuic": run_ciuic,
+    "ciuic_10pct": run_ciuic_10pct,
+}
