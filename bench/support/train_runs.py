@@ -40,6 +40,7 @@ def _measured(peers: list[Peer], timeout_s: float) -> dict[str, Any]:
     samples = sum(int(d["samples"]) for d in done)
     row: dict[str, Any] = {
         "loss": statistics.fmean(float(d["loss"]) for d in done),
+        "loss_max": max(float(d["loss"]) for d in done),
         "accuracy": statistics.fmean(float(d["accuracy"]) for d in done),
         "wall_s": wall,
         "samples": samples,
@@ -81,10 +82,13 @@ def run_hivemind(world: int, steps: int, seed: int, work: Path) -> dict[str, Any
             Peer(args(r, maddrs), work / f"hivemind-{r}.log", TRAIN_SCRIPT) for r in range(1, world)
         ]
         all_expect(peers, "ready", 300)
-        return _measured(peers, 3600)
+        row = _measured(peers, 3600)
     finally:
         for p in peers:
             p.close()
+    logs = [(work / f"hivemind-{r}.log").read_text(errors="replace") for r in range(world)]
+    row["averaging_failures"] = sum(log.count("could not find a group") for log in logs)
+    return row
 
 
 def run_ciuic(
