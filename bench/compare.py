@@ -35,7 +35,6 @@ import importlib.util
 import json
 import os
 import platform
-import socket
 import sys
 import tempfile
 import time
@@ -47,9 +46,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from support import plots, train_runs, wan_runs
-from support.compare_meter import SocketMeter, cpu_seconds, tree_pids
 from support.compare_peers import PEERS, exact_mean, rel_error
-from support.peerproc import Peer, all_expect
+from support.peerproc import Peer, all_expect, free_tcp_port, go_and_measure
 
 SYSTEMS = ("gloo", "hivemind_none", "hivemind_fp16", "hivemind_u8", "ciuic_1pct", "ciuic_01pct")
 
@@ -57,17 +55,7 @@ SYSTEMS = ("gloo", "hivemind_none", "hivemind_fp16", "hivemind_u8", "ciuic_1pct"
 def measured_round(peers: list[Peer], elements: int, work: Path) -> dict[str, Any]:
     """go → every peer done: wall, CPU and socket bytes of the peers' trees; then the
     results are saved and compared with the exact mean."""
-    pids = tree_pids(p.proc.pid for p in peers)
-    meter = SocketMeter(pids)
-    meter.start()
-    cpu0 = cpu_seconds(pids)
-    t0 = time.time()
-    for p in peers:
-        p.send("go")
-    done = all_expect(peers, "done", 300)
-    wall = max(d["t"] for d in done) - t0
-    cpu = cpu_seconds(pids) - cpu0
-    sent = meter.stop()
+    done, wall, cpu, sent = go_and_measure(peers, 300)
     for p in peers:
         p.send("save")
     all_expect(peers, "saved", 120)
@@ -83,9 +71,7 @@ def measured_round(peers: list[Peer], elements: int, work: Path) -> dict[str, An
 
 
 def run_gloo(elements: int, work: Path) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_tcp_port()
     peers = [
         Peer(
             ["gloo", str(r), str(elements), str(port), str(work / f"out{r}.f32")], work / f"{r}.log"

@@ -8,6 +8,7 @@ import json
 import os
 import queue
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -15,7 +16,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from support.compare_meter import tree_pids
+from support.compare_meter import SocketMeter, cpu_seconds, tree_pids
 
 PEER_SCRIPT = Path(__file__).resolve().parent / "compare_peers.py"
 
@@ -77,3 +78,28 @@ class Peer:
 
 def all_expect(peers: list[Peer], kind: str, timeout_s: float) -> list[dict[str, Any]]:
     return [p.expect(kind, timeout_s) for p in peers]
+
+
+def free_tcp_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def go_and_measure(
+    peers: list[Peer], timeout_s: float
+) -> tuple[list[dict[str, Any]], float, float, int]:
+    """Send ``go`` to every peer and wait for every ``done``: (the done messages, wall
+    seconds from the go to the last peer's ``t``, CPU seconds of the peers' trees,
+    payload bytes their TCP sockets sent meanwhile)."""
+    pids = tree_pids(p.proc.pid for p in peers)
+    meter = SocketMeter(pids)
+    meter.start()
+    cpu0 = cpu_seconds(pids)
+    t0 = time.time()
+    for p in peers:
+        p.send("go")
+    done = all_expect(peers, "done", timeout_s)
+    wall = max(float(d["t"]) for d in done) - t0
+    cpu = cpu_seconds(pids) - cpu0
+    return done, wall, cpu, meter.stop()

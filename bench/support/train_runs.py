@@ -10,7 +10,6 @@ TCP ``bytes_sent`` for DDP and hivemind, the daemons' UDP payload bytes for ciui
 
 from __future__ import annotations
 
-import socket
 import statistics
 import time
 from pathlib import Path
@@ -18,25 +17,15 @@ from typing import Any
 
 from ciuic_p2p.train.cluster import LocalCluster
 from ciuic_p2p.train.demo import DEMO_CONFIG
-from support.compare_meter import SocketMeter, cpu_seconds, tree_pids
-from support.peerproc import Peer, all_expect
+from support.compare_meter import cpu_seconds, tree_pids
+from support.peerproc import Peer, all_expect, free_tcp_port, go_and_measure
 
 TRAIN_SCRIPT = Path(__file__).resolve().parent / "compare_train.py"
 BATCH = 256  # DigitsTask.batch_size
 
 
 def _measured(peers: list[Peer], timeout_s: float) -> dict[str, Any]:
-    pids = tree_pids(p.proc.pid for p in peers)
-    meter = SocketMeter(pids)
-    meter.start()
-    cpu0 = cpu_seconds(pids)
-    t0 = time.time()
-    for p in peers:
-        p.send("go")
-    done = all_expect(peers, "done", timeout_s)
-    wall = max(d["t"] for d in done) - t0
-    cpu = cpu_seconds(pids) - cpu0
-    sent = meter.stop()
+    done, wall, cpu, sent = go_and_measure(peers, timeout_s)
     samples = sum(int(d["samples"]) for d in done)
     row: dict[str, Any] = {
         "loss": statistics.fmean(float(d["loss"]) for d in done),
@@ -55,10 +44,7 @@ def _measured(peers: list[Peer], timeout_s: float) -> dict[str, Any]:
 
 
 def run_ddp(world: int, steps: int, seed: int, work: Path) -> dict[str, Any]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    args = [str(world), str(port), str(steps), str(seed)]
+    args = [str(world), str(free_tcp_port()), str(steps), str(seed)]
     peers = [
         Peer(["ddp", str(r), *args], work / f"ddp-{r}.log", TRAIN_SCRIPT) for r in range(world)
     ]
