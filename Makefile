@@ -54,7 +54,7 @@ clean:
 BENCH_VENV ?= .venv-bench
 
 # The README's comparison with hivemind and torch.distributed, all three workloads, its
-# plots into bench/results/compare/ (about 45 minutes on 2 cores).
+# plots into bench/results/compare/ (about 30 minutes on 2 cores).
 compare: bench-deps
 	$(BENCH_VENV)/bin/python bench/compare.py --json --workloads round,train,wan \
 	  --plots bench/results/compare $(COMPARE_ARGS)

@@ -73,6 +73,8 @@ def run_hivemind(world: int, steps: int, seed: int, work: Path) -> dict[str, Any
         for p in peers:
             p.close()
     logs = [(work / f"hivemind-{r}.log").read_text(errors="replace") for r in range(world)]
+    # Mentions in the peers' logs: about two per failed round (the error line and
+    # its traceback's last line).
     row["averaging_failures"] = sum(log.count("could not find a group") for log in logs)
     return row
 
