@@ -17,7 +17,9 @@ from tests.daemon.conftest import NOW, Fleet, free_port_block
 
 NAMES = ["Tokyo", "Singapore", "Sydney", "Frankfurt", "London", "Virginia", "SaoPaulo", "Oregon"]
 PARTITION_AT_S = 45.0
-HEAL_AT_S = 60.0
+# The split must be seen while it lasts: 15 s was too short for eight daemons on two
+# loaded cores (CI saw the halves still one mesh after 15 s, once).
+HEAL_AT_S = 80.0
 
 
 def write_scenario(path: Path) -> Path:
@@ -123,8 +125,8 @@ def test_eight_processes_join_fail_restart_and_heal(fleet: Fleet, tmp_path: Path
     assert time.monotonic() - start < PARTITION_AT_S - 3, "too slow to reach the partition phase"
 
     fleet.wait(lambda: time.monotonic() - start > PARTITION_AT_S, 60, "partition time")
-    fleet.wait(lambda: sorted(alive_counts()) == [3, 3, 3, 5, 5, 5, 5, 5], 20, "halves split")
-    fleet.wait(lambda: time.monotonic() - start > HEAL_AT_S, 30, "heal time")
+    fleet.wait(lambda: sorted(alive_counts()) == [3, 3, 3, 5, 5, 5, 5, 5], 33, "halves split")
+    fleet.wait(lambda: time.monotonic() - start > HEAL_AT_S, 40, "heal time")
     fleet.wait(lambda: alive_counts() == [8] * 8, 40, "one mesh again")
 
 
