@@ -61,7 +61,7 @@ if sys.byteorder != "little":  # pragma: no cover - every supported platform is
     )
 
 #: A gap whose unary code would exceed this many bits starts a new chunk instead
-#: (a header costs 184 bytes = 1472 bits).
+#: (a header costs 184-188 bytes, about 1500 bits).
 GAP_BREAK_BITS = 2048
 
 _MAX_SCALE = torch.finfo(torch.float32).max / INT8_LEVELS

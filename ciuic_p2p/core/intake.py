@@ -154,6 +154,12 @@ class Intake:
     def weight(self) -> float:
         return 1.0 / max(1, self.replicas)
 
+    def chunk_weight(self, h: ChunkHeader) -> float:
+        """The weight an update chunk gets here: the one its origin gave it (the same
+        in every replica, whoever counted a joiner or a death first), or this
+        replica's own when the chunk does not say."""
+        return 1.0 / h.replicas if h.replicas else self.weight
+
     def _replica(self, origin: str) -> PeerState | None:
         raise NotImplementedError
 
@@ -283,10 +289,7 @@ class Intake:
             if state is not None:
                 state.held_by_state += 1
             return
-        # The weight its origin gave it: the same in every replica, whoever counted
-        # a joiner or a death first.
-        w = 1.0 / h.replicas if h.replicas else self.weight
-        self._add(h, item.positions, item.values, w)
+        self._add(h, item.positions, item.values, self.chunk_weight(h))
         if state is not None:
             state.step = max(state.step, h.step)
             state.applied += 1

@@ -376,7 +376,7 @@ class Replica(Intake):
     def _record_own(self, chunk: bytes | bytearray) -> None:
         decoded = decode_chunk(chunk, self.buckets[0].device)
         h = decoded.header
-        w = 1.0 / h.replicas if h.replicas else self.weight
+        w = self.chunk_weight(h)
         self._debts.append(
             (h.step, w, h.bucket, h.range_start, h.range_len, decoded.positions, decoded.values)
         )
