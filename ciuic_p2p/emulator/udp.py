@@ -13,11 +13,22 @@ here (the 55 pairs of the 11-city scenario: RTT error +1.3 ms mean with no lead)
 less on an idle one (a fixed 1 ms lead made a lone 10 ms link read 8.7-9.0 ms).
 Releases are therefore scheduled early by a :class:`TimerLead` that follows the
 measured lateness; the calibration test and bench/emulator.py measure what remains.
+
+Order: datagrams wait in one heap per sending node, keyed by arrival time (then by
+send order), behind one timer for the earliest; each firing releases every datagram
+that is due. A timer per datagram let two datagrams of a link swap places whenever
+the lead moved between their sends or millisecond rounding put them in one tick, and
+QUIC takes a datagram overtaken by three others as lost: on a 330 ms path with no
+loss at all, aioquic halved its window every few seconds and one link carried under
+1 MB/s of the 12.5 it was given.
 """
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import itertools
+import math
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -64,6 +75,12 @@ class EmulatedDatagramTransport(asyncio.DatagramTransport):
         self.clock = clock
         self.lead = lead or TimerLead()
         self.passed_through = 0
+        self._due: list[tuple[float, int, bytes, Any]] = []
+        """(arrival, send order, payload, address): a heap, earliest first."""
+        self._order = itertools.count()
+        self._timer: asyncio.Handle | None = None
+        self._timer_for = math.inf
+        """The arrival time the pending timer was set for."""
 
     def sendto(self, data: Any, addr: Any = None) -> None:
         dst = self.address_book.get((addr[0], addr[1])) if addr is not None else None
@@ -71,21 +88,41 @@ class EmulatedDatagramTransport(asyncio.DatagramTransport):
             self.passed_through += 1
             self.inner.sendto(data, addr)
             return
-        now = self.clock()
-        loop = asyncio.get_running_loop()
+        now = self.clock() - self.start
         payload = bytes(data)
-        for arrival in self.network.transmit(self.node, dst, now - self.start, len(payload)):
-            wait = arrival - (now - self.start) - self.lead.lead_s
-            if wait <= 0:
-                loop.call_soon(self._release, payload, addr, None)
-            else:
-                loop.call_later(wait, self._release, payload, addr, arrival)
+        for arrival in self.network.transmit(self.node, dst, now, len(payload)):
+            heapq.heappush(self._due, (arrival, next(self._order), payload, addr))
+        self._arm(now)
 
-    def _release(self, data: bytes, addr: Any, arrival: float | None) -> None:
-        if arrival is not None:
-            self.lead.observe(self.clock() - self.start - arrival)
-        if not self.inner.is_closing():
-            self.inner.sendto(data, addr)
+    def _arm(self, now: float) -> None:
+        """Set the timer for the earliest waiting datagram, unless it is set already
+        for that time or earlier."""
+        if not self._due:
+            return
+        head = self._due[0][0]
+        if self._timer is not None:
+            if self._timer_for <= head:
+                return
+            self._timer.cancel()
+        self._timer_for = head
+        wait = head - now - self.lead.lead_s
+        loop = asyncio.get_running_loop()
+        if wait > 0:
+            self._timer = loop.call_later(wait, self._release)
+        else:
+            self._timer = loop.call_soon(self._release)
+
+    def _release(self) -> None:
+        self._timer, self._timer_for = None, math.inf
+        now = self.clock() - self.start
+        horizon = now + self.lead.lead_s
+        closing = self.inner.is_closing()
+        while self._due and self._due[0][0] <= horizon:
+            arrival, _, data, addr = heapq.heappop(self._due)
+            self.lead.observe(now - arrival)
+            if not closing:
+                self.inner.sendto(data, addr)
+        self._arm(now)
 
     def get_extra_info(self, name: str, default: Any = None) -> Any:
         return self.inner.get_extra_info(name, default)
@@ -94,7 +131,13 @@ class EmulatedDatagramTransport(asyncio.DatagramTransport):
         return self.inner.is_closing()
 
     def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._due.clear()
         self.inner.close()
 
     def abort(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._due.clear()
         self.inner.abort()
