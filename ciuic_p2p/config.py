@@ -37,6 +37,7 @@ DenseDtype = Literal["fp32", "fp16", "bf16"]
 Selection = Literal["approx", "exact"]
 LogFormat = Literal["auto", "json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+CongestionControl = Literal["cubic", "reno"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,6 +129,11 @@ class TransportSection:
     max_datagram_size: int = 1452
     """Largest UDP payload. 1452 fits a 1500-byte path MTU over IPv6 (1500 - 40 - 8)
     and IPv4; aioquic's default of 1200 costs about 20% of goodput."""
+    congestion_control: CongestionControl = "cubic"
+    """QUIC congestion control (aioquic's). After a loss CUBIC (RFC 9438) regrows its
+    window with time rather than per round trip, so a long path recovers in seconds
+    where Reno (aioquic's default) adds one datagram per round trip: at 0.05% loss on
+    a 330 ms path one link carries about 1.5 times as much (bench/wanlink.py)."""
     connect_timeout_s: float = 5.0
     """Handshake plus authentication time allowed for an outgoing connection."""
     reconnect_base_s: float = 0.5

@@ -37,6 +37,7 @@ def quic_configuration(
         alpn_protocols=[ALPN],
         idle_timeout=settings.idle_timeout_s,
         max_datagram_size=settings.max_datagram_size,
+        congestion_control_algorithm=settings.congestion_control,
         connection_id_length=CID_LENGTH,
         max_data=8 * settings.receive_window_bytes,
         max_stream_data=4 * settings.receive_window_bytes,
