@@ -129,6 +129,12 @@ class TransportSection:
     max_datagram_size: int = 1452
     """Largest UDP payload. 1452 fits a 1500-byte path MTU over IPv6 (1500 - 40 - 8)
     and IPv4; aioquic's default of 1200 costs about 20% of goodput."""
+    socket_buffer_bytes: int = 4 * 1024 * 1024
+    """Receive and send buffer asked of the kernel for the UDP socket. Linux's default
+    (about 208 KiB, some 90 full datagrams) overflows when several peers send at once
+    while the loop is busy, and each overflow reads as a congestion loss. The kernel
+    grants at most ``net.core.rmem_max`` / ``wmem_max``; the daemon logs what it got
+    when that is less (raise those sysctls, as for quic-go)."""
     congestion_control: CongestionControl = "cubic"
     """QUIC congestion control (aioquic's). After a loss CUBIC (RFC 9438) regrows its
     window with time rather than per round trip, so a long path recovers in seconds

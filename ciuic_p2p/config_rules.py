@@ -53,6 +53,11 @@ def validate(cfg: Config) -> None:
             "transport.max_datagram_size",
             "must be in [1200, 65527]",
         ),
+        (
+            cfg.transport.socket_buffer_bytes >= 65536,
+            "transport.socket_buffer_bytes",
+            "must be >= 65536",
+        ),
     ]
     m = cfg.mesh
     positive = [

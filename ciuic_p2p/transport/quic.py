@@ -73,6 +73,7 @@ from ciuic_p2p.transport.link import (
     QuicLink,
     quic_configuration,
 )
+from ciuic_p2p.transport.sockbuf import size_buffers
 
 MIN_INITIAL_DATAGRAM = 1200
 _PING = struct.Struct("<Qd")
@@ -130,6 +131,8 @@ class QuicTransport(AdmissionMixin, Transport):
         self.wrap_udp = wrap_udp
         self._udp: asyncio.DatagramTransport | None = None
         self.udp_bytes_sent = 0
+        self.socket_buffers = (0, 0)
+        """Receive and send buffer bytes the kernel granted the UDP socket."""
         """Every UDP payload byte this node's socket sent (all links, all frames)."""
         self._by_cid: dict[bytes, QuicLink] = {}
         self._links: dict[bytes, QuicLink] = {}
@@ -150,6 +153,9 @@ class QuicTransport(AdmissionMixin, Transport):
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(
             lambda: _Endpoint(self), local_addr=(self.host, self.port)
+        )
+        self.socket_buffers = size_buffers(
+            transport.get_extra_info("socket"), self.settings.socket_buffer_bytes
         )
         self._udp = transport if self.wrap_udp is None else self.wrap_udp(transport)
         sock = self._udp.get_extra_info("sockname")

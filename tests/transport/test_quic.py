@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 
 from ciuic_p2p.admission import ClusterCA, Trust
@@ -162,3 +163,20 @@ async def test_peer_that_vanishes_silently_is_dropped_by_the_idle_timeout(
     client.close()  # gone without a word: no CONNECTION_CLOSE, no more packets
     gone = await next_of(server, PeerDisconnected, timeout=5)
     assert isinstance(gone, PeerDisconnected) and not server.peers()
+
+
+async def test_the_udp_socket_gets_the_configured_buffers_or_the_kernel_cap(
+    make_node: NodeFactory,
+) -> None:
+    # Linux's default UDP receive buffer holds about 90 full datagrams; a node fed by
+    # several peers overflowed it and QUIC took every overflow for congestion.
+    wanted = 2 * 1024 * 1024
+    node = await make_node(settings=dataclasses.replace(FAST, socket_buffer_bytes=wanted))
+    receive, send = node.socket_buffers
+    with open("/proc/sys/net/core/rmem_max") as f:
+        rmem_max = int(f.read())
+    with open("/proc/sys/net/core/wmem_max") as f:
+        wmem_max = int(f.read())
+    # Linux reports twice the usable size (its bookkeeping included).
+    assert receive >= 2 * min(wanted, rmem_max)
+    assert send >= 2 * min(wanted, wmem_max)
