@@ -241,6 +241,9 @@ class Fetch:
         self.offers[peer] = offer
         self._answered.add(peer)
         self._maybe_choose(now)
+        # A donor that answered after the query round (it was taking a fresh snapshot)
+        # joins the stripe now, not at the next timer.
+        self._activate(now)
 
     def on_none(self, peer: str, msg: NoneHeld, now: float) -> None:
         if msg.token == self._token:
