@@ -11,6 +11,12 @@ from the others is killed (SIGKILL, daemon and trainer) and restarted. Measured:
   between two of a survivor's steps, compute included (context: ``step_s``);
 - ``state_mb``: the state fetched (parameters and momentum), and its fetch time.
 
+Where the restart's time goes: ``daemon_rejoin_s`` (daemon start and join),
+``trainer_ready_s`` (the trainer's imports and model, until it calls ``attach``),
+``replicas_wait_s`` (attach waiting for the other replicas to answer),
+``state_fetch_s`` (query, donors' fresh snapshots, transfer, load) and
+``trainer_attached_s`` (all of the trainer's start until ``attach`` returned).
+
 Then the same with 0.05% random loss on every link (``*_lossy``, reported without a
 bar). The last line is one JSON object with ``--json``.
 
@@ -98,7 +104,8 @@ def one_run(args: argparse.Namespace, loss: float, workdir: Path) -> dict[str, A
         )
         first = newest(victim, "first_step", restarted_at)
         attached = newest(victim, "attached", restarted_at)
-        assert first is not None and attached is not None
+        attaching = newest(victim, "attaching", restarted_at)
+        assert first is not None and attached is not None and attaching is not None
         start = step(victim)
         until(lambda: step(victim) >= start + args.after_steps, 900, "steps after the restart")
         stop.touch()
@@ -116,6 +123,8 @@ def one_run(args: argparse.Namespace, loss: float, workdir: Path) -> dict[str, A
         "restart_to_training_s": first["at"] - restarted_at,
         "daemon_rejoin_s": daemon_s,
         "trainer_attached_s": attached["at"] - restarted_at,
+        "trainer_ready_s": attaching["at"] - restarted_at,
+        "replicas_wait_s": attached["replicas_wait_s"],
         "max_survivor_stall_s": max(o.get("max_wait_s", 0.0) for o in after),
         "max_survivor_gap_s": max(o["max_gap_s"] for o in after),
         "step_s": statistics.mean(steps_ms) / 1000,

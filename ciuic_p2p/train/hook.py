@@ -107,7 +107,10 @@ class MeshSync(StateSync):
         self._ready = False
         """True once the state is restored: only then may peers have it."""
         self._checkpoint_at = time.monotonic()
+        t0 = time.monotonic()
         self._await_replicas(min_replicas, join_timeout_s)
+        self.replicas_wait_s = time.monotonic() - t0
+        """How long attach waited for the run's other replicas to answer."""
         self.restored = self._restore()
         self._ready = True
         self.start_step = self.replica.step

@@ -60,6 +60,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     channel: DaemonChannel | None = None
     if args.mode == "async":
         optimizer = task.optimizer(list(model.parameters()))
+        _emit({"event": "attaching", "rank": args.rank, "at": time.time()})
         attached = attach(
             model,
             optimizer,
@@ -79,6 +80,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "rank": args.rank,
                 "start_step": sync.start_step,
                 "restored": sync.restored,
+                "replicas_wait_s": sync.replicas_wait_s,
                 "at": time.time(),
             }
         )
