@@ -14,7 +14,9 @@ from the others is killed (SIGKILL, daemon and trainer) and restarted. Measured:
 Where the restart's time goes: ``daemon_rejoin_s`` (daemon start and join),
 ``trainer_ready_s`` (the trainer's imports and model, until it calls ``attach``),
 ``replicas_wait_s`` (attach waiting for the other replicas to answer),
-``state_fetch_s`` (query, donors' fresh snapshots, transfer, load) and
+``state_fetch_s`` (query, donors' fresh snapshots, transfer, load; of which
+``state_query_s`` until the first piece request and ``state_daemon_s`` the daemon's
+part, query and transfer) and
 ``trainer_attached_s`` (all of the trainer's start until ``attach`` returned).
 
 Then the same with 0.05% random loss on every link (``*_lossy``, reported without a
@@ -130,6 +132,8 @@ def one_run(args: argparse.Namespace, loss: float, workdir: Path) -> dict[str, A
         "step_s": statistics.mean(steps_ms) / 1000,
         "state_mb": restored.get("bytes", 0) / 1e6,
         "state_fetch_s": restored.get("seconds"),
+        "state_query_s": restored.get("query_s"),
+        "state_daemon_s": restored.get("daemon_s"),
         "state_donors": restored.get("donors"),
         "restored_from": restored.get("source"),
         "start_step": attached["start_step"],

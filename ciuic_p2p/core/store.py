@@ -179,6 +179,10 @@ class FetchStats:
     queries: int = 0
     restarts: int = 0
     """Times verified pieces were thrown away (no holder of a compatible state left)."""
+    started_s: float = 0.0
+    first_donor_s: float | None = None
+    """When the first piece request went out (after the query round: for a replica's
+    state, the donors' fresh snapshots)."""
 
 
 class Fetch:
@@ -209,7 +213,7 @@ class Fetch:
         self.peers = list(dict.fromkeys(peers))
         self.state = FetchState.QUERYING
         self.error = ""
-        self.stats = FetchStats()
+        self.stats = FetchStats(started_s=now)
         self.deadline = now + settings.fetch_timeout_s
         self.offers: dict[str, Offer] = {}
         self.version = -1
@@ -442,6 +446,8 @@ class Fetch:
                 self.result = self._buffer
                 return
         self.state = FetchState.FETCHING
+        if self.stats.first_donor_s is None:
+            self.stats.first_donor_s = now
         self._activate(now)
 
     def _activate(self, now: float) -> None:

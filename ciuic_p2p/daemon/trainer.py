@@ -329,6 +329,9 @@ class TrainerServer:
             version=fetch.version,
             bytes=len(data),
             seconds=round(asyncio.get_running_loop().time() - t0, 3),
+            query_s=None
+            if fetch.stats.first_donor_s is None
+            else round(fetch.stats.first_donor_s - fetch.stats.started_s, 3),
             donors=dict(fetch.stats.pieces_by_donor),
             corrupt=fetch.stats.corrupt,
             donor_timeouts=fetch.stats.donor_timeouts,

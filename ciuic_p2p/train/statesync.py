@@ -70,6 +70,7 @@ class StateSync:
             start = max(int(got["version"]), peer_step)
             applied = meta.get("applied", {})
             info = {"source": "mesh", "step": start, "state_version": got["version"], **got}
+            info["daemon_s"] = got.get("seconds")  # query and transfer; "seconds": all
         elif ckpt is not None:
             try:
                 meta = unpack_state(ckpt.state, self.layout.layout_id, self.buckets, opt)

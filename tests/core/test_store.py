@@ -362,6 +362,8 @@ def test_a_donor_that_answers_after_the_query_round_joins_the_stripe_at_once() -
     assert set(f.stats.pieces_by_donor) == {"a", "b", "c"}
     # Without the late donor it would have taken a and b about 2.8 s.
     assert net.now < 2.5
+    # The query round ended at its timeout (c had not answered): pieces went out then.
+    assert f.stats.first_donor_s == pytest.approx(S.query_timeout_s)
 
 
 def test_a_version_the_donor_dropped_is_asked_for_again_not_waited_on() -> None:
