@@ -9,7 +9,9 @@ from the others is killed (SIGKILL, daemon and trainer) and restarted. Measured:
 - ``max_survivor_stall_s``: the longest a survivor's step waited for other replicas
   (the hook's wait) from the kill on; ``max_survivor_gap_s``: the longest time
   between two of a survivor's steps, compute included (context: ``step_s``);
-- ``state_mb``: the state fetched (parameters and momentum), and its fetch time.
+- ``state_mb``: the state fetched (parameters and momentum), and its fetch time;
+- ``idle_fetch_s``: beside it, the same node fetching an object of the state's size
+  held by every survivor, before training starts (the CPUs to the daemons alone).
 
 Where the restart's time goes: ``daemon_rejoin_s`` (daemon start and join),
 ``trainer_ready_s`` (the trainer's imports and model, until it calls ``attach``),
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import statistics
 import sys
 import tempfile
@@ -37,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from ciuic_p2p.core.scenario import load_scenario
+from ciuic_p2p.daemon.control import request
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.train.cluster import JsonLines, LocalCluster, spread_nodes
 
@@ -51,6 +55,25 @@ fetch_timeout_s = 900
 def farthest(scenario: str, names: list[str]) -> str:
     sc = load_scenario(scenario_path(scenario)).subset(names)
     return max(names, key=lambda n: sum(sc.rtt_s(n, m) for m in names if m != n))
+
+
+def idle_fetch(c: LocalCluster, victim: str, survivors: list[str], mb: float, at: Path) -> float:
+    """Seconds for ``victim`` to fetch ``mb`` MB that every survivor holds, before any
+    training: what the links, QUIC and the store carry with the CPUs to themselves."""
+    blob, into = at / "blob", at / "blob.got"
+    blob.write_bytes(random.randbytes(int(mb * 1e6)))
+    for name in survivors:
+        body = {"cmd": "store_put", "name": "idle", "path": str(blob), "local": True}
+        answer = request(c.control(name), body, timeout_s=60)
+        assert answer.get("ok"), answer
+    t0 = time.monotonic()
+    body = {"cmd": "store_get", "name": "idle", "path": str(into)}
+    answer = request(c.control(victim), body, timeout_s=600)
+    elapsed = time.monotonic() - t0
+    assert answer.get("ok") and into.read_bytes() == blob.read_bytes(), answer
+    blob.unlink()
+    into.unlink()
+    return elapsed
 
 
 def one_run(args: argparse.Namespace, loss: float, workdir: Path) -> dict[str, Any]:
@@ -85,6 +108,7 @@ def one_run(args: argparse.Namespace, loss: float, workdir: Path) -> dict[str, A
               "--stop-file", str(stop)]  # fmt: skip
     with LocalCluster(args.scenario, names, workdir / "c", CONFIG, args.rate_scale, loss) as c:
         c.start()
+        idle_s = idle_fetch(c, victim, survivors, args.idle_fetch_mb, workdir)
         for rank, name in enumerate(names):
             lines.add(name, c.spawn_trainer(name, rank, worker, out))
         until(lambda: min(step(n) for n in names) >= args.warm_steps, 1800, "warm-up")
@@ -132,6 +156,8 @@ def one_run(args: argparse.Namespace, loss: float, workdir: Path) -> dict[str, A
         "step_s": statistics.mean(steps_ms) / 1000,
         "state_mb": restored.get("bytes", 0) / 1e6,
         "state_fetch_s": restored.get("seconds"),
+        "idle_fetch_s": idle_s,
+        "idle_fetch_mb": args.idle_fetch_mb,
         "state_query_s": restored.get("query_s"),
         "state_daemon_s": restored.get("daemon_s"),
         "state_donors": restored.get("donors"),
@@ -150,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-steps", type=int, default=15)
     p.add_argument("--after-steps", type=int, default=5)
     p.add_argument("--skip-lossy", action="store_true")
+    p.add_argument("--idle-fetch-mb", type=float, default=81.3, help="the idle fetch's size")
     args = p.parse_args(argv)
     params = 64 * args.hidden + args.hidden + args.hidden * args.hidden + args.hidden
     params += args.hidden * 10 + 10
@@ -162,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
             lossy = one_run(args, 0.0005, Path(tmp) / "lossy")
             print(f"0.05% loss: {json.dumps(lossy)}", file=sys.stderr, flush=True)
             for key in ("restart_to_training_s", "max_survivor_stall_s", "max_survivor_gap_s",
-                        "state_mb", "state_fetch_s"):  # fmt: skip
+                        "state_mb", "state_fetch_s", "idle_fetch_s"):  # fmt: skip
                 lossy_key = key[:-2] + "_lossy_s" if key.endswith("_s") else key + "_lossy"
                 result[lossy_key] = lossy[key]
     if args.json:
