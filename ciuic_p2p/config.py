@@ -233,6 +233,11 @@ class MeshSection:
     """Link rate assumed where none is known (trees count serialization time)."""
     tree_max_fanout: int = 4
     """Children per node in a dissemination tree: the uplink is shared by them."""
+    tree_relay_margin: float = 0.1
+    """A node takes a chunk through a relay only when that arrives sooner by this
+    fraction (each relay hop's arrival counts ``1 + margin`` times). Near-ties go
+    direct: a relay costs more than ``relay_penalty_s`` on a busy node, and which
+    side of a near-tie the measured RTTs fall on changes from run to run."""
     dissemination: Dissemination = "tree"
     """``tree`` (routed), ``direct`` (origin to every node) or ``gossip`` (random push)."""
     tree_chunk_bytes: int = 4096

@@ -78,6 +78,7 @@ def validate(cfg: Config) -> None:
         (m.awareness_max >= 1, "mesh.awareness_max", "must be >= 1"),
         (m.tree_max_fanout >= 1, "mesh.tree_max_fanout", "must be >= 1"),
         (0 <= m.route_hysteresis < 1, "mesh.route_hysteresis", "must be in [0, 1)"),
+        (0 <= m.tree_relay_margin < 1, "mesh.tree_relay_margin", "must be in [0, 1)"),
         (256 <= m.piggyback_bytes <= 16384, "mesh.piggyback_bytes", "must be in [256, 16384]"),
         (1 <= m.link_state_max_peers <= 1024, "mesh.link_state_max_peers", "must be in [1, 1024]"),
         (m.suspicion_confirmations >= 0, "mesh.suspicion_confirmations", "must be >= 0"),

@@ -101,3 +101,25 @@ def test_shortest_paths_use_relays_on_the_multicloud_matrix() -> None:
         assert cost <= rtt(a, b) / 2 + 1e-9
         relayed += len(path) > 2
     assert relayed >= 10  # the matrix's README: 10 of 28 pairs have a >10% detour
+
+
+def test_a_tree_goes_direct_on_a_near_tie_and_relays_on_a_clear_detour() -> None:
+    # The 11-city matrix's Singapore-Sao Paulo pair: direct 163.7 ms one way, through
+    # Oregon 169.6 ms. A busy node's measurements land either side of such a tie from
+    # run to run; the margin keeps the tree direct unless the relay clearly wins.
+    def tree_of(direct_rtt_s: float, settings: MeshSection) -> dict[str, list[str]]:
+        rtts = {
+            frozenset({"sin", "sao"}): direct_rtt_s,
+            frozenset({"sin", "ore"}): 0.1605,
+            frozenset({"ore", "sao"}): 0.1747,
+        }
+        return build_tree(
+            "sin", ["sin", "sao", "ore"], lambda a, b: rtts[frozenset({a, b})], settings
+        )
+
+    default = MeshSection()
+    assert tree_of(0.3274, default)["sin"] == ["ore", "sao"]  # as measured: direct
+    assert tree_of(0.3450, default)["sin"] == ["ore", "sao"]  # noise: relay 1.7% sooner
+    assert tree_of(0.4000, default)["ore"] == ["sao"]  # a 15% detour: through Oregon
+    # Without the margin the noisy measurement flips the tree.
+    assert tree_of(0.3450, MeshSection(tree_relay_margin=0.0))["ore"] == ["sao"]
