@@ -131,9 +131,9 @@ class QuicTransport(AdmissionMixin, Transport):
         self.wrap_udp = wrap_udp
         self._udp: asyncio.DatagramTransport | None = None
         self.udp_bytes_sent = 0
+        """Every UDP payload byte this node's socket sent (all links, all frames)."""
         self.socket_buffers = (0, 0)
         """Receive and send buffer bytes the kernel granted the UDP socket."""
-        """Every UDP payload byte this node's socket sent (all links, all frames)."""
         self._by_cid: dict[bytes, QuicLink] = {}
         self._links: dict[bytes, QuicLink] = {}
         self._events: asyncio.Queue[TransportEvent] = asyncio.Queue()
