@@ -11,7 +11,11 @@ Each origin numbers its chunks 1, 2, 3, ... A chunk travels in a ``CHUNK`` messa
 
 Exactly once: per origin a node keeps the highest sequence number below which it has
 every chunk, plus the set above it; a chunk already seen is dropped, never delivered
-or forwarded again.
+or forwarded again. A sequence number is the origin's *session* (the incarnation its
+daemon started with) times 2^40 plus its count in that session, so a restarted
+origin's chunks are new to the nodes that hold its previous life's: a higher session
+starts the origin's log afresh (what its previous life left missing is given up), and
+a chunk of a lower one is a straggler of a life that ended, dropped (``stale``).
 
 Repair: every ``heads_interval_s`` a node tells ``heads_fanout`` random members the
 highest sequence number it holds per origin (``HEADS``). A node that learns of a
@@ -38,12 +42,18 @@ from ciuic_p2p.core.meshwire import MAX_HEADS, MAX_WANT, Chunk, Heads, Message, 
 
 REORDER_WINDOW = 64
 """On first hearing of an origin at sequence s, chunks from s - 64 on are expected."""
+SESSION_SHIFT = 40
+"""A session numbers up to 2^40 chunks (35 years at 1,000 a second)."""
+MAX_SESSION = (1 << 24) - 1
+"""Sessions past this share it (a node restarted 16 million times): a restart then
+goes unnoticed until its count passes the previous life's, as before sessions."""
 
 
 @dataclass(slots=True)
 class _OriginLog:
     contiguous: int
     """Every chunk up to and including this one was delivered (or given up)."""
+    session: int = 0
     above: set[int] = field(default_factory=set)
     high: int = 0
     """Highest sequence number known to exist."""
@@ -82,6 +92,7 @@ class Disseminator:
         children: Callable[[str], list[str]],
         live: Callable[[], list[str]],
         seed: int = 0,
+        session: int = 0,
     ) -> None:
         self.node = node
         self.settings = settings
@@ -89,13 +100,18 @@ class Disseminator:
         self.live = live
         self.rng = random.Random(seed ^ 0x5EED)
         self.logs: dict[str, _OriginLog] = {}
-        self.next_seq = 1
+        self._base = min(max(0, session), MAX_SESSION) << SESSION_SHIFT
+        self.next_seq = self._base + 1
         self.store: OrderedDict[tuple[str, int], tuple[bytes, float]] = OrderedDict()
         self.store_bytes = 0
         self.deliveries: list[Delivery] = []
         self.duplicates = 0
         self.repaired = 0
         self.lost = 0
+        self.stale = 0
+        """Chunks (and announcements) of an origin's previous life, dropped."""
+        self.restarts_seen = 0
+        """Origins heard from in a new session (restarted)."""
         self._out: list[tuple[str, Message]] = []
         self._next_heads: float | None = None
 
@@ -138,15 +154,27 @@ class Disseminator:
                 if kept is not None:
                     self._send(msg.sender, Chunk(b.origin, seq, 255, kept[0]))
 
-    def _log(self, origin: str, seq: int) -> _OriginLog:
+    def _log(self, origin: str, seq: int) -> _OriginLog | None:
+        """The origin's log for ``seq``'s session (a new one for a newer session); None
+        for a session older than the one known."""
+        session = seq >> SESSION_SHIFT
         log = self.logs.get(origin)
-        if log is None:
-            log = _OriginLog(contiguous=max(0, seq - 1 - REORDER_WINDOW))
+        if log is not None and session < log.session:
+            self.stale += 1
+            return None
+        if log is None or session > log.session:
+            if log is not None:  # restarted: its previous life's gaps will never fill
+                self.restarts_seen += 1
+                self.lost += sum(1 for q in log.missing_since if not log.has(q))
+            base = session << SESSION_SHIFT
+            log = _OriginLog(contiguous=max(base, seq - 1 - REORDER_WINDOW), session=session)
             self.logs[origin] = log
         return log
 
     def _learn(self, origin: str, high: int, holder: str, now: float) -> None:
         log = self._log(origin, high)
+        if log is None:
+            return
         log.high = max(log.high, high)
         log.holder = holder
         for seq in range(log.contiguous + 1, log.high + 1):
@@ -160,6 +188,8 @@ class Disseminator:
             self.duplicates += 1
             return
         log = self._log(chunk.origin, chunk.seq)
+        if log is None:
+            return
         if log.has(chunk.seq):
             self.duplicates += 1
             return
@@ -211,7 +241,7 @@ class Disseminator:
         if self._next_heads is None or now < self._next_heads:
             return
         self._next_heads = now + s.heads_interval_s
-        heads = [(self.node, self.next_seq - 1)] if self.next_seq > 1 else []
+        heads = [(self.node, self.next_seq - 1)] if self.next_seq - 1 > self._base else []
         heads += [
             (o, log.contiguous if not log.above else max(log.above)) for o, log in self.logs.items()
         ]

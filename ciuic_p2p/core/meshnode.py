@@ -72,6 +72,7 @@ class MeshNode:
             children=self._children,
             live=self.membership.live,
             seed=seed,
+            session=incarnation,
         )
         self.events: list[MemberEvent] = []
         self.decode_errors = 0

@@ -255,6 +255,26 @@ class DaemonCollector(Collector):
                 if value is not None:
                     link_rtt.add_metric([peer_id_of(key), estimator], value)
         yield link_rtt
+        dis = d.mesh.dissemination
+        chunks = CounterMetricFamily(
+            "ciuic_dissemination_chunks",
+            "Mesh chunks by what became of them here: dropped as duplicates, repaired, "
+            "given up (lost), dropped as a restarted origin's previous life's (stale).",
+            labels=["event"],
+        )
+        for event, value in (
+            ("duplicate", dis.duplicates),
+            ("repaired", dis.repaired),
+            ("lost", dis.lost),
+            ("stale", dis.stale),
+        ):
+            chunks.add_metric([event], value)
+        yield chunks
+        yield CounterMetricFamily(
+            "ciuic_origins_restarted",
+            "Times an origin was heard from in a new session (it restarted).",
+            dis.restarts_seen,
+        )
 
     def _traffic(self) -> Iterator[Metric]:
         families = {

@@ -67,6 +67,8 @@ NODE_WIDE = [
     "chunk_verify_seconds",
     "health_score",
     "daemon_events",
+    "dissemination_chunks",
+    "origins_restarted",
 ]
 
 
@@ -215,6 +217,8 @@ async def test_metrics_of_a_running_mesh_carry_every_family_with_per_peer_labels
             assert not families["ciuic_trainer_wait_seconds"].samples  # not reported
             signed = {s.name: s.value for s in families["ciuic_chunk_sign_seconds"].samples}
             assert signed["ciuic_chunk_sign_seconds_count"] == 5
+            chunks = {s.labels["event"] for s in families["ciuic_dissemination_chunks"].samples}
+            assert chunks == {"duplicate", "repaired", "lost", "stale"}
             alive = {s.labels["state"]: s.value for s in families["ciuic_members"].samples}
             assert alive["alive"] == 2
             events = {

@@ -10,7 +10,7 @@ import pytest
 
 from ciuic_p2p.config import MeshSection
 from ciuic_p2p.core.broadcast import Disseminator
-from ciuic_p2p.core.meshwire import Heads, Message, Want
+from ciuic_p2p.core.meshwire import Chunk, Heads, Message, Want
 from ciuic_p2p.core.scenario import load_scenario
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
@@ -122,3 +122,41 @@ def test_an_unanswered_want_is_repeated_to_the_newest_announcer() -> None:
     assert {p for t, p in asked if t < 1.5} == {"holder"} and {p for t, p in asked if t > 1.5} == {
         "other"
     }
+
+
+@pytest.mark.parametrize("declared_dead_first", [False, True])
+def test_a_restarted_origin_is_heard_again_and_its_previous_life_is_not(
+    declared_dead_first: bool,
+) -> None:
+    """A crashed node comes back numbering its chunks from 1 of a new session: the
+    others deliver them (not take them for the previous life's, long delivered), and
+    a straggler of the previous life is dropped."""
+    sim = formed()
+    old = [sim.broadcast("London", b"old" * 300) for _ in range(100)]
+    got: collections.Counter[str] = collections.Counter()
+
+    def all_old_delivered() -> bool:
+        for name, counter in deliveries(sim).items():
+            got[name] += sum(counter.values())
+        return all(got[n] == len(old) for n in NAMES if n != "London")
+
+    sim.run_until_true(all_old_delivered, limit_s=30)
+    straggler = sim.nodes["London"].dissemination.store[("London", old[-1])][0]
+    sim.kill("London")
+    if declared_dead_first:
+        sim.run_until_true(lambda: sim.all_mark("London"), limit_s=60)
+    else:
+        sim.run_for(0.5)  # back before anyone suspects it
+    sim.start("London", join_through="Tokyo")
+    sim.run_until_true(sim.agree, limit_s=30)
+    new = [sim.broadcast("London", b"new" * 300) for _ in range(5)]
+    sim.run_for(5)
+    assert min(new) > max(old)
+    for name, counter in deliveries(sim).items():
+        if name != "London":
+            assert set(counter) == {("London", s) for s in new}, name
+            assert max(counter.values()) == 1
+            assert sim.nodes[name].dissemination.restarts_seen == 1
+    tokyo = sim.nodes["Tokyo"]
+    tokyo.receive_message("Sydney", Message("Sydney", Chunk("London", old[-1], 3, straggler)), 0)
+    assert tokyo.take_deliveries() == [] and tokyo.dissemination.stale == 1
