@@ -151,6 +151,7 @@ def one_run(args: argparse.Namespace, loss: float, workdir: Path) -> dict[str, A
         "trainer_attached_s": attached["at"] - restarted_at,
         "trainer_ready_s": attaching["at"] - restarted_at,
         "replicas_wait_s": attached["replicas_wait_s"],
+        "replicas_heard_s": attached.get("replicas_heard_s"),
         "max_survivor_stall_s": max(o.get("max_wait_s", 0.0) for o in after),
         "max_survivor_gap_s": max(o["max_gap_s"] for o in after),
         "step_s": statistics.mean(steps_ms) / 1000,

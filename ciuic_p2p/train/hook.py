@@ -107,6 +107,8 @@ class MeshSync(StateSync):
         self._ready = False
         """True once the state is restored: only then may peers have it."""
         self._checkpoint_at = time.monotonic()
+        self.replicas_heard_s: dict[str, float] = {}
+        """When attach first saw each member alive, registered, and reported (s)."""
         t0 = time.monotonic()
         self._await_replicas(min_replicas, join_timeout_s)
         self.replicas_wait_s = time.monotonic() - t0
@@ -126,12 +128,21 @@ class MeshSync(StateSync):
         later hears it), until ``count`` replicas of this run, this one included, are
         known and each has said its step (or ``JOIN_ANSWER_WAIT_S`` passed since the
         count was reached: a member that died meanwhile does not hold us up)."""
-        deadline = time.monotonic() + timeout_s
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
         self.channel.publish(self._join(ask=True))
-        said = time.monotonic()
+        said = t0
         counted: float | None = None
         r = self.replica
+        heard = self.replicas_heard_s
         while True:
+            now = time.monotonic()
+            for name in self.channel.alive:
+                heard.setdefault("alive " + name[:12], round(now - t0, 3))
+            for name, p in r.peers.items():
+                heard.setdefault("registered " + name[:12], round(now - t0, 3))
+                if p.reported:
+                    heard.setdefault("reported " + name[:12], round(now - t0, 3))
             if r.replicas >= count:
                 counted = counted or time.monotonic()
                 if all(p.reported for p in r.peers.values()):

@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 "start_step": sync.start_step,
                 "restored": sync.restored,
                 "replicas_wait_s": sync.replicas_wait_s,
+                "replicas_heard_s": sync.replicas_heard_s,
                 "at": time.time(),
             }
         )
