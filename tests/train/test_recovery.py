@@ -4,6 +4,7 @@ donor killed in the middle of a state transfer is replaced without starting over
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -112,6 +113,16 @@ def test_a_killed_node_restarts_syncs_and_rejoins_while_the_others_go_on(
     assert distance <= 0.05, distance
     done = {n: watch.last(n, "done") for n in names}
     assert all(d is not None and d["accuracy"] >= 0.9 for d in done.values()), done
+    # The restarted node was heard at once: every replica answered its JOIN, and its
+    # new life's chunks and end reached the others (not taken for its previous life's).
+    heard = again["replicas_heard_s"]
+    assert sum(k.startswith("reported ") for k in heard) == 2, heard
+    results = [json.loads((out / f"result-{r}.json").read_text()) for r in range(3)]
+    mine = results[2]["sync"]
+    for theirs in results[:2]:
+        sent = theirs["sync"]["sent_by_origin"]
+        assert sent[mine["peer"]] == mine["chunks_sent"] > 0, (sent, mine["chunks_sent"])
+        assert theirs["finished_in_sync"], theirs["sync"]
     print(
         f"restart to training {restart_to_training_s:.1f} s, survivors' longest gap "
         f"{max(gaps):.2f} s, state {again['restored']['bytes']} B in "
@@ -158,7 +169,9 @@ def test_joiners_spread_over_donors_and_a_donor_killed_mid_transfer_is_replaced(
 
         deadline = time.monotonic() + 120
         while (f := under_way()) is None:
-            assert time.monotonic() < deadline and all(t.is_alive() for t in threads), results
+            # c may finish first (on a loaded machine d can spend seconds on a busy
+            # donor before its own starts); what matters is d's transfer.
+            assert time.monotonic() < deadline and threads[1].is_alive(), results
             time.sleep(0.05)
         victim = next(n for n in (a, b) if peer_of[n] == f["donors"][0])
         cluster.kill(victim)
