@@ -13,6 +13,7 @@ JOIN, GONE and DONE of another run sharing the mesh are ignored and counted apar
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 from dataclasses import dataclass, field
 
@@ -30,7 +31,7 @@ from ciuic_p2p.core.trainwire import (
     decode_message,
     decode_presence,
 )
-from ciuic_p2p.core.wire import ChunkHeader
+from ciuic_p2p.core.wire import ChunkHeader, parse_chunk
 from ciuic_p2p.errors import CiuicError, CodecError, ReplayedChunkError
 
 STALENESS_BINS = 4096
@@ -148,6 +149,8 @@ class Intake:
     floors: dict[str, int]
     own_params: dict[int, list[torch.Tensor]]
     joined: list[str]
+    early_joins: dict[str, Prepared]
+    mesh_alive: set[str]
     _queued: dict[tuple[int, float], list[tuple[torch.Tensor, torch.Tensor]]]
 
     @property
@@ -170,6 +173,36 @@ class Intake:
             self.apply(self.prepare(origin, payload))
         finally:
             self.flush()
+
+    def register(self, origin: str, payload: bytes | memoryview | None, step: int = 0) -> None:
+        """A chunk of ``origin`` arrived and is kept for later (raw ``payload``, or
+        prepared, of ``step``): it is a replica, that far on at least."""
+        state = self._replica(origin)
+        if payload is not None:
+            with contextlib.suppress(TrainWireError, CodecError):
+                step = parse_chunk(decode_message(payload).body)[0].step
+        if state is not None:
+            state.step = max(state.step, step)
+
+    def held_by_state(self, origin: str, payload: bytes | memoryview) -> bool:
+        """True, and counted as held by the restored state, for an update of this run
+        that the restored state already holds, read from its header alone (the updates
+        that arrive while a joiner fetches its state are mostly these: decoding each
+        cost the joiner seconds). False for anything else: prepare and apply it."""
+        try:
+            msg = decode_message(payload)
+            if msg.kind is not Kind.UPDATE:
+                return False
+            h, _ = parse_chunk(msg.body)
+        except (TrainWireError, CodecError):
+            return False  # prepare refuses it, with the reason
+        if h.run_id != self.source.run_id or h.step > self.floors.get(origin, -1):
+            return False
+        self.stats.before_state += 1
+        state = self._replica(origin)
+        if state is not None:
+            state.held_by_state += 1
+        return True
 
     def prepare(self, origin: str, payload: bytes | memoryview) -> Prepared | RefusedChunk:
         """Decode and check what needs no replica state (any thread: the channel's
@@ -240,6 +273,14 @@ class Intake:
                 self.peers[exc.origin].refused += 1
             raise
 
+    def _take_join(self, joined: PeerState, item: Prepared) -> None:
+        """Where a replica stands; one still syncing is not waited for."""
+        joined.step = max(joined.step, item.step)
+        joined.lagging = joined.step <= self.step - self.train.staleness_bound_steps
+        joined.reported = True
+        if item.ask and item.origin not in self.joined:
+            self.joined.append(item.origin)
+
     def _apply(self, item: Prepared | RefusedChunk) -> None:
         if isinstance(item, RefusedChunk):
             raise item
@@ -252,12 +293,12 @@ class Intake:
         if item.kind is Kind.JOIN:
             self._gone.discard(origin)  # a restarted trainer joins again
             joined = self._replica(origin)
-            if joined is not None:  # where it stands; one still syncing is not waited for
-                joined.step = max(joined.step, item.step)
-                joined.lagging = joined.step <= self.step - self.train.staleness_bound_steps
-                joined.reported = True
-                if item.ask and origin not in self.joined:
-                    self.joined.append(origin)
+            if joined is not None:
+                self._take_join(joined, item)
+            elif origin not in self.mesh_alive:
+                # The daemon's word that it is alive can come after its JOIN (a replica
+                # that has attached may not say JOIN again for a long while).
+                self.early_joins[origin] = item
             return
         state = self._replica(origin)
         if item.kind is Kind.DONE:

@@ -167,6 +167,9 @@ class Replica(Intake):
         self.mesh_alive: set[str] = set()
         self._gone: set[str] = set()
         self.joined: list[str] = []
+        self.early_joins: dict[str, Prepared] = {}
+        """JOINs of members not yet known alive here (at most one per member), taken
+        when they are."""
         """Replicas registered since the caller last cleared this (it answers JOIN)."""
         self.stats = ReplicaStats()
         self._updates = ReplayWindow(window_steps=1 << 16)
@@ -187,6 +190,11 @@ class Replica(Intake):
             if name not in self.mesh_alive:
                 del self.peers[name]
         self.replicas = 1 + len(self.peers)
+        for name in [n for n in self.early_joins if n in self.mesh_alive]:
+            joined = self._replica(name)
+            if joined is not None:
+                self._take_join(joined, self.early_joins[name])
+            del self.early_joins[name]
 
     def _replica(self, origin: str) -> PeerState | None:
         """The state of a replica of this run, registering it on first word; None for

@@ -300,3 +300,63 @@ def test_a_joiner_and_a_membership_change_seen_at_different_steps_leave_no_drift
     assert consensus_distance(shared) < 1e-5, [
         consensus_distance([shared[i], shared[j]]) for i, j in ((0, 1), (0, 2), (1, 2))
     ]
+
+
+def test_updates_kept_while_a_joiner_restores_are_dropped_by_header_or_applied_once() -> None:
+    """A joiner keeps the updates that arrive before its state is restored: those the
+    state holds (up to its floor) are counted held by the state without decoding; the
+    others are applied after the restore, once, and each tells the origin's step."""
+    donor, joiner = replica(0), replica(1)
+    for r in (donor, joiner):
+        r.set_alive(["p0", "p1"])
+    gen = torch.Generator().manual_seed(3)
+    payloads: dict[int, list[bytes]] = {}
+    for _ in range(8):
+        out = local_update(donor, gen)
+        if out:
+            payloads[donor.step] = out
+    assert sorted(payloads) == list(range(1, 9))
+    for out in payloads.values():
+        for p in out:
+            joiner.register("p0", p)
+    assert joiner.peers["p0"].step == 8  # what the restore decision reads
+    # The donor's state at step 4 (its own updates up to 4 in it), as a joiner restores it.
+    for b, value in zip(joiner.buckets, donor.buckets, strict=True):
+        b.copy_(value)
+    joiner.start_at(4, {"p0": 4})
+    before = snapshot(joiner)
+    held = applied = 0
+    for step in sorted(payloads):
+        for p in payloads[step]:
+            if joiner.held_by_state("p0", p):
+                assert step <= 4
+                held += 1
+            else:
+                assert step > 4
+                joiner.receive("p0", p)
+                applied += 1
+    joiner.settle(everything=True)
+    assert held == sum(len(payloads[s]) for s in range(1, 5)) and applied > 0
+    peer = joiner.peers["p0"]
+    assert (peer.held_by_state, peer.applied) == (held, applied)
+    assert joiner.stats.before_state == held
+    assert any(not torch.equal(a, b) for a, b in zip(before, joiner.buckets, strict=True))
+    # Nothing of another run, and nothing malformed, is taken for held.
+    other = replica(2, run="other")
+    other.set_alive(["p0", "p1", "p2"])
+    assert not joiner.held_by_state("p0", local_update(other, gen)[0])
+    assert not joiner.held_by_state("p0", b"garbage")
+
+
+def test_a_join_that_comes_before_the_member_is_known_alive_is_taken_when_it_is() -> None:
+    """The daemon tells its trainer who is alive on a timer, so a new member's JOIN can
+    come first; it used to be dropped, and a replica that had attached said no more
+    (a three-way attach then waited out its timeout)."""
+    r = replica(0)
+    r.set_alive(["p0"])
+    r.receive("p1", encode_presence(Kind.JOIN, run_id_of("run"), 7, True))
+    assert r.replicas == 1 and "p1" not in r.peers
+    r.set_alive(["p0", "p1"])
+    assert r.replicas == 2
+    assert r.peers["p1"].reported and r.peers["p1"].step == 7 and r.joined == ["p1"]
+    assert r.early_joins == {}
