@@ -129,8 +129,18 @@ class DaemonChannel:
             self._send(*parts)
 
     def _request(self, ftype: FrameType, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        return self._result(self._ask(ftype, body), timeout_s)
+
+    def _ask(self, ftype: FrameType, body: dict[str, Any]) -> int:
         rid = next(self._ids)
         self._send(json_frame(ftype, {**body, "id": rid}))
+        return rid
+
+    def answered(self, rid: int) -> bool:
+        with self._cond:
+            return rid in self._results
+
+    def _result(self, rid: int, timeout_s: float) -> dict[str, Any]:
         self.wait(lambda: rid in self._results, timeout_s)
         with self._cond:
             result = self._results.pop(rid, None)
@@ -149,8 +159,19 @@ class DaemonChannel:
     ) -> tuple[bytearray, dict[str, Any]]:
         """Fetch ``name`` through the daemon (core.store): its bytes and the daemon's
         report (version, donors, bytes, seconds, corrupt pieces...)."""
+        return self.object_got(self.ask_object(name, min_version, slack, patient), name, timeout_s)
+
+    def ask_object(
+        self, name: str, min_version: int = 0, slack: int = 0, patient: bool = True
+    ) -> int:
+        """Start fetching ``name`` (see :meth:`get_object`); the request's ID, for
+        :meth:`answered` and :meth:`object_got`."""
         body = {"name": name, "min_version": min_version, "slack": slack, "patient": patient}
-        result = self._request(FrameType.GET_REQUEST, body, timeout_s)
+        return self._ask(FrameType.GET_REQUEST, body)
+
+    def object_got(self, rid: int, name: str, timeout_s: float) -> tuple[bytearray, dict[str, Any]]:
+        """Wait for the fetch ``rid`` of ``name``; see :meth:`get_object`."""
+        result = self._result(rid, timeout_s)
         if not result.get("ok"):
             raise ChannelError(f"{name}: {result.get('error', 'fetch failed')}")
         with self._cond:

@@ -30,9 +30,17 @@ import torch
 
 from ciuic_p2p.config import Config, trainer_socket_path
 from ciuic_p2p.core.codec import ChunkSource
+from ciuic_p2p.core.intake import Prepared
 from ciuic_p2p.core.layout import BucketLayout
 from ciuic_p2p.core.replica import RefusedChunk, Replica
-from ciuic_p2p.core.trainwire import Kind, encode_done, encode_presence, run_id_of
+from ciuic_p2p.core.trainwire import (
+    Kind,
+    TrainWireError,
+    decode_message,
+    encode_done,
+    encode_presence,
+    run_id_of,
+)
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel
 from ciuic_p2p.train.embedded import EmbeddedDaemon
@@ -47,6 +55,15 @@ __all__ = ["MeshSync", "attach", "flatten_parameters"]
 STATS_EVERY_STEPS = 8
 JOIN_ANSWER_WAIT_S = 5.0
 log = get_logger("ciuic.train")
+
+
+def _is_chunk(arrived: Any) -> bool:
+    """An update or parameter chunk (raw, or as the reader thread prepared it)."""
+    if isinstance(arrived, tuple):
+        with contextlib.suppress(TrainWireError):
+            return decode_message(arrived[1]).kind in (Kind.UPDATE, Kind.PARAMS)
+        return False
+    return isinstance(arrived, Prepared) and arrived.kind in (Kind.UPDATE, Kind.PARAMS)
 
 
 class MeshSync(StateSync):
@@ -106,15 +123,20 @@ class MeshSync(StateSync):
         self._params_due = False
         self._ready = False
         """True once the state is restored: only then may peers have it."""
+        self._early: list[Any] = []
+        """Peer chunks that arrived before the state was restored, applied after it
+        (applied before, they went into weights the restored state then replaced)."""
         self._checkpoint_at = time.monotonic()
         self.replicas_heard_s: dict[str, float] = {}
         """When attach first saw each member alive, registered, and reported (s)."""
         t0 = time.monotonic()
+        self._load_checkpoint()
         self._await_replicas(min_replicas, join_timeout_s)
         self.replicas_wait_s = time.monotonic() - t0
         """How long attach waited for the run's other replicas to answer."""
         self.restored = self._restore()
         self._ready = True
+        self._apply_early()
         self.start_step = self.replica.step
         """The step this replica begins at: 0, or where its state came from (a peer's
         state or this node's checkpoint); continue the loop's schedule from here."""
@@ -160,6 +182,7 @@ class MeshSync(StateSync):
                 )
             self.channel.wait_any(0.1)
             self.poll()
+            self._ask_state_if_behind()
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -256,13 +279,14 @@ class MeshSync(StateSync):
             r.set_alive(ch.alive)
         n = 0
         for arrived in ch.take_deliveries():
-            # Decoded on the reader thread, unless it arrived before the replica existed.
-            item = r.prepare(*arrived) if isinstance(arrived, tuple) else arrived
-            try:
-                r.apply(item)
-                n += 1
-            except RefusedChunk as exc:
-                log.warning("chunk_refused", step=r.step, reason=exc.reason, error=str(exc))
+            if not self._ready and _is_chunk(arrived):
+                self._early.append(arrived)
+                if isinstance(arrived, tuple):
+                    r.register(arrived[0], arrived[1])
+                else:
+                    r.register(arrived.origin, None, arrived.step)
+                continue
+            n += self._apply_one(arrived)
         r.settle()  # and flushes what was applied
         if self._ready and ch.snapshot_wanted.is_set() and self.encoder.idle.is_set():
             self._hand_state(write_checkpoint_too=False)  # a joiner is waiting for it
@@ -270,6 +294,32 @@ class MeshSync(StateSync):
             r.joined.clear()
             ch.publish(self._join())
         return n
+
+    def _apply_one(self, arrived: Any) -> int:
+        r = self.replica
+        # Decoded on the reader thread, unless it arrived before the replica existed.
+        item = r.prepare(*arrived) if isinstance(arrived, tuple) else arrived
+        try:
+            r.apply(item)
+            return 1
+        except RefusedChunk as exc:
+            log.warning("chunk_refused", step=r.step, reason=exc.reason, error=str(exc))
+            return 0
+
+    def _apply_early(self) -> None:
+        """Apply the chunks that came while attach waited and fetched; the updates the
+        restored state holds are dropped by their header, undecoded."""
+        r = self.replica
+        early, self._early = self._early, []
+        held = 0
+        for arrived in early:
+            if isinstance(arrived, tuple) and r.held_by_state(*arrived):
+                held += 1
+            else:
+                self._apply_one(arrived)
+        r.settle()
+        self.restored["early_chunks"] = len(early)
+        self.restored["early_held_by_state"] = held
 
     def finish(self, timeout_s: float | None = None) -> bool:
         """Send what is left of this replica's update, say it is done, and wait (bounded)

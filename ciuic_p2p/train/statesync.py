@@ -20,7 +20,7 @@ from ciuic_p2p.core.replica import Replica
 from ciuic_p2p.core.statefile import StateFormatError, pack_state, unpack_state
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel
-from ciuic_p2p.train.checkpoint import load_newest, write_checkpoint
+from ciuic_p2p.train.checkpoint import Checkpoint, load_newest, write_checkpoint
 from ciuic_p2p.train.encoder import Encoder
 
 log = get_logger("ciuic.train")
@@ -38,10 +38,31 @@ class StateSync:
     state_name: str
     checkpoint_path: Path | None
     snapshots_sent: int
+    _ckpt: Checkpoint | None = None
     checkpoints_written: int
     encoder: Encoder
     _checkpoint_at: float
     _terminate: bool
+    _state_ask: tuple[int, float] | None = None
+    """The state fetch under way (request ID, when asked), once one is."""
+
+    def _load_checkpoint(self) -> None:
+        self._ckpt = load_newest(self.checkpoint_path) if self.checkpoint_path else None
+
+    def _ask_state_if_behind(self) -> None:
+        """Start fetching the run's state as soon as a replica is known to be past this
+        node's checkpoint: attach goes on waiting for the other replicas' answers while
+        the daemon fetches."""
+        if self._state_ask is not None:
+            return
+        ckpt_step = self._ckpt.step if self._ckpt else 0
+        if max((p.step for p in self.replica.peers.values()), default=0) > ckpt_step:
+            rid = self.channel.ask_object(
+                self.state_name,
+                min_version=ckpt_step + 1,
+                slack=self.config.store.state_version_slack_steps,
+            )
+            self._state_ask = (rid, time.monotonic())
 
     def _restore(self) -> dict[str, Any]:
         """Start from the newest state there is: the replicas' (fetched from the nearest
@@ -50,26 +71,25 @@ class StateSync:
         its fresh weights while the others are mid-run: a failed fetch raises."""
         t0 = time.monotonic()
         r = self.replica
-        ckpt = load_newest(self.checkpoint_path) if self.checkpoint_path else None
-        ckpt_step = ckpt.step if ckpt else 0
+        ckpt = self._ckpt
         peer_step = max((p.step for p in r.peers.values()), default=0)
         opt = self.optimizer if self.config.store.sync_optimizer_state else None
         info: dict[str, Any] = {"source": "fresh", "step": 0}
-        if peer_step > ckpt_step:
+        self._ask_state_if_behind()
+        if self._state_ask is not None:
+            rid, asked_at = self._state_ask
             s = self.config.store
-            data, got = self.channel.get_object(
-                self.state_name,
-                min_version=ckpt_step + 1,
-                slack=s.state_version_slack_steps,
-                timeout_s=s.fetch_timeout_s + 30.0,
-            )
+            data, got = self.channel.object_got(rid, self.state_name, s.fetch_timeout_s + 30.0)
+            info["while_waiting_s"] = round(t0 - asked_at, 3)  # fetched during attach's wait
+            t0 = asked_at
             try:
                 meta = unpack_state(data, self.layout.layout_id, self.buckets, opt)
             except StateFormatError as exc:
                 raise ChannelError(f"the run's state does not fit this model: {exc}") from None
             start = max(int(got["version"]), peer_step)
             applied = meta.get("applied", {})
-            info = {"source": "mesh", "step": start, "state_version": got["version"], **got}
+            info = {**info, "source": "mesh", "step": start, "state_version": got["version"]}
+            info.update(got)
             info["daemon_s"] = got.get("seconds")  # query and transfer; "seconds": all
         elif ckpt is not None:
             try:
