@@ -15,10 +15,16 @@ from the others is killed (SIGKILL, daemon and trainer) and restarted. Measured:
 
 Where the restart's time goes: ``daemon_rejoin_s`` (daemon start and join),
 ``trainer_ready_s`` (the trainer's imports and model, until it calls ``attach``),
-``replicas_wait_s`` (attach waiting for the other replicas to answer),
+``replicas_wait_s`` (attach waiting for the other replicas to answer; when each was
+seen alive, registered and reported: ``replicas_heard_s``),
 ``state_fetch_s`` (query, donors' fresh snapshots, transfer, load; of which
-``state_query_s`` until the first piece request and ``state_daemon_s`` the daemon's
-part, query and transfer) and
+``state_query_s`` until the first piece request, ``state_daemon_s`` the daemon's
+part, query and transfer, and ``state_fetch_while_waiting_s`` the part that overlapped
+the replicas wait: the fetch starts once one replica is known ahead;
+``state_prefetch``: when the restarted daemon began fetching the state on its own,
+after its start, and how long that took, while the trainer started), the chunks kept
+while attach waited and fetched (``early_chunks``; ``early_held_by_state`` of them
+dropped by their header) and
 ``trainer_attached_s`` (all of the trainer's start until ``attach`` returned).
 
 Then the same with 0.05% random loss on every link (``*_lossy``, reported without a
@@ -161,6 +167,10 @@ def one_run(args: argparse.Namespace, loss: float, workdir: Path) -> dict[str, A
         "idle_fetch_mb": args.idle_fetch_mb,
         "state_query_s": restored.get("query_s"),
         "state_daemon_s": restored.get("daemon_s"),
+        "state_fetch_while_waiting_s": restored.get("while_waiting_s"),
+        "state_prefetch": restored.get("prefetch"),
+        "early_chunks": restored.get("early_chunks"),
+        "early_held_by_state": restored.get("early_held_by_state"),
         "state_donors": restored.get("donors"),
         "restored_from": restored.get("source"),
         "start_step": attached["start_step"],

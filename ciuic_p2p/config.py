@@ -326,6 +326,11 @@ class StoreSection:
     state_version_slack_steps: int = 1000
     """State sync takes any replica's state at most this many steps behind the newest
     offered (the nearest of those, by RTT and load)."""
+    prefetch_state: bool = True
+    """A daemon that served a run's trainer before (``STATE_DIR/run``) fetches the
+    run's state as soon as it has rejoined after a restart, while its trainer starts
+    (imports, model, CUDA); the trainer then takes that state and the chunks held
+    since, instead of asking the mesh once it is up."""
     sync_optimizer_state: bool = True
     """State sync and checkpoints carry the optimizer's state (momentum, Adam moments)
     besides the parameters."""

@@ -127,10 +127,12 @@ class StoreService:
         version_slack: int = 0,
         patient: bool = True,
         exclude: frozenset[str] = frozenset(),
+        held_ok: bool = False,
     ) -> tuple[bytes, Fetch]:
         """The newest version of ``name`` on the mesh (at least ``min_version``), and the
         fetch that got it (donors, counters). One held here that is at least as new as
-        every offer is returned without a transfer. ``patient``: wait (up to
+        every offer is returned without a transfer; with ``held_ok``, one held here of
+        at least ``min_version`` is, without asking the mesh. ``patient``: wait (up to
         ``store.fetch_timeout_s``) for a holder to appear; otherwise fail as soon as
         every member has said it holds none."""
         d = self.daemon
@@ -150,12 +152,14 @@ class StoreService:
             version_slack=version_slack,
             patient=patient and local is None,
         )
-        await self._drive(fetch)
+        if not (held_ok and local is not None and local.manifest.version >= min_version):
+            await self._drive(fetch)
         if fetch.state is FetchState.DONE and fetch.result is not None:
             self.counters["store_fetched_bytes"] += len(fetch.result)
             return bytes(fetch.result), fetch
         if local is not None and local.manifest.version >= min_version:
             fetch.version = local.manifest.version
+            fetch.manifest = local.manifest
             return local.data, fetch
         raise StoreError(fetch.error or f"nobody holds {name!r}")
 

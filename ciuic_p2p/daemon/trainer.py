@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import os
 import socket
 import time
 from collections.abc import Callable, Coroutine
@@ -70,8 +71,14 @@ from ciuic_p2p.logsetup import get_logger
 
 MAX_WRITE_BUFFER = 64 * 1024 * 1024
 MAX_HELD = 4096
-"""Deliveries held while no trainer is attached (peers that started first), for the
-trainer that attaches next."""
+MAX_HELD_BYTES = 256 * 1024 * 1024
+"""Deliveries held while no trainer is attached (peers that started first, or the
+chunks after the state a restarted daemon prefetched), for the trainer that attaches
+next: at most this many, and bytes; the oldest go first."""
+PREFETCH_JOIN_WAIT_S = 60.0
+"""How long a restarted daemon's prefetch waits for another member to be alive."""
+RUN_FILE = "run"
+"""In the state directory: the run this daemon's trainer said it trains (HELLO)."""
 MEMBERS_POLL_S = 0.05
 FRESH_SNAPSHOT_S = 5.0
 """A joiner's query is answered with a snapshot at most this old (else the trainer is
@@ -106,8 +113,16 @@ class TrainerServer:
         """Each origin's steps as its chunks pass here, sign/verify times (daemon.metrics)."""
         self._members: list[str] = []
         self._held: collections.deque[tuple[bool, tuple[bytes | memoryview, ...]]] = (
-            collections.deque(maxlen=MAX_HELD)
+            collections.deque()
         )
+        self._held_bytes = 0
+        self._prefetch: asyncio.Task[None] | None = None
+        self.prefetch_info: dict[str, Any] | None = None
+        """What the prefetch of a restarted daemon did (timing, version, donors)."""
+        self._prefetch_usable = False
+        """The prefetched state may be handed to the trainer without asking the mesh:
+        every delivery since this daemon started is held for it (none dropped, no
+        trainer session in between)."""
         self._hello = False
         self._sessions = 0
         self._run_id: bytes | None = None
@@ -121,6 +136,50 @@ class TrainerServer:
             raise ValueError("no socket path")
         self.server = await serve_unix(self.path, self._client, 0o660, 1 << 20)
         self._tasks.append(asyncio.get_running_loop().create_task(self._watch_members()))
+        self._start_prefetch()
+
+    def _start_prefetch(self) -> None:
+        run = None
+        with contextlib.suppress(OSError, UnicodeDecodeError):
+            run = (self.daemon.state_dir / RUN_FILE).read_text().strip() or None
+        if run is None or not self.daemon.config.store.prefetch_state:
+            return
+        name = "state/" + run_id_of(run).hex()
+        self._prefetch = asyncio.get_running_loop().create_task(self._prefetch_state(name))
+        self._tasks.append(self._prefetch)
+
+    async def _prefetch_state(self, name: str) -> None:
+        """Fetch the run's state into the store as soon as another member is alive;
+        the trainer's GET for it then returns at once (see ``_get``)."""
+        d = self.daemon
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        while d.node is None or len(d.mesh.view()) < 2:
+            if loop.time() - t0 > PREFETCH_JOIN_WAIT_S:
+                return
+            await asyncio.sleep(MEMBERS_POLL_S)
+        joined = loop.time()
+        s = d.config.store
+        try:
+            data, fetch = await self.store.get(
+                name, 1, version_slack=s.state_version_slack_steps, patient=False
+            )
+        except StoreError as exc:
+            log.info("state_prefetch_failed", name=name, reason=str(exc))
+            return
+        held = self.store.holder.newest(name)
+        if fetch.manifest is not None and (held is None or held.manifest.version < fetch.version):
+            self.store.put_local(name, fetch.version, data, fetch.manifest.compat)
+        self.prefetch_info = {
+            "version": fetch.version,
+            "after_start_s": round(joined - d.started_at, 3),
+            "seconds": round(loop.time() - joined, 3),
+            "donors": dict(fetch.stats.pieces_by_donor),
+        }
+        d.counters["state_prefetched"] += 1
+        dropped = d.counters["deliveries_without_trainer"]
+        self._prefetch_usable = self._sessions == 0 and dropped == 0
+        log.info("state_prefetched", name=name, **self.prefetch_info)
 
     async def serve_socket(self, sock: socket.socket) -> None:
         """Serve one already connected socket (embedded mode)."""
@@ -174,6 +233,8 @@ class TrainerServer:
                 self.writer = None
                 self._hello = False
                 self._held.clear()
+                self._held_bytes = 0
+                self._prefetch_usable = False
                 if self._run_id is not None and not self._done and self.daemon.node is not None:
                     # The trainer went away mid-run: its replicas stop waiting for it.
                     self.daemon.broadcast(encode_presence(Kind.GONE, self._run_id))
@@ -188,6 +249,7 @@ class TrainerServer:
                 raise TrainWireError("HELLO names no run")
             self._run_id = run_id_of(run)
             self.state_name = "state/" + self._run_id.hex()
+            self._remember_run(run)
             self._done = False
             self._sessions += 1
             self._members = d.mesh.view()
@@ -206,6 +268,7 @@ class TrainerServer:
             while self._held:
                 droppable, parts = self._held.popleft()
                 self._write(*parts, droppable=droppable)
+            self._held_bytes = 0
         elif ftype is FrameType.PUBLISH:
             self._publish(body)
         elif ftype is FrameType.STATS_REQUEST:
@@ -291,6 +354,17 @@ class TrainerServer:
         else:
             self._objects[part.name] = (version, compat, bytes(data))
 
+    def _remember_run(self, run: str) -> None:
+        """Write the run's name to the state directory, for the prefetch after a
+        restart (atomically; a daemon whose directory is read-only just won't)."""
+        path = self.daemon.state_dir / RUN_FILE
+        with contextlib.suppress(OSError):
+            if path.exists() and path.read_text().strip() == run:
+                return
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(run + "\n")
+            os.replace(tmp, path)
+
     async def _freshen(self, name: str) -> None:
         loop = asyncio.get_running_loop()
         if name != self.state_name or not self._hello:
@@ -311,11 +385,16 @@ class TrainerServer:
         try:
             if not isinstance(name, str):
                 raise StoreError("GET names no object")
+            prefetch = self._prefetch
+            if prefetch is not None and name == self.state_name and not prefetch.done():
+                await asyncio.shield(prefetch)  # the state it gets is what we want
             data, fetch = await self.store.get(
                 name,
                 int(request.get("min_version", 0)),  # type: ignore[call-overload]
                 version_slack=int(request.get("slack", 0)),  # type: ignore[call-overload]
                 patient=bool(request.get("patient", True)),
+                # Only the prefetched state, with every chunk since held for the trainer.
+                held_ok=bool(request.get("held_ok")) and self._prefetch_usable,
             )
         except (StoreError, ValueError, TypeError) as exc:
             self._result(rid, False, error=str(exc))
@@ -338,6 +417,7 @@ class TrainerServer:
             donors_lost=fetch.stats.donors_lost,
             busy=fetch.stats.busy,
             restarts=fetch.stats.restarts,
+            prefetch=self.prefetch_info if name == self.state_name else None,
         )
 
     async def _put(self, request: dict[str, object]) -> None:
@@ -405,9 +485,13 @@ class TrainerServer:
         writer = self.writer
         counters = self.daemon.counters
         if writer is None or not self._attached():
-            if len(self._held) == MAX_HELD:
-                counters["deliveries_without_trainer"] += 1
             self._held.append((droppable, parts))
+            self._held_bytes += sum(len(p) for p in parts)
+            while len(self._held) > MAX_HELD or self._held_bytes > MAX_HELD_BYTES:
+                _, dropped = self._held.popleft()
+                self._held_bytes -= sum(len(p) for p in dropped)
+                counters["deliveries_without_trainer"] += 1
+                self._prefetch_usable = False
             return
         if droppable and writer.transport.get_write_buffer_size() > MAX_WRITE_BUFFER:
             counters["deliveries_dropped"] += 1

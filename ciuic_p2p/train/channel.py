@@ -162,11 +162,23 @@ class DaemonChannel:
         return self.object_got(self.ask_object(name, min_version, slack, patient), name, timeout_s)
 
     def ask_object(
-        self, name: str, min_version: int = 0, slack: int = 0, patient: bool = True
+        self,
+        name: str,
+        min_version: int = 0,
+        slack: int = 0,
+        patient: bool = True,
+        held_ok: bool = False,
     ) -> int:
-        """Start fetching ``name`` (see :meth:`get_object`); the request's ID, for
+        """Start fetching ``name`` (see :meth:`get_object`; ``held_ok``: a version of at
+        least ``min_version`` that the daemon holds will do); the request's ID, for
         :meth:`answered` and :meth:`object_got`."""
-        body = {"name": name, "min_version": min_version, "slack": slack, "patient": patient}
+        body = {
+            "name": name,
+            "min_version": min_version,
+            "slack": slack,
+            "patient": patient,
+            "held_ok": held_ok,
+        }
         return self._ask(FrameType.GET_REQUEST, body)
 
     def object_got(self, rid: int, name: str, timeout_s: float) -> tuple[bytearray, dict[str, Any]]:

@@ -57,10 +57,13 @@ class StateSync:
             return
         ckpt_step = self._ckpt.step if self._ckpt else 0
         if max((p.step for p in self.replica.peers.values()), default=0) > ckpt_step:
+            # A state the daemon prefetched after a restart will do: it holds the
+            # chunks since, and this replica drops those the state holds.
             rid = self.channel.ask_object(
                 self.state_name,
                 min_version=ckpt_step + 1,
                 slack=self.config.store.state_version_slack_steps,
+                held_ok=True,
             )
             self._state_ask = (rid, time.monotonic())
 

@@ -115,6 +115,9 @@ def test_a_killed_node_restarts_syncs_and_rejoins_while_the_others_go_on(
     assert all(d is not None and d["accuracy"] >= 0.9 for d in done.values()), done
     # The restarted node was heard at once: every replica answered its JOIN, and its
     # new life's chunks and end reached the others (not taken for its previous life's).
+    # Its daemon fetched the run's state as soon as it had rejoined, while the trainer
+    # started, and the trainer took that state (and the chunks held since).
+    assert again["restored"].get("prefetch"), again["restored"]
     heard = again["replicas_heard_s"]
     assert sum(k.startswith("reported ") for k in heard) == 2, heard
     results = [json.loads((out / f"result-{r}.json").read_text()) for r in range(3)]
