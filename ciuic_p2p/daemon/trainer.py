@@ -161,9 +161,9 @@ class TrainerServer:
         joined = loop.time()
         s = d.config.store
         try:
-            data, fetch = await self.store.get(
-                name, 1, version_slack=s.state_version_slack_steps, patient=False
-            )
+            # Patient: the donors' daemons ask their trainers for a fresh snapshot first,
+            # which can outlast the query round.
+            data, fetch = await self.store.get(name, 1, version_slack=s.state_version_slack_steps)
         except StoreError as exc:
             log.info("state_prefetch_failed", name=name, reason=str(exc))
             return
