@@ -121,8 +121,9 @@ class TrainerServer:
         """What the prefetch of a restarted daemon did (timing, version, donors)."""
         self._prefetch_usable = False
         """The prefetched state may be handed to the trainer without asking the mesh:
-        every delivery since this daemon started is held for it (none dropped, no
-        trainer session in between)."""
+        every delivery since this daemon started is held for it or was delivered to it
+        (none dropped, no trainer session ended)."""
+        self._sessions_ended = 0
         self._hello = False
         self._sessions = 0
         self._run_id: bytes | None = None
@@ -177,8 +178,9 @@ class TrainerServer:
             "donors": dict(fetch.stats.pieces_by_donor),
         }
         d.counters["state_prefetched"] += 1
+        # A trainer attached meanwhile got the held deliveries and every one since.
         dropped = d.counters["deliveries_without_trainer"]
-        self._prefetch_usable = self._sessions == 0 and dropped == 0
+        self._prefetch_usable = self._sessions_ended == 0 and dropped == 0
         log.info("state_prefetched", name=name, **self.prefetch_info)
 
     async def serve_socket(self, sock: socket.socket) -> None:
@@ -228,6 +230,7 @@ class TrainerServer:
             pass
         finally:
             counters["trainer_sessions"] += 1
+            self._sessions_ended += 1
             writer.close()
             if self.writer is writer:
                 self.writer = None
