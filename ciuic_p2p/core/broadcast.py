@@ -28,6 +28,14 @@ still reaches everyone while anyone holds it: in particular while its origin liv
 A repaired chunk is forwarded down the tree like any other first arrival, so the
 subtree under a dead relay is repaired through its root. A gap no holder can fill
 within ``chunk_retain_s`` is given up and counted (``lost``).
+
+Bounds (members are admitted, but a faulty one must not hang the others): per origin
+at most ``MAX_GAP`` missing numbers are tracked at a time (the window moves as the gap
+fills) and ``MAX_ABOVE`` chunks held above a gap (past it the oldest gap is given
+up); at most ``MAX_ORIGINS`` origin logs. Not bounded by design: the first number
+heard of an origin sets where its log starts, so a member that announces a made-up
+high number for an origin nobody has heard of yet would mute it up to there; that
+needs the origin's signature checked here, which happens only on delivery now.
 """
 
 from __future__ import annotations
@@ -44,6 +52,17 @@ REORDER_WINDOW = 64
 """On first hearing of an origin at sequence s, chunks from s - 64 on are expected."""
 SESSION_SHIFT = 40
 """A session numbers up to 2^40 chunks (35 years at 1,000 a second)."""
+MAX_GAP = 4096
+"""Missing sequence numbers tracked per origin at a time: an announcement (or a chunk)
+far ahead is tracked this far past the contiguous prefix and further as the gap
+fills, so that one message (a faulty member's HEADS of 2^40, say) costs bounded work
+and memory, and a node far behind repairs in windows."""
+MAX_ABOVE = 4 * MAX_GAP
+"""Chunks held per origin above a gap that does not fill; past it the oldest gap is
+given up (``lost``), as it would be after ``chunk_retain_s``."""
+MAX_ORIGINS = 8192
+"""Origins with a log; a new origin past this (announced by a faulty member, say) is
+ignored and counted unless it is live."""
 MAX_SESSION = (1 << 24) - 1
 """Sessions past this share it (a node restarted 16 million times): a restart then
 goes unnoticed until its count passes the previous life's, as before sessions."""
@@ -57,6 +76,8 @@ class _OriginLog:
     above: set[int] = field(default_factory=set)
     high: int = 0
     """Highest sequence number known to exist."""
+    tracked: int = 0
+    """Highest sequence number entered in ``missing_since`` (or known held)."""
     missing_since: dict[int, float] = field(default_factory=dict)
     requested_at: dict[int, float] = field(default_factory=dict)
     holder: str | None = None
@@ -72,6 +93,27 @@ class _OriginLog:
         self.missing_since.pop(seq, None)
         self.requested_at.pop(seq, None)
         self.high = max(self.high, seq)
+
+    def give_up_oldest_gap(self) -> int:
+        """Skip to the lowest chunk held above the gap; how many were given up."""
+        first = min(self.above)
+        skipped = first - 1 - self.contiguous
+        self.contiguous = first - 1
+        for table in (self.missing_since, self.requested_at):
+            for q in [q for q in table if q <= first]:
+                del table[q]
+        self.add(first)
+        return skipped
+
+    def track(self, now: float) -> bool:
+        """Enter the unknown sequence numbers up to ``high`` as missing, at most
+        ``MAX_GAP`` past the contiguous prefix; True if any is missing."""
+        end = min(self.high, self.contiguous + MAX_GAP)
+        for seq in range(max(self.contiguous, self.tracked) + 1, end + 1):
+            if seq not in self.above:
+                self.missing_since.setdefault(seq, now)
+        self.tracked = max(self.tracked, end)
+        return bool(self.missing_since)
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +152,8 @@ class Disseminator:
         self.lost = 0
         self.stale = 0
         """Chunks (and announcements) of an origin's previous life, dropped."""
+        self.unknown_origins = 0
+        """Chunks and announcements of an origin not live, past ``MAX_ORIGINS`` logs."""
         self.restarts_seen = 0
         """Origins heard from in a new session (restarted)."""
         self._out: list[tuple[str, Message]] = []
@@ -162,6 +206,9 @@ class Disseminator:
         if log is not None and session < log.session:
             self.stale += 1
             return None
+        if log is None and len(self.logs) >= MAX_ORIGINS and origin not in self.live():
+            self.unknown_origins += 1
+            return None
         if log is None or session > log.session:
             if log is not None:  # restarted: its previous life's gaps will never fill
                 self.restarts_seen += 1
@@ -177,10 +224,9 @@ class Disseminator:
             return
         log.high = max(log.high, high)
         log.holder = holder
-        for seq in range(log.contiguous + 1, log.high + 1):
-            if seq not in log.above:
-                log.missing_since.setdefault(seq, now)
-        if log.missing_since:
+        while len(log.above) > MAX_ABOVE:
+            self.lost += log.give_up_oldest_gap()
+        if log.track(now):
             self._arm_heads(now)
 
     def _on_chunk(self, sender: str, chunk: Chunk, now: float) -> None:
@@ -270,6 +316,7 @@ class Disseminator:
                     log.requested_at[seq] = now
                 if len(wanted) >= MAX_WANT:
                     break
+            log.track(now)  # the window moves on as the gap fills
             if wanted and log.holder is not None:
                 self._send(log.holder, Want(origin, tuple(wanted)))
         self._evict(now)

@@ -259,7 +259,8 @@ class DaemonCollector(Collector):
         chunks = CounterMetricFamily(
             "ciuic_dissemination_chunks",
             "Mesh chunks by what became of them here: dropped as duplicates, repaired, "
-            "given up (lost), dropped as a restarted origin's previous life's (stale).",
+            "given up (lost), dropped as a restarted origin's previous life's (stale), "
+            "dropped as of an unknown origin past the log limit (unknown_origin).",
             labels=["event"],
         )
         for event, value in (
@@ -267,6 +268,7 @@ class DaemonCollector(Collector):
             ("repaired", dis.repaired),
             ("lost", dis.lost),
             ("stale", dis.stale),
+            ("unknown_origin", dis.unknown_origins),
         ):
             chunks.add_metric([event], value)
         yield chunks

@@ -218,7 +218,7 @@ async def test_metrics_of_a_running_mesh_carry_every_family_with_per_peer_labels
             signed = {s.name: s.value for s in families["ciuic_chunk_sign_seconds"].samples}
             assert signed["ciuic_chunk_sign_seconds_count"] == 5
             chunks = {s.labels["event"] for s in families["ciuic_dissemination_chunks"].samples}
-            assert chunks == {"duplicate", "repaired", "lost", "stale"}
+            assert chunks == {"duplicate", "repaired", "lost", "stale", "unknown_origin"}
             alive = {s.labels["state"]: s.value for s in families["ciuic_members"].samples}
             assert alive["alive"] == 2
             events = {

@@ -9,8 +9,8 @@ import itertools
 import pytest
 
 from ciuic_p2p.config import MeshSection
-from ciuic_p2p.core.broadcast import Disseminator
-from ciuic_p2p.core.meshwire import Chunk, Heads, Message, Want
+from ciuic_p2p.core.broadcast import MAX_ABOVE, MAX_GAP, MAX_ORIGINS, Disseminator
+from ciuic_p2p.core.meshwire import MAX_HEADS, MAX_WANT, Chunk, Heads, Message, Want
 from ciuic_p2p.core.scenario import load_scenario
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
@@ -160,3 +160,53 @@ def test_a_restarted_origin_is_heard_again_and_its_previous_life_is_not(
     tokyo = sim.nodes["Tokyo"]
     tokyo.receive_message("Sydney", Message("Sydney", Chunk("London", old[-1], 3, straggler)), 0)
     assert tokyo.take_deliveries() == [] and tokyo.dissemination.stale == 1
+
+
+def test_an_announcement_far_ahead_costs_bounded_work_and_mutes_nobody() -> None:
+    """A faulty member announces an origin's chunk 2^39: the node tracks a window of
+    the gap (not 2^39 entries, which hung it), asks for it in bounded WANTs, and still
+    delivers the origin's real chunks as they come."""
+    settings = MeshSection(heads_interval_s=0.05, repair_after_s=0.1, chunk_retain_s=60.0)
+    d = Disseminator("me", settings, children=lambda origin: [], live=lambda: ["me", "liar"])
+    d.handle(Message("origin", Chunk("origin", 1, 0, b"x")), now=0.0)
+    d.handle(Message("liar", Heads((("origin", 1 << 39),))), now=0.0)
+    log = d.logs["origin"]
+    assert len(log.missing_since) <= MAX_GAP
+    d.handle_timer(0.2)
+    wants = [m.body for _, m in d.messages_to_send() if isinstance(m.body, Want)]
+    assert wants and all(len(w.seqs) <= MAX_WANT for w in wants)
+    for seq in range(2, 101):
+        d.handle(Message("origin", Chunk("origin", seq, 0, b"x")), now=0.3)
+    assert [x.seq for x in d.take_deliveries()] == list(range(1, 101))
+    assert log.contiguous == 100 and len(log.missing_since) <= MAX_GAP
+    d.handle_timer(0.4)  # the window moved on with the prefix
+    assert max(log.missing_since) == 100 + MAX_GAP
+
+
+def test_chunks_above_a_gap_that_never_fills_are_bounded() -> None:
+    """Chunks that keep arriving above a hole nobody can fill: the node holds at most
+    MAX_ABOVE of them and gives the oldest gap up (counted lost), delivering all."""
+    settings = MeshSection(chunk_retain_s=3600.0)
+    d = Disseminator("me", settings, children=lambda origin: [], live=lambda: ["me", "o"])
+    d.handle(Message("o", Chunk("o", 1, 0, b"x")), now=0.0)
+    count = MAX_ABOVE + 500
+    for i in range(count):  # every second chunk lost on the way
+        d.handle(Message("o", Chunk("o", 3 + 2 * i, 0, b"x")), now=0.0)
+    log = d.logs["o"]
+    assert len(log.above) <= MAX_ABOVE
+    assert len(log.missing_since) <= MAX_GAP
+    assert d.lost > 0 and len(d.take_deliveries()) == count + 1
+    assert log.contiguous - d.lost + len(log.above) == count + 1  # each seq once: held or lost
+
+
+def test_announced_origins_are_bounded() -> None:
+    """HEADS naming thousands of made-up origins: at most MAX_ORIGINS logs; the rest
+    ignored and counted, while a live origin is still taken."""
+    d = Disseminator("me", MeshSection(), children=lambda origin: [], live=lambda: ["me", "real"])
+    for batch in range(3):
+        heads = tuple((f"fake-{batch}-{i}", 1) for i in range(MAX_HEADS))
+        d.handle(Message("liar", Heads(heads)), now=0.0)
+    assert len(d.logs) == MAX_ORIGINS
+    assert d.unknown_origins == 3 * MAX_HEADS - MAX_ORIGINS
+    d.handle(Message("real", Chunk("real", 1, 0, b"x")), now=0.0)
+    assert [x.origin for x in d.take_deliveries()] == ["real"]
