@@ -6,9 +6,10 @@ reporting progress as JSON lines on stdout and its result in ``OUT/result-RANK.j
 - ``dense``: synchronous ring all-reduce of fp32 gradients through the same daemon;
 - ``single``: one trainer alone, no network (give it N times the steps).
 
-Step time is split into compute (forward, backward, optimizer), evaluation, and the
-rest: the wait (hook, network, staleness bound). The learning rate follows a cosine
-from ``task.lr`` to zero over the run, the same for every mode.
+Step time is split into compute (forward, backward, optimizer), evaluation (with the
+byte count for the plot), and the rest: the wait (hook, network, staleness bound). The
+learning rate follows a cosine from ``task.lr`` to zero over the run, the same for
+every mode.
 
     python -m ciuic_p2p.train.worker --mode async --task digits --steps 300 \\
         --socket /run/ciuic/trainer.sock --rank 0 --world 4 --out runs/a
@@ -114,10 +115,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model.eval()
         loss, acc = task.evaluate(model)
         model.train()
-        eval_s += time.perf_counter() - e0
         sent = 0
         if channel is not None:  # a fresh count: the plot's x axis must not lag
             sent = int(channel.fetch_stats().get("udp_bytes_sent", 0)) - bytes0
+        # Measuring, like evaluating, is not training: this round trip to a busy
+        # daemon, counted as wait, was a quarter of the wait fraction.
+        eval_s += time.perf_counter() - e0
         curve.append((time.perf_counter() - t_start - eval_s, step, loss, acc, sent))
 
     stop_votes = 0.0

@@ -100,6 +100,9 @@ def test_three_embedded_replicas_train_and_apply_every_chunk_once(tmp_path: Path
                 for o, n in stats["sent_by_origin"].items()
             )
             assert stats["refused"] == {}
+        for daemon in daemons:  # the hook's figures reached its daemon (sent with chunks)
+            figures = daemon.server.progress.trainer
+            assert figures["hook_s"] > 0 and figures["encode_s"] > 0 and figures["decode_s"] > 0
         assert last < 0.2 * first / 3
         assert consensus_distance([s.buckets for s in syncs]) < 0.05
     finally:
