@@ -19,7 +19,7 @@ __all__ = ["__version__", "attach"]
 def __getattr__(name: str) -> Any:
     # The CLI and the daemon import this package; only trainers pay for torch.
     if name == "attach":
-        from ciuic_p2p.train.hook import attach  # noqa: PLC0415
+        from ciuic_p2p.train.attach import attach  # noqa: PLC0415
 
         return attach
     raise AttributeError(name)

@@ -30,8 +30,9 @@ import torch
 
 from ciuic_p2p.config import Config, load_config
 from ciuic_p2p.core.layout import BucketLayout
+from ciuic_p2p.train.attach import attach
 from ciuic_p2p.train.channel import DaemonChannel
-from ciuic_p2p.train.hook import MeshSync, attach, flatten_parameters
+from ciuic_p2p.train.hook import MeshSync, flatten_parameters
 from ciuic_p2p.train.ring import RingAllReduce
 from ciuic_p2p.train.tasks import make_task
 

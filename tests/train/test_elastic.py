@@ -21,6 +21,7 @@ from ciuic_p2p.core.layout import BucketLayout
 from ciuic_p2p.core.replica import consensus_distance
 from ciuic_p2p.core.statefile import StateFormatError, pack_state, read_header, unpack_state
 from ciuic_p2p.identity import NodeKey
+from ciuic_p2p.train.attach import attach
 from ciuic_p2p.train.checkpoint import (
     CheckpointError,
     load_newest,
@@ -28,7 +29,7 @@ from ciuic_p2p.train.checkpoint import (
     write_checkpoint,
 )
 from ciuic_p2p.train.embedded import EmbeddedDaemon
-from ciuic_p2p.train.hook import MeshSync, attach, flatten_parameters
+from ciuic_p2p.train.hook import MeshSync, flatten_parameters
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -268,7 +269,7 @@ from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import Config
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.train.embedded import EmbeddedDaemon
-from ciuic_p2p.train.hook import attach
+from ciuic_p2p.train.attach import attach
 
 tmp = Path(sys.argv[1])
 base = Config.wan()

@@ -16,10 +16,11 @@ from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.replica import consensus_distance
 from ciuic_p2p.identity import NodeKey
+from ciuic_p2p.train.attach import attach
 from ciuic_p2p.train.channel import ChannelError
 from ciuic_p2p.train.checkpoint import load_newest
 from ciuic_p2p.train.embedded import EmbeddedDaemon
-from ciuic_p2p.train.hook import MeshSync, attach
+from ciuic_p2p.train.hook import MeshSync
 
 
 def test_three_embedded_replicas_train_and_apply_every_chunk_once(tmp_path: Path) -> None:

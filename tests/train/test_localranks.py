@@ -18,7 +18,7 @@ SCRIPT = r"""
 import json, sys, torch, torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 from ciuic_p2p.config import load_config
-from ciuic_p2p.train.hook import attach
+from ciuic_p2p.train.attach import attach
 
 socket_path, config_path, out, node = sys.argv[1:5]
 dist.init_process_group("gloo")

@@ -1,0 +1,154 @@
+"""``ciuic_p2p.attach``: connect a model to the node's daemon (or an embedded one) and
+return its :class:`~ciuic_p2p.train.hook.MeshSync`, or, for the local ranks of a node
+with several GPUs, their :class:`~ciuic_p2p.train.localranks.LocalRanks`."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, overload
+
+import torch
+
+from ciuic_p2p.config import Config, trainer_socket_path
+from ciuic_p2p.train.channel import DaemonChannel
+from ciuic_p2p.train.embedded import EmbeddedDaemon
+from ciuic_p2p.train.hook import MeshSync
+
+if TYPE_CHECKING:
+    from ciuic_p2p.train.localranks import LocalRanks
+
+__all__ = ["attach"]
+
+
+@overload
+def attach(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    run: str = "default",
+    socket_path: str | Path | None = None,
+    daemon: EmbeddedDaemon | None = None,
+    config: Config | None = None,
+    min_replicas: int = 1,
+    join_timeout_s: float = 120.0,
+    seed: int = 0,
+    checkpoint_dir: str | Path | None = None,
+    handle_sigterm: bool | None = None,
+    process_group: None = None,
+) -> MeshSync: ...
+
+
+@overload
+def attach(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    run: str = "default",
+    socket_path: str | Path | None = None,
+    daemon: EmbeddedDaemon | None = None,
+    config: Config | None = None,
+    min_replicas: int = 1,
+    join_timeout_s: float = 120.0,
+    seed: int = 0,
+    checkpoint_dir: str | Path | None = None,
+    handle_sigterm: bool | None = None,
+    process_group: Any,
+) -> MeshSync | LocalRanks: ...
+
+
+def attach(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    run: str = "default",
+    socket_path: str | Path | None = None,
+    daemon: EmbeddedDaemon | None = None,
+    config: Config | None = None,
+    min_replicas: int = 1,
+    join_timeout_s: float = 120.0,
+    seed: int = 0,
+    checkpoint_dir: str | Path | None = None,
+    handle_sigterm: bool | None = None,
+    process_group: Any = None,
+) -> MeshSync | LocalRanks:
+    """Attach a model to the node's daemon (see the module docstring).
+
+    ``config`` should be the node's (``ciuic_p2p.config.load_config(path)``): its
+    ``codec`` and ``train`` sections steer the hook; the default is the WAN preset.
+    ``socket_path`` defaults to ``train.socket_path``, or ``trainer.sock`` in
+    ``node.state_dir`` (``/var/lib/ciuic``) when that is unset; pass ``daemon`` (an
+    :class:`EmbeddedDaemon`) to run the daemon in this process instead. Call before
+    the optimizer's first step (its state must not exist yet: parameters become views
+    into the buckets). ``run`` names the training run: chunks of other runs are
+    refused.
+
+    State: when the run's other replicas are past step 0 (or past this node's
+    checkpoint), the model (and, with ``store.sync_optimizer_state``, the optimizer's
+    state) is fetched from the nearest up-to-date replica before ``attach`` returns;
+    ``sync.start_step`` says where to continue. ``checkpoint_dir`` (default
+    ``store.checkpoint_dir``; none when empty) gets a checkpoint every
+    ``store.checkpoint_interval_s``, at :meth:`MeshSync.finish` and on SIGTERM
+    (``handle_sigterm``, default: when checkpointing, in the main thread).
+
+    ``process_group``: the local ranks of a node with several GPUs (under torchrun);
+    they train as one replica (train.localranks): the group's first rank talks to the
+    daemon, the others follow it."""
+    cfg = config or Config.wan()
+    if process_group is not None:
+        import torch.distributed as dist  # noqa: PLC0415
+
+        from ciuic_p2p.train.localranks import LocalRanks  # noqa: PLC0415
+
+        lead: MeshSync | None = None
+        if dist.get_rank(process_group) == 0:
+            leader = attach(
+                model, optimizer, run=run, socket_path=socket_path, daemon=daemon,
+                config=cfg, min_replicas=min_replicas, join_timeout_s=join_timeout_s,
+                seed=seed, checkpoint_dir=checkpoint_dir, handle_sigterm=handle_sigterm,
+            )  # fmt: skip
+            assert isinstance(leader, MeshSync)
+            lead = leader
+        return LocalRanks(model, optimizer, process_group, lead, cfg.codec.dense_below_numel)
+    ckpt_dir = checkpoint_dir if checkpoint_dir is not None else cfg.store.checkpoint_dir
+    ckpt_path = Path(ckpt_dir).expanduser() if ckpt_dir else None
+    if optimizer is not None and optimizer.state:
+        raise ValueError("attach before the optimizer's first step")
+    started = False
+    if daemon is not None:
+        if not daemon.address:
+            daemon.start()
+            started = True
+        try:
+            channel = daemon.connect()
+        except BaseException:
+            if started:
+                daemon.stop(leave=False)
+            raise
+    else:
+        channel = DaemonChannel.connect(socket_path or trainer_socket_path(cfg))
+    try:
+        sync = MeshSync(
+            model,
+            channel,
+            run=run,
+            config=cfg,
+            optimizer=optimizer,
+            min_replicas=min_replicas,
+            join_timeout_s=join_timeout_s,
+            seed=seed,
+            embedded=daemon,
+            checkpoint_dir=ckpt_path,
+        )
+        if handle_sigterm or (
+            handle_sigterm is None
+            and ckpt_path is not None
+            and threading.current_thread() is threading.main_thread()
+        ):
+            sync.install_sigterm()
+        return sync
+    except BaseException:
+        channel.close()
+        if started and daemon is not None:
+            daemon.stop(leave=False)
+        raise
