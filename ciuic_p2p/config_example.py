@@ -1,6 +1,6 @@
 """The annotated example config (``systemd/node.example.toml``, ``ciuic-node config
 example``): every setting with its default and the documentation of its field, read
-from ``config.py`` itself so that the example cannot drift from the code.
+from ``config_sections.py`` itself so that the example cannot drift from the code.
 
 Only the ``[node]`` lines a service install must set are active; every other line is
 commented out, so that an installed copy follows the preset it names and the defaults
@@ -15,7 +15,7 @@ import inspect
 import textwrap
 from typing import Any
 
-from ciuic_p2p import config as config_module
+from ciuic_p2p import config_sections
 from ciuic_p2p.config import Config
 
 WIDTH = 86
@@ -32,7 +32,7 @@ SERVICE_VALUES: dict[str, tuple[str, str]] = {
 
 
 def _field_docs() -> dict[tuple[str, str | None], str]:
-    tree = ast.parse(inspect.getsource(config_module))
+    tree = ast.parse(inspect.getsource(config_sections))
     docs: dict[tuple[str, str | None], str] = {}
     for node in tree.body:
         if not isinstance(node, ast.ClassDef):
