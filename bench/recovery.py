@@ -112,7 +112,9 @@ def one_run(args: argparse.Namespace, loss: float, workdir: Path) -> dict[str, A
     worker = ["--task", "digits", "--hidden", str(args.hidden), "--steps", "100000",
               "--world", str(args.nodes), "--run", "recovery", "--evals", "1",
               "--stop-file", str(stop)]  # fmt: skip
-    with LocalCluster(args.scenario, names, workdir / "c", CONFIG, args.rate_scale, loss) as c:
+    with LocalCluster(
+        args.scenario, names, workdir / "c", CONFIG, args.rate_scale, loss, args.trainer_nice
+    ) as c:
         c.start()
         idle_s = idle_fetch(c, victim, survivors, args.idle_fetch_mb, workdir)
         for rank, name in enumerate(names):
@@ -187,12 +189,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warm-steps", type=int, default=15)
     p.add_argument("--after-steps", type=int, default=5)
     p.add_argument("--skip-lossy", action="store_true")
+    p.add_argument("--keep", help="run in this directory and keep it (logs of every node)")
+    p.add_argument("--trainer-nice", type=int, default=0, help="run the trainers at this niceness")
     p.add_argument("--idle-fetch-mb", type=float, default=81.3, help="the idle fetch's size")
     args = p.parse_args(argv)
     params = 64 * args.hidden + args.hidden + args.hidden * args.hidden + args.hidden
     params += args.hidden * 10 + 10
-    result: dict[str, Any] = {"benchmark": "recovery", "parameters": params}
-    with tempfile.TemporaryDirectory(prefix="ciuic-recovery-") as tmp:
+    result: dict[str, Any] = {
+        "benchmark": "recovery",
+        "parameters": params,
+        "trainer_nice": args.trainer_nice,
+    }
+    with tempfile.TemporaryDirectory(prefix="ciuic-recovery-") as tmp_dir:
+        tmp = args.keep or tmp_dir
         clean = one_run(args, 0.0, Path(tmp) / "clean")
         result.update(clean)
         print(f"no loss: {json.dumps(clean)}", file=sys.stderr, flush=True)

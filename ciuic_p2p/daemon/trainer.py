@@ -175,6 +175,10 @@ class TrainerServer:
             "version": fetch.version,
             "after_start_s": round(joined - d.started_at, 3),
             "seconds": round(loop.time() - joined, 3),
+            # Until the first piece request: the query round and the donors' snapshots.
+            "query_s": None
+            if fetch.stats.first_donor_s is None
+            else round(fetch.stats.first_donor_s - fetch.stats.started_s, 3),
             "donors": dict(fetch.stats.pieces_by_donor),
         }
         d.counters["state_prefetched"] += 1

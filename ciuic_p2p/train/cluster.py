@@ -139,9 +139,12 @@ class LocalCluster:
         config_toml: str = "",
         rate_scale: float | None = None,
         loss: float | None = None,
+        trainer_nice: int = 0,
     ) -> None:
-        """``scenario`` None: plain loopback, no emulated WAN (``names`` as given)."""
+        """``scenario`` None: plain loopback, no emulated WAN (``names`` as given).
+        ``trainer_nice``: the trainers' CPU niceness (``nice -n``), above the daemons'."""
         self.scenario = None if scenario is None else str(scenario_path(scenario))
+        self.trainer_nice = trainer_nice
         self.rate_scale = rate_scale
         self.loss = loss
         # Node i of the (subset) scenario listens on base + i, in the scenario's order.
@@ -262,8 +265,9 @@ class LocalCluster:
     ) -> subprocess.Popen[bytes]:
         """One async trainer process on ``name``'s daemon (worker arguments ``args``),
         its JSON lines on stdout; ended by :meth:`kill` or :meth:`stop`."""
+        nice = ["nice", "-n", str(self.trainer_nice)] if self.trainer_nice else []
         cmd = [
-            sys.executable, "-m", "ciuic_p2p.train.worker", "--mode", "async",
+            *nice, sys.executable, "-m", "ciuic_p2p.train.worker", "--mode", "async",
             "--rank", str(rank), "--socket", str(self.trainer_socket(name)),
             "--config", str(self.config_path), "--out", str(out), *args,
         ]  # fmt: skip
