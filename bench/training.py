@@ -65,6 +65,7 @@ def main() -> int:
     ap.add_argument("--send-interval", type=int, default=2)
     ap.add_argument("--staleness-bound", type=int, default=64)
     ap.add_argument("--skip-dense", action="store_true", help="async and single only")
+    ap.add_argument("--trainer-nice", type=int, default=0, help="trainers' CPU niceness")
     ap.add_argument("--skip-single", action="store_true", help="async and dense only")
     ap.add_argument("--out", help="keep the runs here (default: a temp dir)")
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
@@ -84,7 +85,10 @@ def main() -> int:
     )
     per_seed: list[dict[str, Any]] = []
     t0 = time.monotonic()
-    with LocalCluster(str(scenario), names, out, config, rate_scale=args.rate_scale) as cluster:
+    with LocalCluster(
+        str(scenario), names, out, config, rate_scale=args.rate_scale,
+        trainer_nice=args.trainer_nice,
+    ) as cluster:  # fmt: skip
         cluster.start()
         for seed in range(args.seeds):
             row: dict[str, Any] = {"seed": seed}
@@ -136,6 +140,7 @@ def main() -> int:
         "steps": steps,
         "rate_scale": args.rate_scale,
         "density": args.density,
+        "trainer_nice": args.trainer_nice,
         "send_interval_steps": args.send_interval,
         "async_eval_loss": mean("async", "eval_loss"),
         "dense_eval_loss": mean("dense", "eval_loss"),

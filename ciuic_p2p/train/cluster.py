@@ -260,14 +260,16 @@ class LocalCluster:
             raise ClusterError(f"{name} could not rejoin: {answer.get('error')}")
         return time.monotonic() - t0
 
+    def _nice(self) -> list[str]:
+        return ["nice", "-n", str(self.trainer_nice)] if self.trainer_nice else []
+
     def spawn_trainer(
         self, name: str, rank: int, args: list[str], out: Path
     ) -> subprocess.Popen[bytes]:
         """One async trainer process on ``name``'s daemon (worker arguments ``args``),
         its JSON lines on stdout; ended by :meth:`kill` or :meth:`stop`."""
-        nice = ["nice", "-n", str(self.trainer_nice)] if self.trainer_nice else []
         cmd = [
-            *nice, sys.executable, "-m", "ciuic_p2p.train.worker", "--mode", "async",
+            *self._nice(), sys.executable, "-m", "ciuic_p2p.train.worker", "--mode", "async",
             "--rank", str(rank), "--socket", str(self.trainer_socket(name)),
             "--config", str(self.config_path), "--out", str(out), *args,
         ]  # fmt: skip
@@ -357,7 +359,7 @@ class LocalCluster:
         sel = selectors.DefaultSelector()
         for rank, name in enumerate(names):
             cmd = [
-                sys.executable, "-m", "ciuic_p2p.train.worker",
+                *self._nice(), sys.executable, "-m", "ciuic_p2p.train.worker",
                 "--mode", mode, "--task", task, "--steps", str(steps), "--seed", str(seed),
                 "--rank", str(rank), "--world", str(world), "--run", run,
                 "--config", str(self.config_path), "--out", str(out), "--evals", str(evals),
