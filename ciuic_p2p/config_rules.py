@@ -105,6 +105,11 @@ def validate(cfg: Config) -> None:
     checks += [
         (4096 <= st.piece_bytes <= 1 << 20, "store.piece_bytes", "must be in [4096, 1048576]"),
         (1 <= st.window_pieces <= 256, "store.window_pieces", "must be in [1, 256]"),
+        (
+            st.max_inflight_bytes >= st.piece_bytes,
+            "store.max_inflight_bytes",
+            "must be >= store.piece_bytes",
+        ),
         (st.max_donors >= 1, "store.max_donors", "must be >= 1"),
         (st.upload_slots >= 1, "store.upload_slots", "must be >= 1"),
         (st.replicas >= 0, "store.replicas", "must be >= 0"),

@@ -10,18 +10,18 @@ Two parts:
   several joiners at once spread over several donors instead of choking one (the
   failure hivemind's state download has, its issue #169).
 - :class:`Fetch` gets one object: it asks every member which version it holds, picks
-  donors by RTT and load (score ``rtt * (1 + load)``) among those with a version no
-  more than ``version_slack`` behind the newest, keeps ``window_pieces`` requests in
-  flight per donor, and stripes over up to ``max_donors`` donors whose content is
-  compatible (one QUIC connection over a long path carries far less than the link:
-  several donors multiply it). A piece whose digest is wrong is fetched again; a
-  donor that goes quiet, dies or is busy is replaced and its pieces reassigned,
-  verified pieces kept. Content is compatible when the ``compat`` digests match: for
-  an exact object that is its content digest (every holder has the same bytes); for
-  a training replica's state it is the state's layout, since replicas hold nearly
-  the same values (within the consensus bound) and a state assembled from several of
-  them is, element by element, one replica's or another's; each piece is checked
-  against the digest in its own donor's manifest.
+  donors by RTT and load (score ``rtt * (1 + load)``) among those with a version no more
+  than ``version_slack`` behind the newest, keeps ``window_pieces`` requests in flight
+  per donor (``max_inflight_bytes`` over all of them), and stripes over up to
+  ``max_donors`` donors whose content is compatible (one QUIC connection over a long
+  path carries far less than the link: several donors multiply it). A piece whose digest
+  is wrong is fetched again; a donor that goes quiet, dies or is busy is replaced and
+  its pieces reassigned, verified pieces kept. Content is compatible when the ``compat``
+  digests match: for an exact object that is its content digest (every holder has the
+  same bytes); for a training replica's state it is the state's layout, since replicas
+  hold nearly the same values (within the consensus bound) and a state assembled from
+  several of them is, element by element, one replica's or another's; each piece is
+  checked against the digest in its own donor's manifest.
 """
 
 from __future__ import annotations
@@ -475,7 +475,10 @@ class Fetch:
         self._heard[peer] = now
 
     def _fill(self, now: float) -> None:
-        window = self.settings.window_pieces
+        s = self.settings
+        piece = max(1, self.manifest.piece_bytes if self.manifest else s.piece_bytes)
+        share = -(-max(1, s.max_inflight_bytes // piece) // max(1, len(self._active)))
+        window = max(1, min(s.window_pieces, share))
         for peer, sent in self._active.items():
             room = window - len(sent)
             if room <= 0 or not self._todo:

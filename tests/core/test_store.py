@@ -47,6 +47,9 @@ class Net:
         self.served: dict[str, int] = {}
         self.answer_delay_s: dict[str, float] = {}
         """Extra time a holder takes to answer a query (its trainer snapshots first)."""
+        self.in_flight = 0
+        self.max_in_flight = 0
+        """Pieces asked for and not yet received (the most at any time)."""
 
     def send(self, fetch: Fetch) -> None:
         for peer, sent in fetch.take_messages():
@@ -58,6 +61,8 @@ class Net:
             if isinstance(msg, Query):
                 replies = [h.on_query(msg, self.now)]
             elif isinstance(msg, Get):
+                self.in_flight += len(msg.indices)
+                self.max_in_flight = max(self.max_in_flight, self.in_flight)
                 got = h.on_get("fetcher", msg, self.now)
                 replies = list(got) if isinstance(got, list) else [got]
             else:
@@ -92,6 +97,7 @@ class Net:
                 elif isinstance(msg, NoneHeld):
                     fetch.on_none(peer, msg, self.now)
                 elif isinstance(msg, Piece):
+                    self.in_flight -= 1
                     self.served[peer] = self.served.get(peer, 0) + 1
                     fetch.on_piece(peer, msg, self.now)
                     kill = self.kill_after_pieces
@@ -136,6 +142,22 @@ def test_fetches_from_the_nearest_and_stripes_over_exact_copies() -> None:
     # Every holder of the same content served; the nearest was chosen first.
     assert set(f.stats.pieces_by_donor) == {"a", "b", "c"}
     assert f.stats.pieces_by_donor["b"] >= f.stats.pieces_by_donor["a"]
+
+
+@pytest.mark.parametrize("cap_pieces", [1, 3, 6, 100])
+def test_pieces_in_flight_stay_under_the_cap_shared_over_the_donors(cap_pieces: int) -> None:
+    """Whatever is in flight lands in the fetcher's receive buffer when its loop falls
+    behind: at most ``max_inflight_bytes`` of pieces, an equal share per donor (at
+    least one each), never more than ``window_pieces`` per donor."""
+    data = os.urandom(200_000)
+    net, _ = make({"a": 0.05, "b": 0.01, "c": 0.02}, {"a": data, "b": data, "c": data})
+    f = fetch_for(net, settings=dataclasses.replace(S, max_inflight_bytes=cap_pieces * 4096))
+    net.run(f)
+    assert f.state is FetchState.DONE and bytes(f.result or b"") == data
+    assert set(f.stats.pieces_by_donor) == {"a", "b", "c"}  # still striped
+    share = -(-cap_pieces // 3)
+    assert net.max_in_flight <= 3 * min(S.window_pieces, share)
+    assert net.max_in_flight == 3 * min(S.window_pieces, share)  # and the cap is used
 
 
 def test_a_corrupted_piece_is_detected_and_fetched_again() -> None:
