@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
+import os
 import statistics
 import sys
 import tempfile
@@ -45,41 +45,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ciuic_p2p.core.scenario import load_scenario
-from ciuic_p2p.daemon.control import request
-from ciuic_p2p.data import scenario_path
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from support.statefetch import CONFIG, farthest, timed_fetch
+
 from ciuic_p2p.train.cluster import JsonLines, LocalCluster, spread_nodes
-
-CONFIG = """
-[codec]
-density = 0.01
-[store]
-fetch_timeout_s = 900
-"""
-
-
-def farthest(scenario: str, names: list[str]) -> str:
-    sc = load_scenario(scenario_path(scenario)).subset(names)
-    return max(names, key=lambda n: sum(sc.rtt_s(n, m) for m in names if m != n))
-
-
-def idle_fetch(c: LocalCluster, victim: str, survivors: list[str], mb: float, at: Path) -> float:
-    """Seconds for ``victim`` to fetch ``mb`` MB that every survivor holds, before any
-    training: what the links, QUIC and the store carry with the CPUs to themselves."""
-    blob, into = at / "blob", at / "blob.got"
-    blob.write_bytes(random.randbytes(int(mb * 1e6)))
-    for name in survivors:
-        body = {"cmd": "store_put", "name": "idle", "path": str(blob), "local": True}
-        answer = request(c.control(name), body, timeout_s=60)
-        assert answer.get("ok"), answer
-    t0 = time.monotonic()
-    body = {"cmd": "store_get", "name": "idle", "path": str(into)}
-    answer = request(c.control(victim), body, timeout_s=600)
-    elapsed = time.monotonic() - t0
-    assert answer.get("ok") and into.read_bytes() == blob.read_bytes(), answer
-    blob.unlink()
-    into.unlink()
-    return elapsed
 
 
 def one_run(args: argparse.Namespace, loss: float, workdir: Path) -> dict[str, Any]:
@@ -116,7 +85,9 @@ def one_run(args: argparse.Namespace, loss: float, workdir: Path) -> dict[str, A
         args.scenario, names, workdir / "c", CONFIG, args.rate_scale, loss, args.trainer_nice
     ) as c:
         c.start()
-        idle_s = idle_fetch(c, victim, survivors, args.idle_fetch_mb, workdir)
+        # Beside the restart: the same node fetching an object of the state's size
+        # before any training (the links, QUIC and the store with the CPUs to themselves).
+        idle_s = timed_fetch(c, victim, survivors, args.idle_fetch_mb, workdir, "idle")["seconds"]
         for rank, name in enumerate(names):
             lines.add(name, c.spawn_trainer(name, rank, worker, out))
         until(lambda: min(step(n) for n in names) >= args.warm_steps, 1800, "warm-up")
