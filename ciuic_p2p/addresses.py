@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ipaddress
+
 
 def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -17,3 +19,17 @@ def parse_address(text: str, *, any_port: bool = False) -> tuple[str, int]:
     if not lowest <= int(port) < 65536:
         raise ValueError(f"{text!r}: port {port} is out of range ({lowest}-65535)")
     return host.strip("[]"), int(port)
+
+
+def network_of(host: str) -> str:
+    """The /24 (IPv4) or /56 (IPv6) that ``host`` belongs to: the unit in which
+    strangers are counted and capped (one network can hold many addresses and any
+    number of ports); ``host`` itself when it is not an IP address."""
+    try:
+        ip = ipaddress.ip_address(host.strip("[]").split("%", 1)[0])
+    except ValueError:
+        return host[:64]
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    bits = 24 if ip.version == 4 else 56
+    return str(ipaddress.ip_network(f"{ip}/{bits}", strict=False))

@@ -157,43 +157,112 @@ class Trust:
 
     def verify(self, cert: x509.Certificate, now: dt.datetime) -> bytes:
         """Check a node certificate; return the node's raw public key or raise
-        :class:`AdmissionError` saying why it is refused."""
+        :class:`AdmissionError` saying why it is refused (also for a certificate whose
+        fields cannot be parsed: whatever the bytes, nothing else is raised)."""
         ca_key = self.ca.public_key()
         if not isinstance(ca_key, Ed25519PublicKey):
             raise AdmissionError("cluster CA key is not Ed25519")
-        if cert.issuer != self.ca.subject:
+        fields = _read_fields(cert)
+        if fields.issuer != self.ca.subject:
             raise AdmissionError(
-                f"certificate issued by {cert.issuer.rfc4514_string()}, not by this cluster's CA"
+                f"certificate issued by {fields.issuer_text}, not by this cluster's CA"
             )
         try:
-            ca_key.verify(cert.signature, cert.tbs_certificate_bytes)
+            ca_key.verify(fields.signature, fields.tbs)
         except InvalidSignature as exc:
             raise AdmissionError("certificate not signed by this cluster's CA") from exc
-        if not cert.not_valid_before_utc <= now <= cert.not_valid_after_utc:
+        if not fields.not_before <= now <= fields.not_after:
             raise AdmissionError(
-                f"certificate valid {cert.not_valid_before_utc:%Y-%m-%d} to "
-                f"{cert.not_valid_after_utc:%Y-%m-%d}, not now"
+                f"certificate valid {fields.not_before:%Y-%m-%d} to "
+                f"{fields.not_after:%Y-%m-%d}, not now"
             )
-        public = cert.public_key()
-        if not isinstance(public, Ed25519PublicKey):
+        if fields.raw_key is None:
             raise AdmissionError("node key is not Ed25519")
-        raw = raw_public_key(public)
-        names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
-        if not names or names[0].value != peer_id_of(raw):
+        raw = fields.raw_key
+        if fields.common_name != peer_id_of(raw):
             raise AdmissionError("certificate subject does not match its key")
-        if cluster_of(cert) != self.cluster:
-            raise AdmissionError(f"certificate of cluster {cluster_of(cert)!r}")
-        try:
-            constraints = cert.extensions.get_extension_for_class(x509.BasicConstraints).value
-        except x509.ExtensionNotFound:
-            constraints = None
-        if constraints is None or constraints.ca:
+        if fields.cluster != self.cluster:
+            raise AdmissionError(f"certificate of cluster {fields.cluster[:64]!r}")
+        if fields.is_ca is not False:
             raise AdmissionError("not a node certificate")
         if self.crl is not None and self.crl.get_revoked_certificate_by_serial_number(
-            cert.serial_number
+            fields.serial
         ):
             raise AdmissionError(f"node {peer_id_of(raw)} is revoked")
         return raw
+
+    def check_member(self, node: str, der: bytes, now: dt.datetime) -> bytes:
+        """A member's credential as gossip carries it (core.identities): the DER node
+        certificate must pass :meth:`verify` and name ``node``; its raw public key."""
+        try:
+            cert = x509.load_der_x509_certificate(der)
+        except Exception:  # ValueError, x509.InvalidVersion...: a stranger's bytes
+            raise AdmissionError("credential is not a certificate") from None
+        key = self.verify(cert, now)
+        if peer_id_of(key) != node:
+            raise AdmissionError(f"certificate of {peer_id_of(key)}, not of {node[:40]!r}")
+        return key
+
+
+@dataclass(frozen=True, slots=True)
+class _Fields:
+    """What admission reads of a certificate, read once."""
+
+    issuer: x509.Name
+    issuer_text: str
+    signature: bytes
+    tbs: bytes
+    not_before: dt.datetime
+    not_after: dt.datetime
+    raw_key: bytes | None
+    common_name: object
+    cluster: str
+    is_ca: bool | None
+    """None: no BasicConstraints extension."""
+    serial: int
+
+
+def _read_fields(cert: x509.Certificate) -> _Fields:
+    """Parse what :meth:`Trust.verify` checks. The certificate's fields come from a
+    stranger's bytes, and the cryptography library parses some of them lazily, raising
+    ``ValueError``, ``TypeError``, ``x509.InvalidVersion`` or others on access (a
+    fuzzer found each): every failure here is one ``AdmissionError``."""
+    try:
+        public = cert.public_key()
+        raw = raw_public_key(public) if isinstance(public, Ed25519PublicKey) else None
+        names = cert.subject.get_attributes_for_oid(NameOID.COMMON_NAME)
+        try:
+            constraints: x509.BasicConstraints | None = cert.extensions.get_extension_for_class(
+                x509.BasicConstraints
+            ).value
+        except x509.ExtensionNotFound:
+            constraints = None
+        return _Fields(
+            issuer=cert.issuer,
+            issuer_text=cert.issuer.rfc4514_string()[:200],
+            signature=cert.signature,
+            tbs=cert.tbs_certificate_bytes,
+            not_before=cert.not_valid_before_utc,
+            not_after=cert.not_valid_after_utc,
+            raw_key=raw,
+            common_name=names[0].value if names else None,
+            cluster=cluster_of(cert),
+            is_ca=None if constraints is None else constraints.ca,
+            serial=cert.serial_number,
+        )
+    except AdmissionError:
+        raise
+    except Exception as exc:  # see the docstring: any failure to parse is a refusal
+        raise AdmissionError(f"certificate cannot be parsed ({type(exc).__name__})") from None
+
+
+def describe_subject(der: bytes) -> str:
+    """The subject of a DER certificate for a log line, or "?"; never raises (the bytes
+    are a stranger's, see :func:`_read_fields`)."""
+    try:
+        return x509.load_der_x509_certificate(der).subject.rfc4514_string()[:200]
+    except Exception:  # informative only: an unreadable subject is shown as unknown
+        return "?"
 
 
 def load_certificate(path: str | Path) -> x509.Certificate:

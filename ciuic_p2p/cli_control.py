@@ -142,7 +142,7 @@ def _print_status(status: dict[str, Any]) -> None:
         print(f"  joining: {service['join_error']} (attempt {service['join_attempts']})")
     web = status.get("web") or {}
     if web:
-        print(f"  status page: {web.get('url') or web.get('error')}")
+        print(f"  status page: {web.get('page') or web.get('url') or web.get('error')}")
     audit = status.get("audit") or {}
     if audit:
         print(f"  audit log: {audit['dir']} (last entry {audit['last_seq']}, head {audit['head']})")

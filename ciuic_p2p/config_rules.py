@@ -58,6 +58,27 @@ def validate(cfg: Config) -> None:
             "transport.socket_buffer_bytes",
             "must be >= 65536",
         ),
+        (
+            cfg.transport.max_pending_connections >= 1,
+            "transport.max_pending_connections",
+            "must be >= 1",
+        ),
+        (
+            1 <= cfg.transport.max_pending_per_prefix <= cfg.transport.max_pending_connections,
+            "transport.max_pending_per_prefix",
+            "must be in [1, max_pending_connections]",
+        ),
+        (
+            cfg.transport.retry_above_pending >= 0,
+            "transport.retry_above_pending",
+            "must be >= 0 (0: every new source returns a Retry token first)",
+        ),
+        (cfg.transport.handshakes_per_s >= 1, "transport.handshakes_per_s", "must be >= 1"),
+        (
+            cfg.transport.max_credit_bytes >= cfg.transport.receive_window_bytes,
+            "transport.max_credit_bytes",
+            "must be >= receive_window_bytes",
+        ),
     ]
     m = cfg.mesh
     positive = [
@@ -82,6 +103,7 @@ def validate(cfg: Config) -> None:
         (256 <= m.piggyback_bytes <= 16384, "mesh.piggyback_bytes", "must be in [256, 16384]"),
         (1 <= m.link_state_max_peers <= 1024, "mesh.link_state_max_peers", "must be in [1, 1024]"),
         (m.suspicion_confirmations >= 0, "mesh.suspicion_confirmations", "must be >= 0"),
+        (2 <= m.max_members <= 1 << 20, "mesh.max_members", "must be in [2, 1048576]"),
     ]  # fmt: skip
     t = cfg.train
     checks += [
@@ -117,6 +139,17 @@ def validate(cfg: Config) -> None:
         (st.state_version_slack_steps >= 0, "store.state_version_slack_steps", "must be >= 0"),
         (st.checkpoint_interval_s >= 0, "store.checkpoint_interval_s", "must be >= 0"),
         (st.upload_rate_bps >= 0, "store.upload_rate_bps", "must be >= 0"),
+        (
+            st.max_object_bytes >= st.piece_bytes,
+            "store.max_object_bytes",
+            "must be >= store.piece_bytes",
+        ),
+        (st.max_held_bytes >= 0, "store.max_held_bytes", "must be >= 0"),
+        (
+            st.max_upload_queue_bytes >= st.piece_bytes,
+            "store.max_upload_queue_bytes",
+            "must be >= store.piece_bytes",
+        ),
     ]  # fmt: skip
     checks += [
         (getattr(st, k) > 0, f"store.{k}", "must be > 0")
@@ -130,10 +163,17 @@ def validate(cfg: Config) -> None:
         (0 < n.stop_timeout_s <= 30, "node.stop_timeout_s", "must be in (0, 30]"),
         (0 <= cfg.web.port <= 65535, "web.port", "must be in [0, 65535]"),
         (cfg.web.refresh_s > 0, "web.refresh_s", "must be > 0"),
+        (cfg.web.header_timeout_s > 0, "web.header_timeout_s", "must be > 0"),
+        (cfg.web.max_connections >= 1, "web.max_connections", "must be >= 1"),
         (cfg.log.rate_limit_burst >= 1, "log.rate_limit_burst", "must be >= 1"),
         (cfg.log.rate_limit_window_s > 0, "log.rate_limit_window_s", "must be > 0"),
         (cfg.audit.interval_s > 0, "audit.interval_s", "must be > 0"),
         (cfg.audit.rotate_bytes >= 4096, "audit.rotate_bytes", "must be >= 4096"),
+        (
+            cfg.audit.max_dir_bytes == 0 or cfg.audit.max_dir_bytes >= 2 * cfg.audit.rotate_bytes,
+            "audit.max_dir_bytes",
+            "must be 0 (unbounded) or at least two files (2 x rotate_bytes)",
+        ),
     ]
     for seed in n.join:
         try:

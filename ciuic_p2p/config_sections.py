@@ -123,6 +123,20 @@ class TransportSection:
     """First reconnect delay bound; doubles per failed attempt (full jitter)."""
     reconnect_max_s: float = 30.0
     """Cap on the reconnect delay bound."""
+    max_pending_connections: int = 256
+    """Connections not yet authenticated that this node holds at once (each about
+    25 KB until ``auth_timeout_s``); past it, new ones are dropped (transport.gate)."""
+    max_pending_per_prefix: int = 32
+    """The same, per source network (/24 for IPv4, /56 for IPv6)."""
+    retry_above_pending: int = 16
+    """With this many connections pending, a new source must first return a QUIC Retry
+    token (one round trip) before it costs any state: forged source addresses cannot."""
+    handshakes_per_s: float = 200.0
+    """New connections admitted per second at most (a TLS handshake is about 1.5 ms of
+    CPU): strangers cannot take the loop from the members."""
+    max_credit_bytes: int = 1 << 32
+    """A peer that grants more bulk credit than this in all, outstanding, is dropped:
+    no honest receiver grants more than a few windows ahead."""
 
 
 Dissemination = Literal["tree", "direct", "gossip"]
@@ -181,6 +195,10 @@ class MeshSection:
     healed partition hears the refutations)."""
     dead_reap_s: float = 6 * 3600.0
     """Dead and departed members are forgotten after this long."""
+    max_members: int = 4096
+    """Members the table holds at most (each enters only with a credential checked
+    here, so this bounds memory, not trust); past it the oldest dead or departed one
+    is forgotten, and with none, a new member is refused (counted)."""
     join_retry_s: float = 1.0
     leave_propagate_s: float = 2.0
     """``leave`` waits at most this long for its departure to spread."""
@@ -309,6 +327,15 @@ class StoreSection:
     """Pieces with a wrong digest after which a donor is no longer asked."""
     replicas: int = 2
     """Other members a ``put`` has hold a copy before it returns."""
+    max_object_bytes: int = 4 << 30
+    """The largest object this node fetches or takes from its trainer: an offer whose
+    manifest claims more is not taken (and nothing is allocated for it; a fetch holds
+    only the pieces that arrived)."""
+    max_held_bytes: int = 16 << 30
+    """What this node holds for others at most: a member's HOLD past it is refused."""
+    max_upload_queue_bytes: int = 16 << 20
+    """Pieces queued for one fetcher and not yet sent, at most; a GET beyond it is
+    answered BUSY. Honest fetchers ask for ``max_inflight_bytes`` at a time."""
     state_version_slack_steps: int = 1000
     """State sync takes any replica's state at most this many steps behind the newest
     offered (the nearest of those, by RTT and load)."""
@@ -354,6 +381,11 @@ class WebSection:
     """TCP port; 0 picks a free one (logged, and shown by ``ciuic-node status``)."""
     refresh_s: float = 1.0
     """How often the page refreshes itself."""
+    header_timeout_s: float = 10.0
+    """A request's headers must arrive within this, and an idle connection closes
+    after it (a local user's half-open requests cannot pile up)."""
+    max_connections: int = 64
+    """Connections open at once; past it, a new one is closed at once."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,3 +401,8 @@ class AuditSection:
     written as one entry per interval, not per chunk."""
     rotate_bytes: int = 16 * 1024 * 1024
     """A file past this size is closed and a new one continues the chain."""
+    max_dir_bytes: int = 256 * 1024 * 1024
+    """The directory's bound: past it the oldest files are deleted at a rotation and a
+    ``pruned`` entry says so (``audit verify`` then checks the chain from there). 0
+    keeps every file (the disk is then the bound: a full disk stops the log, never the
+    daemon)."""

@@ -13,7 +13,15 @@ Two processors guard every event, ours and the standard library's alike:
 - a warning that repeats (same event, same peer or address) is written at most
   ``log.rate_limit_burst`` times per ``log.rate_limit_window_s``; the next one written
   after that says how many were suppressed. A peer that keeps failing must not flood
-  the journal and hide everything else.
+  the journal and hide everything else. An address is keyed by its host, not its
+  port: a stranger that varies its source port is still one stranger.
+
+Dropping never raises through the standard library: structlog's own events are
+dropped with ``structlog.DropEvent``, which its loggers catch, but a standard-library
+record (aioquic's, asyncio's "exception in callback") passes the limiter in a
+``logging.Filter``. ``DropEvent`` is a ``BaseException`` that ``logging`` does not
+catch; raised from a handler it once went out through asyncio's exception handler and
+stopped the daemon after a handful of repeated errors.
 """
 
 from __future__ import annotations
@@ -63,9 +71,19 @@ def redact_secrets(_logger: Any, _method: str, event: MutableMapping[str, Any]) 
     return event
 
 
+def _host(address: object) -> str:
+    """``host`` of ``host:port`` / ``[v6]:port`` (the limiter's key): a port is free."""
+    text = str(address)
+    if text.startswith("["):
+        return text[: text.find("]") + 1]
+    return text.rsplit(":", 1)[0] if text.count(":") == 1 else text
+
+
 class RateLimiter:
     """Drops repeats of a warning past ``burst`` per ``window_s`` (see the module
-    docstring); keyed by logger, event and the peer or address it concerns."""
+    docstring); keyed by logger, event, the peer or address it concerns (its host,
+    or its ``network`` when the event names one) and, for internal errors, where and
+    of which type."""
 
     def __init__(
         self, burst: int, window_s: float, clock: Callable[[], float] = time.monotonic
@@ -76,14 +94,8 @@ class RateLimiter:
         self._seen: dict[tuple[Any, ...], list[float | int]] = {}
         """key -> [window start, events in window, suppressed since last written]."""
 
-    def __call__(self, _logger: Any, method: str, event: MutableMapping[str, Any]) -> Any:
-        if method not in ("warning", "warn", "error", "exception", "critical"):
-            return event
-        key = (
-            event.get("logger_name") or event.get("logger"),
-            str(event.get("event")),
-            str(event.get("peer") or event.get("address") or ""),
-        )
+    def admit(self, key: tuple[Any, ...]) -> tuple[bool, int]:
+        """(write this one?, repeats suppressed before it that it should report)."""
         now = self.clock()
         entry = self._seen.get(key)
         if entry is None or now - entry[0] >= self.window_s:
@@ -92,14 +104,49 @@ class RateLimiter:
             if len(self._seen) > 4096:  # bounded: forget the oldest windows
                 for old in sorted(self._seen, key=lambda k: self._seen[k][0])[:1024]:
                     del self._seen[old]
-            if suppressed:
-                event["suppressed"] = suppressed
-            return event
+            return True, suppressed
         entry[1] += 1
         if entry[1] <= self.burst:
-            return event
+            return True, 0
         entry[2] += 1
-        raise structlog.DropEvent
+        return False, 0
+
+    def __call__(self, _logger: Any, method: str, event: MutableMapping[str, Any]) -> Any:
+        """The structlog processor: raises ``structlog.DropEvent`` (caught by
+        structlog's loggers) for a repeat past the burst."""
+        if method not in ("warning", "warn", "error", "exception", "critical"):
+            return event
+        key = (
+            event.get("logger_name") or event.get("logger"),
+            str(event.get("event")),
+            event.get("network") or _host(event.get("peer") or event.get("address") or ""),
+            str(event.get("where", "")),
+            str(event.get("error_type", "")),
+        )
+        write, suppressed = self.admit(key)
+        if not write:
+            raise structlog.DropEvent
+        if suppressed:
+            event["suppressed"] = suppressed
+        return event
+
+
+class StdlibRateFilter(logging.Filter):
+    """The same limit for standard-library records (aioquic, asyncio), as a filter:
+    it answers False instead of raising (see the module docstring). Records that
+    structlog made have been through the limiter already."""
+
+    def __init__(self, limiter: RateLimiter) -> None:
+        super().__init__()
+        self.limiter = limiter
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.WARNING or isinstance(record.msg, dict):
+            return True
+        write, suppressed = self.limiter.admit((record.name, str(record.msg), ""))
+        if write and suppressed:
+            record.suppressed = suppressed
+        return write
 
 
 _json_output = False
@@ -120,12 +167,20 @@ def configure_logging(section: LogSection | None = None, stream: TextIO | None =
     section = section or LogSection()
     out = stream if stream is not None else sys.stderr
     level = _LEVELS[section.level]
-    shared: list[Any] = [
-        structlog.contextvars.merge_contextvars,
-        redact_secrets,
-        RateLimiter(section.rate_limit_burst, section.rate_limit_window_s),
+    limiter = RateLimiter(section.rate_limit_burst, section.rate_limit_window_s)
+    # Standard-library records get the limit from a filter on the handler, never
+    # from a processor that raises (see the module docstring).
+    stamp = [
         structlog.processors.add_log_level,
         structlog.processors.TimeStamper(fmt="iso", utc=True),
+    ]
+    context = structlog.contextvars.merge_contextvars
+    shared: list[Any] = [context, redact_secrets, limiter, *stamp]
+    foreign: list[Any] = [
+        context,
+        structlog.stdlib.ExtraAdder(allow=["suppressed"]),
+        redact_secrets,
+        *stamp,
     ]
     renderer: Any
     global _json_output  # noqa: PLW0603 (one process-wide logging set-up)
@@ -133,15 +188,17 @@ def configure_logging(section: LogSection | None = None, stream: TextIO | None =
     if _json_output:
         renderer = structlog.processors.JSONRenderer()
         shared.append(structlog.processors.format_exc_info)
+        foreign.append(structlog.processors.format_exc_info)
     else:
         renderer = structlog.dev.ConsoleRenderer(colors=False)
 
     formatter = structlog.stdlib.ProcessorFormatter(
-        foreign_pre_chain=shared,
+        foreign_pre_chain=foreign,
         processors=[structlog.stdlib.ProcessorFormatter.remove_processors_meta, renderer],
     )
     handler = logging.StreamHandler(out)
     handler.setFormatter(formatter)
+    handler.addFilter(StdlibRateFilter(limiter))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level)

@@ -269,6 +269,11 @@ class TrafficTally:
     def empty(self) -> bool:
         return not any(self._counts.values())
 
+    @property
+    def start(self) -> float:
+        """When the interval being summed began."""
+        return self._start
+
     def add(self, direction: Direction, origin: str, nbytes: int) -> None:
         if direction not in self._counts:
             raise ValueError(f"direction is 'received' or 'forwarded', not {direction!r}")
@@ -301,6 +306,65 @@ class TrafficTally:
         self._counts = {"received": {}, "forwarded": {}}
         self._start = now
         return out
+
+
+MAX_REASONS_PER_ENTRY = 64
+"""Distinct refusal reasons one ``refusals`` entry names; the rest count as other (a
+reason can quote a stranger's certificate, so their number is the stranger's to set)."""
+MAX_NETWORKS_PER_ENTRY = 32
+"""Source networks one ``refusals`` entry names (the busiest); all are counted."""
+MAX_NETWORKS_TRACKED = 4096
+OTHER = "(other)"
+
+
+class RefusalTally:
+    """Refusals (connections refused, datagrams dropped before any state) counted per
+    reason and source network over one interval: a flood of a million forged Initials
+    is one entry a minute, not a million (the audit log's size is not a stranger's to
+    choose), yet says how many, why and from where."""
+
+    def __init__(self) -> None:
+        self._reasons: dict[str, int] = {}
+        self._networks: dict[str, int] = {}
+        self._other_networks = 0
+        self.total = 0
+
+    def _reset(self) -> None:
+        self._reasons, self._networks = {}, {}
+        self._other_networks = self.total = 0
+
+    @property
+    def empty(self) -> bool:
+        return self.total == 0
+
+    def add(self, network: str, reason: str) -> None:
+        self.total += 1
+        reason = reason[:200]
+        if reason in self._reasons or len(self._reasons) < MAX_REASONS_PER_ENTRY:
+            self._reasons[reason] = self._reasons.get(reason, 0) + 1
+        else:
+            self._reasons[OTHER] = self._reasons.get(OTHER, 0) + 1
+        if network in self._networks or len(self._networks) < MAX_NETWORKS_TRACKED:
+            self._networks[network] = self._networks.get(network, 0) + 1
+        else:
+            self._other_networks += 1
+
+    def flush(self, start: float, now: float) -> dict[str, Any] | None:
+        """The ``data`` of one ``refusals`` entry for the interval (None when nothing
+        was refused), and a new interval starts."""
+        if self.empty:
+            return None
+        busiest = sorted(self._networks.items(), key=lambda kv: (-kv[1], kv[0]))
+        data: dict[str, Any] = {
+            "from": start,
+            "to": now,
+            "total": self.total,
+            "reasons": dict(sorted(self._reasons.items())),
+            "networks": dict(busiest[:MAX_NETWORKS_PER_ENTRY]),
+            "distinct_networks": len(self._networks) + (1 if self._other_networks else 0),
+        }
+        self._reset()
+        return data
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +407,14 @@ class ChainVerifier:
     """Checks lines one at a time, in chain order across files, and stops at the
     first break (nothing after a break can be trusted to be in place)."""
 
-    def __init__(self, verify_sig: VerifySigFn) -> None:
+    def __init__(
+        self, verify_sig: VerifySigFn, *, pruned_start: bool = False, missing: str = ""
+    ) -> None:
+        """``pruned_start``: the oldest files are not there (``missing`` names them),
+        so the chain may begin past entry 1; it is whole only if a ``pruned`` entry,
+        signed later in the chain, names where the removed part ended (the log's size
+        bound removed them, :meth:`report`)."""
+        self._missing = missing or "the files before it"
         self._verify_sig = verify_sig
         self._entries = 0
         self._files: list[str] = []
@@ -351,6 +422,10 @@ class ChainVerifier:
         self._last_seq = 0
         self._head = ZERO_DIGEST
         self._broken: ChainBreak | None = None
+        self._pruned_start = pruned_start
+        self._anchor: tuple[int, str] | None = None
+        """(seq, digest) the first entry follows, before it is vouched for."""
+        self._anchor_place: tuple[str, int] = ("", 0)
 
     @property
     def broken(self) -> bool:
@@ -370,10 +445,20 @@ class ChainVerifier:
         except AuditFormatError as exc:
             self.fail(file, line, f"not a valid audit entry: {exc}")
             return False
+        if self._entries == 0 and self._pruned_start and entry.seq > 1:
+            # The part before it was pruned: take its word for where that part ended
+            # until a ``pruned`` entry later in the chain confirms it.
+            self._anchor = (entry.seq - 1, entry.prev)
+            self._anchor_place = (file, line)
+            self._last_seq, self._head = entry.seq - 1, entry.prev
         reason = self._misplaced(entry)
         if reason:
             self.fail(file, line, reason)
             return False
+        if entry.kind == "pruned" and self._anchor is not None:
+            through, head = entry.data.get("through_seq"), entry.data.get("head")
+            if (through, head) == self._anchor:
+                self._anchor = None
         if not self._files or self._files[-1] != file:
             self._files.append(file)
         self._entries += 1
@@ -413,6 +498,16 @@ class ChainVerifier:
         return ""
 
     def report(self) -> VerifyReport:
+        if self._anchor is not None:
+            # The unvouched start comes first in chain order, before any later break.
+            file, line = self._anchor_place
+            self._broken = None
+            self.fail(
+                file,
+                line,
+                f"{self._missing} missing: the chain starts at entry {self._anchor[0] + 1} "
+                "and no pruned entry says the size bound removed the entries before it",
+            )
         return VerifyReport(
             entries=self._entries,
             files=len(self._files),

@@ -32,20 +32,32 @@ within ``chunk_retain_s`` is given up and counted (``lost``).
 Bounds (members are admitted, but a faulty one must not hang the others): per origin
 at most ``MAX_GAP`` missing numbers are tracked at a time (the window moves as the gap
 fills) and ``MAX_ABOVE`` chunks held above a gap (past it the oldest gap is given
-up); at most ``MAX_ORIGINS`` origin logs. Not bounded by design: the first number
-heard of an origin sets where its log starts, so a member that announces a made-up
-high number for an origin nobody has heard of yet would mute it up to there; that
-needs the origin's signature checked here, which happens only on delivery now.
+up); at most ``MAX_ORIGINS`` origin logs.
+
+What a member cannot do (core.identities): every chunk carries its origin's signature
+over (origin, seq) and the payload, checked before this node delivers it, forwards it
+or counts its number as held, so nobody can publish as another origin, take its next
+numbers, or have its real chunks dropped as duplicates of forged ones; a replayed
+chunk is a duplicate of itself. Only a signed chunk opens an origin's log or moves it
+to a new session. An announcement (HEADS) is a claim: it makes this node ask for
+what it lacks, never hold a number, and a gap no holder fills is forgotten, not
+counted as held, so a real chunk that comes later is still delivered once. The head
+claimed of an origin (or a session) that no signed chunk has shown yet is asked for
+alone, on the repair timetable (``repair_after_s``, then every 2 x that), until a
+signed chunk of it arrives and opens the log (whose window then fetches the rest) or
+``chunk_retain_s`` passes: a liar's claim costs one small request now and then.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ciuic_p2p.config import MeshSection
+from ciuic_p2p.core.identities import Identities
 from ciuic_p2p.core.meshwire import MAX_HEADS, MAX_WANT, Chunk, Heads, Message, Want
 
 REORDER_WINDOW = 64
@@ -116,6 +128,14 @@ class _OriginLog:
         return bool(self.missing_since)
 
 
+@dataclass(slots=True)
+class _Claim:
+    high: int
+    holder: str
+    since: float
+    asked_at: float | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Delivery:
     origin: str
@@ -133,6 +153,7 @@ class Disseminator:
         *,
         children: Callable[[str], list[str]],
         live: Callable[[], list[str]],
+        identities: Identities,
         seed: int = 0,
         session: int = 0,
     ) -> None:
@@ -140,11 +161,13 @@ class Disseminator:
         self.settings = settings
         self.children = children
         self.live = live
+        self.identities = identities
         self.rng = random.Random(seed ^ 0x5EED)
         self.logs: dict[str, _OriginLog] = {}
         self._base = min(max(0, session), MAX_SESSION) << SESSION_SHIFT
         self.next_seq = self._base + 1
-        self.store: OrderedDict[tuple[str, int], tuple[bytes, float]] = OrderedDict()
+        self.store: OrderedDict[tuple[str, int], tuple[bytes, bytes, float]] = OrderedDict()
+        """(origin, seq) -> (payload, its origin's signature, when kept)."""
         self.store_bytes = 0
         self.deliveries: list[Delivery] = []
         self.duplicates = 0
@@ -156,6 +179,11 @@ class Disseminator:
         """Chunks and announcements of an origin not live, past ``MAX_ORIGINS`` logs."""
         self.restarts_seen = 0
         """Origins heard from in a new session (restarted)."""
+        self.bad_signatures = 0
+        """Chunks whose origin signature did not verify (or whose origin has no
+        credential here): dropped, never delivered, forwarded or held."""
+        self._claims: dict[str, _Claim] = {}
+        """Heads announced in a session no signed chunk has shown yet, by origin."""
         self._out: list[tuple[str, Message]] = []
         self._next_heads: float | None = None
 
@@ -165,7 +193,9 @@ class Disseminator:
         """Send a chunk from this node to every live node; returns its sequence number."""
         seq = self.next_seq
         self.next_seq += 1
-        self._keep(self.node, seq, payload, now)
+        unsigned = Chunk(self.node, seq, 0, payload)
+        signature = self.identities.sign(unsigned)
+        self._keep(self.node, seq, payload, signature, now)
         mode = self.settings.dissemination
         if mode == "direct":
             targets = list(self.live())
@@ -174,7 +204,7 @@ class Disseminator:
         else:
             targets = self.children(self.node)
         for t in targets:
-            self._send(t, Chunk(self.node, seq, 0, payload))
+            self._send(t, Chunk(self.node, seq, 0, payload, signature))
         self._arm_heads(now)
         return seq
 
@@ -191,16 +221,37 @@ class Disseminator:
         elif isinstance(b, Heads):
             for origin, high in b.heads:
                 if origin != self.node:
-                    self._learn(origin, high, msg.sender, now)
+                    self._claim(origin, high, msg.sender, now)
         elif isinstance(b, Want):
             for seq in b.seqs:
                 kept = self.store.get((b.origin, seq))
                 if kept is not None:
-                    self._send(msg.sender, Chunk(b.origin, seq, 255, kept[0]))
+                    self._send(msg.sender, Chunk(b.origin, seq, 255, kept[0], kept[1]))
+
+    def _claim(self, origin: str, high: int, holder: str, now: float) -> None:
+        """A HEADS entry: tracked in the origin's signed session, else asked for once
+        (see the module docstring)."""
+        log = self.logs.get(origin)
+        session = high >> SESSION_SHIFT
+        if log is not None and session == log.session:
+            self._learn(log, high, holder, now)
+        elif log is not None and session < log.session:
+            self.stale += 1
+        elif not self.identities.knows(origin) or (
+            origin not in self._claims and len(self._claims) >= MAX_ORIGINS
+        ):
+            self.unknown_origins += 1
+        else:
+            claim = self._claims.get(origin)
+            if claim is None or high > claim.high:
+                self._claims[origin] = _Claim(high, holder, now)
+            else:
+                claim.holder = holder  # asked of whoever announced it last
+            self._arm_heads(now)
 
     def _log(self, origin: str, seq: int) -> _OriginLog | None:
-        """The origin's log for ``seq``'s session (a new one for a newer session); None
-        for a session older than the one known."""
+        """The origin's log for the session of ``seq``, a signed chunk's number (a new
+        log for a newer session); None for a session older than the one known."""
         session = seq >> SESSION_SHIFT
         log = self.logs.get(origin)
         if log is not None and session < log.session:
@@ -218,10 +269,7 @@ class Disseminator:
             self.logs[origin] = log
         return log
 
-    def _learn(self, origin: str, high: int, holder: str, now: float) -> None:
-        log = self._log(origin, high)
-        if log is None:
-            return
+    def _learn(self, log: _OriginLog, high: int, holder: str, now: float) -> None:
         log.high = max(log.high, high)
         log.holder = holder
         while len(log.above) > MAX_ABOVE:
@@ -233,17 +281,30 @@ class Disseminator:
         if chunk.origin == self.node:
             self.duplicates += 1
             return
+        known = self.logs.get(chunk.origin)
+        if known is not None:
+            if chunk.seq >> SESSION_SHIFT < known.session:
+                self.stale += 1
+                return
+            if known.has(chunk.seq):
+                self.duplicates += 1  # no signature to check: nothing changes
+                return
+        if not self.identities.verify_chunk(chunk):
+            self.bad_signatures += 1
+            return
         log = self._log(chunk.origin, chunk.seq)
         if log is None:
-            return
-        if log.has(chunk.seq):
-            self.duplicates += 1
             return
         if chunk.hops == 255:
             self.repaired += 1
         log.add(chunk.seq)
-        self._learn(chunk.origin, chunk.seq, sender, now)
-        self._keep(chunk.origin, chunk.seq, chunk.payload, now)
+        self._learn(log, chunk.seq, sender, now)
+        claim = self._claims.get(chunk.origin)
+        if claim is not None and claim.high >> SESSION_SHIFT <= log.session:
+            del self._claims[chunk.origin]  # its session is shown: tracked in the log now
+            if claim.high >> SESSION_SHIFT == log.session:
+                self._learn(log, claim.high, claim.holder, now)
+        self._keep(chunk.origin, chunk.seq, chunk.payload, chunk.signature, now)
         self.deliveries.append(Delivery(chunk.origin, chunk.seq, chunk.payload, now, chunk.hops))
         mode = self.settings.dissemination
         hops = min(chunk.hops + 1, 254)
@@ -255,19 +316,20 @@ class Disseminator:
             )
         else:
             targets = []
+        forwarded = dataclasses.replace(chunk, hops=hops)
         for t in targets:
-            self._send(t, Chunk(chunk.origin, chunk.seq, hops, chunk.payload))
+            self._send(t, forwarded)
         self._arm_heads(now)
 
-    def _keep(self, origin: str, seq: int, payload: bytes, now: float) -> None:
-        self.store[(origin, seq)] = (payload, now)
+    def _keep(self, origin: str, seq: int, payload: bytes, signature: bytes, now: float) -> None:
+        self.store[(origin, seq)] = (payload, signature, now)
         self.store_bytes += len(payload)
         self._evict(now)
 
     def _evict(self, now: float) -> None:
         s = self.settings
         while self.store:
-            key, (payload, at) = next(iter(self.store.items()))
+            key, (payload, _, at) = next(iter(self.store.items()))
             if now - at <= s.chunk_retain_s and self.store_bytes <= s.chunk_retain_bytes:
                 break
             del self.store[key]
@@ -295,14 +357,19 @@ class Disseminator:
         if heads:
             for peer in self._random_peers(s.heads_fanout, exclude=()):
                 self._send(peer, Heads(tuple(heads)))
+        self._ask_claims(now)
         for origin, log in self.logs.items():
             wanted = []
             for seq, since in sorted(log.missing_since.items()):
                 if log.has(seq):
                     continue
                 if now - since > s.chunk_retain_s:
+                    # Given up: counted and no longer asked for, but not held: the
+                    # number was only claimed, and a real chunk that comes later is
+                    # still delivered (once).
                     self.lost += 1
-                    log.add(seq)  # given up: counted, never delivered
+                    del log.missing_since[seq]
+                    log.requested_at.pop(seq, None)
                     continue
                 asked = log.requested_at.get(seq)
                 # No back-off: a longer one (tried, up to 16-32 x) delayed real repairs
@@ -321,9 +388,23 @@ class Disseminator:
                 self._send(log.holder, Want(origin, tuple(wanted)))
         self._evict(now)
 
+    def _ask_claims(self, now: float) -> None:
+        """Ask for each claimed head alone (see the module docstring)."""
+        s = self.settings
+        for origin, claim in list(self._claims.items()):
+            if now - claim.since > s.chunk_retain_s:
+                del self._claims[origin]
+                continue
+            if now - claim.since >= s.repair_after_s and (
+                claim.asked_at is None or now - claim.asked_at >= 2 * s.repair_after_s
+            ):
+                claim.asked_at = now
+                self._send(claim.holder, Want(origin, (claim.high,)))
+
     def forget(self, origin: str) -> None:
         """An origin left for good: stop expecting its chunks."""
         self.logs.pop(origin, None)
+        self._claims.pop(origin, None)
 
     # -- output -----------------------------------------------------------------------------
 

@@ -101,11 +101,16 @@ def bulk_cost(frame_type: FrameType, payload_len: int) -> int:
 
 
 class FrameReader:
-    """Incremental frame parser for one stream: ``feed`` bytes, get whole frames."""
+    """Incremental frame parser for one stream: ``feed`` bytes, get whole frames.
 
-    def __init__(self) -> None:
+    ``first``, when set, are the types the stream's first frame may have: any other is
+    refused from its header, before its payload is buffered (a link's first frame is
+    ``AUTH``, so a stranger's unread bytes stay under that frame's limit)."""
+
+    def __init__(self, first: frozenset[FrameType] | None = None) -> None:
         self._buf = bytearray()
         self._need: tuple[FrameType, int] | None = None
+        self._first = first
 
     @property
     def buffered(self) -> int:
@@ -123,6 +128,8 @@ class FrameReader:
                     frame_type = FrameType(raw_type)
                 except ValueError as exc:
                     raise FramingError(f"unknown frame type {raw_type}") from exc
+                if self._first is not None and frame_type not in self._first:
+                    raise FramingError(f"{frame_type.name} before authentication")
                 if length > MAX_PAYLOAD[frame_type]:
                     raise FramingError(
                         f"{frame_type.name} frame of {length} bytes exceeds its limit"
@@ -135,6 +142,7 @@ class FrameReader:
             frames.append(Frame(frame_type, bytes(self._buf[FRAME_HEADER.size : end])))
             del self._buf[:end]
             self._need = None
+            self._first = None
 
     def end_of_stream(self) -> None:
         """The peer finished the stream: a partial frame is an error."""

@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import math
 
-from ciuic_p2p.core.meshwire import Alive, Dead, Left, Links, Suspect, Update, update_size
+from ciuic_p2p.core.meshwire import (
+    Alive,
+    Credential,
+    Dead,
+    Left,
+    Links,
+    Suspect,
+    Update,
+    update_size,
+)
 
 
 def subject_of(update: Update) -> str:
     if isinstance(update, Links):
         return "links:" + update.origin
+    if isinstance(update, Credential):
+        return "credential:" + update.node
     assert isinstance(update, Alive | Suspect | Dead | Left)
     return "member:" + update.node
 

@@ -41,6 +41,11 @@ class Member:
     probes: int = 0
     acks: int = 0
     suspicion: Suspicion | None = None
+    alive: Alive | None = None
+    """The member's newest signed announcement (forwarded as it is: nobody else can
+    sign it)."""
+    left: Left | None = None
+    """Its signed departure, once it left."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,8 +57,11 @@ class MemberEvent:
 
 
 class MemberTable:
-    def __init__(self, rng: random.Random) -> None:
+    def __init__(self, rng: random.Random, max_members: int = 1 << 30) -> None:
         self.rng = rng
+        self.max_members = max_members
+        """Members held at most (core.membership refuses new ones past it, once no
+        dead or departed one is left to forget)."""
         self.members: dict[str, Member] = {}
         self.events: list[MemberEvent] = []
         self.suspected: set[str] = set()
@@ -68,12 +76,26 @@ class MemberTable:
             self._live = sorted(n for n, m in self.members.items() if m.state <= State.SUSPECT)
         return self._live
 
-    def add(self, update: Alive, now: float) -> Member:
-        """A member first heard of, alive."""
+    def add(self, update: Alive, now: float) -> Member | None:
+        """A member first heard of, alive; None when the table is full (the oldest
+        dead or departed member is forgotten first to make room)."""
+        if len(self.members) >= self.max_members and not self._make_room():
+            return None
         m = Member(update.node, update.address, update.region, update.incarnation, State.DEAD, now)
+        m.alive = update
         self.members[update.node] = m
         self.set_state(m, State.ALIVE, update.incarnation, now)
         return m
+
+    def _make_room(self) -> bool:
+        gone = [m for m in self.members.values() if m.state >= State.DEAD]
+        if not gone:
+            return False
+        oldest = min(gone, key=lambda m: m.since)
+        del self.members[oldest.node]
+        self.recent_dead.pop(oldest.node, None)
+        self._live = None
+        return True
 
     def set_state(self, m: Member, state: State, incarnation: int, now: float) -> None:
         changed = m.state != state
@@ -97,7 +119,7 @@ class MemberTable:
     def bootstrap(self, alive: list[Alive], now: float) -> None:
         for a in alive:
             self.members[a.node] = Member(
-                a.node, a.address, a.region, a.incarnation, State.ALIVE, now
+                a.node, a.address, a.region, a.incarnation, State.ALIVE, now, alive=a
             )
             self._probe_order.append(a.node)
         self.rng.shuffle(self._probe_order)
@@ -134,16 +156,20 @@ class MemberTable:
             self.recent_dead.pop(n, None)
             self._live = None
 
-    def records(self, by: str) -> list[Update]:
-        """Every member as the update that states what we believe (for a sync)."""
-        out: list[Update] = []
+    def records(self, by: str) -> list[tuple[str, list[Update]]]:
+        """Every member as the updates that state what we believe (for a sync), by
+        member: its signed Alive, then our accusation or its signed departure. The
+        Alive goes with an accusation too: a member that lost its disk and restarted
+        below the incarnation we know learns from it what it was (core.membership)."""
+        out: list[tuple[str, list[Update]]] = []
         for m in self.members.values():
-            if m.state == State.ALIVE:
-                out.append(Alive(m.node, m.incarnation, m.address, m.region))
-            elif m.state == State.SUSPECT:
-                out.append(Suspect(m.node, m.incarnation, by))
+            group: list[Update] = [] if m.alive is None else [m.alive]
+            if m.state == State.SUSPECT:
+                group.append(Suspect(m.node, m.incarnation, by))
             elif m.state == State.DEAD:
-                out.append(Dead(m.node, m.incarnation, by))
-            else:
-                out.append(Left(m.node, m.incarnation))
+                group.append(Dead(m.node, m.incarnation, by))
+            elif m.state == State.LEFT and m.left is not None:
+                group.append(m.left)
+            if group:
+                out.append((m.node, group))
         return out

@@ -16,6 +16,20 @@ SWIM (Das et al., 2002) with the refinements memberlist ships and Lifeguard
   suspect > alive. Only the member itself raises its incarnation, so stale news
   never resurrects anyone, and a restarted node that learns it was declared dead (or
   knew by an older incarnation) refutes with a higher one.
+- No member can speak for another (core.identities): a member enters the table only
+  with a credential that was checked (from the handshake of a link to it, or carried
+  in gossip with its first Alive), and its Alive and Left (its address, region and
+  incarnation) and its link state count only with its own signature. An accusation
+  (Suspect, Dead) is any member's word, taken only at the incarnation its subject
+  signed: one above it is ignored (a forged ``Suspect(x, 2^64 - 1)`` once made x
+  refute into an incarnation that cannot be encoded), and at the subject only an
+  accusation at its current incarnation is refuted. A Dead from another member
+  counts as a suspicion here (and as a confirmation of one): this node declares a
+  member dead only when its own suspicion times out, so a lying member cannot have
+  anyone declared dead faster than its subject can refute. A helper of an indirect
+  probe probes the target at the address the target signed, never at one the
+  requester names (that would make honest nodes send datagrams anywhere). The table
+  holds at most ``max_members``.
 - Updates are piggybacked on probes and acks and pushed every ``gossip_interval_s``
   to ``gossip_fanout`` members (core.gossipqueue); members that died recently still
   get gossip, so a healed partition hears the refutations.
@@ -30,6 +44,8 @@ address string and never reads a clock or touches a socket (aioquic's model).
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import math
 import random
 from collections.abc import Callable
@@ -37,12 +53,15 @@ from dataclasses import dataclass
 
 from ciuic_p2p.config import MeshSection
 from ciuic_p2p.core.gossipqueue import GossipQueue
+from ciuic_p2p.core.identities import Identities
 from ciuic_p2p.core.members import Member, MemberTable, State
 from ciuic_p2p.core.meshwire import (
+    MAX_INCARNATION,
     MAX_MESSAGE_BYTES,
     Ack,
     Alive,
     Coordinate,
+    Credential,
     Dead,
     Gossip,
     Left,
@@ -57,6 +76,10 @@ from ciuic_p2p.core.meshwire import (
     update_size,
 )
 from ciuic_p2p.core.suspicion import Awareness, Suspicion
+
+MAX_WAITING = 256
+"""Alives held for a credential that has not arrived yet (it travels as its own
+update and may come in a later message)."""
 
 
 @dataclass(slots=True)
@@ -88,6 +111,7 @@ class Membership:
         settings: MeshSection,
         now: float,
         *,
+        identities: Identities,
         region: str = "",
         incarnation: int = 0,
         seed: int = 0,
@@ -97,10 +121,11 @@ class Membership:
         self.node = node
         self.address = address
         self.region = region
-        self.incarnation = incarnation
+        self.incarnation = min(max(0, incarnation), MAX_INCARNATION)
         self.settings = settings
+        self.identities = identities
         self.rng = random.Random(seed)
-        self.table = MemberTable(self.rng)
+        self.table = MemberTable(self.rng, settings.max_members)
         self.members = self.table.members
         self.events = self.table.events
         self.queue = GossipQueue(settings.retransmit_mult)
@@ -129,12 +154,27 @@ class Membership:
         self._introduced: dict[str, float] = {}
         self._links_pushed_at = float("-inf")
         self._now = now
+        self._own_alive: Alive | None = None
+        self._waiting: collections.OrderedDict[str, Alive] = collections.OrderedDict()
+        self.refused: collections.Counter[str] = collections.Counter()
+        """Updates not taken, by reason (``alive_signature``, ``no_credential``,
+        ``accusation_above_incarnation``, ``table_full``...): each is either a fault or
+        a member lying."""
         self.queue.put(self._self_alive())
 
     # -- the table --------------------------------------------------------------------------
 
     def _self_alive(self) -> Alive:
-        return Alive(self.node, self.incarnation, self.address, self.region)
+        own = self._own_alive
+        if own is None or (own.incarnation, own.address, own.region) != (
+            self.incarnation,
+            self.address,
+            self.region,
+        ):
+            unsigned = Alive(self.node, self.incarnation, self.address, self.region)
+            own = dataclasses.replace(unsigned, signature=self.identities.sign(unsigned))
+            self._own_alive = own
+        return own
 
     def live(self) -> list[str]:
         """Members believed alive or suspected (not this node), sorted."""
@@ -158,58 +198,112 @@ class Membership:
     # -- applying updates ---------------------------------------------------------------------
 
     def apply(self, u: Update, now: float) -> None:
+        if isinstance(u, Credential):
+            self._on_credential(u, now)
+            return
         if isinstance(u, Links):
-            self.links_received.append(u)
+            if u.origin == self.node or self.identities.verify(u.origin, u):
+                self.links_received.append(u)
+            else:
+                self.refused["links_signature"] += 1
             return
         if u.node == self.node:
             self._about_me(u, now)
             return
         m = self.members.get(u.node)
         if isinstance(u, Alive):
-            if m is None:
-                self.table.add(u, now)
-                self.queue.put(u)
-            elif u.incarnation > m.incarnation:
-                m.address, m.region = u.address, u.region
-                self.table.set_state(m, State.ALIVE, u.incarnation, now)
-                self.queue.put(u)
-            return
-        if m is None or u.incarnation < m.incarnation:
-            return
-        if isinstance(u, Suspect):
-            if m.state == State.SUSPECT and m.suspicion is not None:
-                if m.suspicion.confirm(u.by):  # a confirmation spreads as well
-                    self.queue.put(u)
-                m.incarnation = u.incarnation
-            elif m.state == State.ALIVE:
-                self._suspect(m, u.incarnation, u.by, now)
-        elif isinstance(u, Dead):
-            fresh = m.state in (State.ALIVE, State.SUSPECT) or u.incarnation > m.incarnation
-            if fresh and m.state != State.LEFT:
-                self.table.set_state(m, State.DEAD, u.incarnation, now)
-                self.queue.put(u)
-        elif m.state != State.LEFT:
+            self._on_alive(m, u, now)
+        elif isinstance(u, Left):
+            if m is None or u.incarnation < m.incarnation or m.state == State.LEFT:
+                return
+            if not self.identities.verify(u.node, u):
+                self.refused["left_signature"] += 1
+                return
+            m.left = u
             self.table.set_state(m, State.LEFT, u.incarnation, now)
             self.queue.put(u)
+        else:
+            self._on_accusation(m, u, now)
+
+    def _on_credential(self, u: Credential, now: float) -> None:
+        if u.node == self.node:
+            return
+        if not self.identities.learn(u.node, u.credential, keep=self.members.__contains__):
+            self.refused["credential"] += 1
+            return
+        waiting = self._waiting.pop(u.node, None)
+        if waiting is not None:
+            self.apply(waiting, now)
+
+    def _on_alive(self, m: Member | None, u: Alive, now: float) -> None:
+        if m is not None and u.incarnation <= m.incarnation:
+            return  # nothing new: no signature to check
+        if not self.identities.knows(u.node):
+            # Its credential may be in a later message: hold the Alive (bounded).
+            self.refused["no_credential"] += 1
+            self._waiting[u.node] = u
+            self._waiting.move_to_end(u.node)
+            while len(self._waiting) > MAX_WAITING:
+                self._waiting.popitem(last=False)
+            return
+        if not self.identities.verify(u.node, u):
+            self.refused["alive_signature"] += 1
+            return
+        if m is None:
+            if self.table.add(u, now) is None:
+                self.refused["table_full"] += 1
+                return
+            self.queue.put(u)
+            credential = self.identities.credential_of(u.node)
+            if credential is not None:  # for the members that never linked to it
+                self.queue.put(credential)
+            return
+        m.address, m.region, m.alive, m.left = u.address, u.region, u, None
+        self.table.set_state(m, State.ALIVE, u.incarnation, now)
+        self.queue.put(u)
+
+    def _on_accusation(self, m: Member | None, u: Suspect | Dead, now: float) -> None:
+        if m is None or u.incarnation < m.incarnation:
+            return
+        if u.incarnation > m.incarnation:
+            # Its subject never signed that incarnation: a lie, or news of a
+            # refutation not here yet (which its subject's Alive will bring).
+            self.refused["accusation_above_incarnation"] += 1
+            return
+        if u.by != self.node and u.by not in self.members:
+            self.refused["accuser_unknown"] += 1
+            return
+        if m.state == State.SUSPECT and m.suspicion is not None:
+            if m.suspicion.confirm(u.by):  # a confirmation spreads as well
+                self.queue.put(Suspect(m.node, m.incarnation, u.by))
+        elif m.state == State.ALIVE:
+            # A Dead from elsewhere is a suspicion here: this node's own timer
+            # decides (see the module docstring).
+            self._suspect(m, u.incarnation, u.by, now)
 
     def _about_me(self, u: Update, now: float) -> None:
         if self.leaving:
             return
-        if isinstance(u, Alive):
-            if u.incarnation > self.incarnation:  # known by a previous life of ours
+        if isinstance(u, Alive | Left):
+            # Signed by this node's key: a previous life of ours (a restart that lost
+            # its incarnation file). Anything else is forged and ignored.
+            if u.incarnation > self.incarnation and self.identities.verify(self.node, u):
                 self._refute(u.incarnation)
             return
-        assert isinstance(u, Suspect | Dead | Left)
-        if u.incarnation >= self.incarnation:
+        assert isinstance(u, Suspect | Dead)
+        if u.incarnation > self.incarnation:
+            self.refused["accusation_above_incarnation"] += 1
+            return
+        if u.incarnation == self.incarnation:
             self._refute(u.incarnation)
-        if isinstance(u, Suspect | Dead) and u.by != self.node:
+        if u.by != self.node:
             # Gossip of the refutation can miss the accuser (it is probabilistic),
             # and a stale accusation is never answered by gossip again: answer the
             # accuser directly, every time it accuses.
             self._send(u.by, Gossip((self._self_alive(),)))
 
     def _refute(self, incarnation: int) -> None:
-        self.incarnation = max(self.incarnation, incarnation) + 1
+        self.incarnation = min(max(self.incarnation, incarnation) + 1, MAX_INCARNATION)
         self.awareness.apply(1)
         alive = self._self_alive()
         self.queue.put(alive)
@@ -251,12 +345,14 @@ class Membership:
                 self._compare_links(msg.sender, src_address, b.links_digest, now)
             self._on_ack(msg.sender, b, now)
         elif isinstance(b, PingReq):
+            target = self.members.get(b.target)
+            if target is None or target.state > State.SUSPECT:
+                self._reply(src_address, Nack(b.seq))  # probed only where it signed
+                return
             seq = self._next_seq()
             timeout = self._direct_timeout(b.target)
             self._relays[seq] = _Relay(src_address, b.seq, now + timeout)
-            self._reply(
-                b.target_address, Ping(seq, b.target, self.coordinate(), self.links_digest())
-            )
+            self._reply(target.address, Ping(seq, b.target, self.coordinate(), self.links_digest()))
         elif isinstance(b, Nack):
             probe = self._probes.get(b.seq)
             if probe is not None:
@@ -307,8 +403,13 @@ class Membership:
         self._reply(address, Sync(False, self._full_state()))
 
     def _apply_all(self, updates: tuple[Update, ...], now: float) -> None:
+        # Credentials first: an Alive in the same message is checked against them.
         for u in updates:
-            self.apply(u, now)
+            if isinstance(u, Credential):
+                self.apply(u, now)
+        for u in updates:
+            if not isinstance(u, Credential):
+                self.apply(u, now)
 
     def _on_ack(self, sender: str, ack: Ack, now: float) -> None:
         relay = self._relays.pop(ack.seq, None)
@@ -465,14 +566,21 @@ class Membership:
         return tuple(self.queue.take(budget or self.settings.piggyback_bytes, n))
 
     def _full_state(self) -> tuple[Update, ...]:
-        out: list[Update] = [self._self_alive(), *self.table.records(self.node)]
-        out += self.links_for_sync()
+        """This node's view, member by member (each with its credential, so that the
+        receiver can check what the member signed), then link state; what does not fit
+        one message is left out whole, member by member."""
+        groups: list[list[Update]] = [[Credential(self.node, self.identities.credential),
+                                       self._self_alive()]]  # fmt: skip
+        for node, records in self.table.records(self.node):
+            credential = self.identities.credential_of(node)
+            groups.append(([] if credential is None else [credential]) + records)
+        groups += [[links] for links in self.links_for_sync()]
         budget = MAX_MESSAGE_BYTES - 256
         kept: list[Update] = []
-        for u in out:
-            size = update_size(u)
+        for group in groups:
+            size = sum(update_size(u) for u in group)
             if size <= budget:
-                kept.append(u)
+                kept += group
                 budget -= size
         return tuple(kept)
 
@@ -489,7 +597,8 @@ class Membership:
         :meth:`left_spread` or ``leave_propagate_s`` passes, then stops it."""
         self._now = now
         self.leaving = True
-        update = Left(self.node, self.incarnation)
+        unsigned = Left(self.node, self.incarnation)
+        update = dataclasses.replace(unsigned, signature=self.identities.sign(unsigned))
         self.queue.put(update)
         for peer in self.live():
             self._send(peer, Gossip((update,)))

@@ -11,19 +11,26 @@ dissemination together, behind the interface the simulator and the daemon drive.
 Messages are addressed by the member's address string (``host:port`` in the daemon,
 the node's name in the simulator); the daemon checks that a message's sender name is
 the authenticated peer of the link it came on. Bytes that do not decode are counted
-and dropped (core.meshwire raises a typed error for each).
+and dropped (core.meshwire raises a typed error for each). Every part checks what
+another node signed against the credentials in one :class:`Identities`
+(core.identities): the daemon adds each link's certificate there
+(:meth:`MeshNode.learn_identity`), gossip carries the others.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from ciuic_p2p.config import MeshSection
 from ciuic_p2p.core.broadcast import Delivery, Disseminator
+from ciuic_p2p.core.identities import Identities
 from ciuic_p2p.core.members import Member, MemberEvent, State
 from ciuic_p2p.core.membership import Membership
 from ciuic_p2p.core.meshwire import (
     Chunk,
     Heads,
     Kind,
+    Links,
     MeshDecodeError,
     Message,
     Ping,
@@ -45,18 +52,21 @@ class MeshNode:
         settings: MeshSection,
         now: float,
         *,
+        identities: Identities,
         region: str = "",
         incarnation: int = 0,
         seed: int = 0,
     ) -> None:
         self.node = node
         self.settings = settings
-        self.rttmap = RttMap(node, settings, seed)
+        self.identities = identities
+        self.rttmap = RttMap(node, settings, seed, sign=self._sign_links)
         self.membership = Membership(
             node,
             address,
             settings,
             now,
+            identities=identities,
             region=region,
             incarnation=incarnation,
             seed=seed,
@@ -71,6 +81,7 @@ class MeshNode:
             settings,
             children=self._children,
             live=self.membership.live,
+            identities=identities,
             seed=seed,
             session=incarnation,
         )
@@ -126,6 +137,11 @@ class MeshNode:
 
     def join(self, address: str, now: float) -> None:
         self.membership.join(address, now)
+
+    def learn_identity(self, node: str, credential: bytes) -> bool:
+        """A credential checked elsewhere too (an authenticated link's certificate);
+        False when it does not make ``node`` a member."""
+        return self.identities.learn(node, credential, keep=self.membership.members.__contains__)
 
     def leave(self, now: float) -> None:
         self.membership.leave(now)
@@ -185,6 +201,9 @@ class MeshNode:
         if key != self._routing_key:
             self._routing_key = key
             self.router.update(self.view(), self.rttmap.rtt_s)
+
+    def _sign_links(self, links: Links) -> Links:
+        return dataclasses.replace(links, signature=self.identities.sign(links))
 
     def _children(self, origin: str) -> list[str]:
         self._route()

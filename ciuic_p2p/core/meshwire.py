@@ -2,36 +2,50 @@
 
 One message per GOSSIP frame (or per datagram on the simulator). Layout::
 
-    version u8 (1) | kind u8 | sender id (str8) | body
+    version u8 (2) | kind u8 | sender id (str8) | body
 
-``str8`` is a u8 length and UTF-8 bytes; ``bytes32`` a u32 length and bytes; all
-integers little-endian. Bodies by kind:
+``str8`` is a u8 length and UTF-8 bytes; ``bytes16``/``bytes32`` a u16/u32 length and
+bytes; ``sig`` 64 bytes (Ed25519); all integers little-endian. Bodies by kind:
 
 - ``PING``: seq u32, target str8, coordinate, links digest u32, updates
 - ``ACK``: seq u32, coordinate, links digest u32, updates
-- ``PING_REQ``: seq u32, target str8, target address str8
+- ``PING_REQ``: seq u32, target str8, target address str8 (ignored since version 2:
+  the helper probes the address the target itself signed)
 - ``NACK``: seq u32
 - ``GOSSIP``: updates
 - ``SYNC``: reply u8, updates (the sender's whole member table, as ALIVE/SUSPECT/DEAD/
-  LEFT updates, plus link state)
-- ``CHUNK``: origin str8, seq u64, hops u8, payload bytes32
+  LEFT updates with each member's CREDENTIAL, plus link state)
+- ``CHUNK``: origin str8, seq u64, hops u8, payload bytes32, sig
 - ``HEADS``: count u16, then per origin: origin str8, high u64 (highest seq held)
 - ``WANT``: origin str8, count u16, seqs u64 each
 
 ``updates`` is a u16 count, then per update a u8 type and its fields:
-ALIVE (id, incarnation u64, address str8, region str8), SUSPECT / DEAD (id,
-incarnation u64, by str8), LEFT (id, incarnation u64), LINKS (origin str8, version u32,
-u16 count, then peer str8, rtt_us u32, loss_permille u16 each). A coordinate is
-eight f32 components, height f32 and error f32.
+ALIVE (id, incarnation u64, address str8, region str8, sig), SUSPECT / DEAD (id,
+incarnation u64, by str8), LEFT (id, incarnation u64, sig), LINKS (origin str8, version
+u32, u16 count, then peer str8, rtt_us u32, loss_permille u16 each, sig), CREDENTIAL
+(id, credential bytes16: the member's node certificate, DER). A coordinate is eight
+f32 components, height f32 and error f32.
 
-Kinds and update types are append-only. Decoding trusts nothing: every length is
-checked against what remains and against the hard limits before use, every value is
-range-checked, and every failure is a :class:`MeshDecodeError`.
+What each signature covers (:func:`signed_bytes`; domain-separated, so that no
+signature of one kind is valid as another, nor as any other message the node key
+signs): an ALIVE, a LEFT and a LINKS by the node they are about (only a node may say
+where it is, that it left, or what its links measure); a CHUNK by its origin, over the
+origin, the sequence number (and so its session) and the payload's BLAKE2b-256. The
+accusations SUSPECT and DEAD are any member's word and are signed by nobody: a node
+takes them only at the incarnation its subject signed (core.membership).
+
+Version 2 added the signatures, CREDENTIAL and the incarnation bound; a version-1
+message is refused with the version named. Kinds and update types are append-only.
+Decoding trusts nothing: every length is checked against what remains and against the
+hard limits before use, every value is range-checked (an incarnation above
+``MAX_INCARNATION``, a loss above 1000 permille, a non-finite coordinate), and every
+failure is a :class:`MeshDecodeError`.
 """
 
 from __future__ import annotations
 
 import enum
+import hashlib
 import math
 import struct
 from dataclasses import dataclass, field
@@ -39,7 +53,7 @@ from dataclasses import dataclass, field
 from ciuic_p2p.core.wire import MAX_CHUNK_BYTES
 from ciuic_p2p.errors import CiuicError
 
-VERSION = 1
+VERSION = 2
 MAX_MESSAGE_BYTES = 64 * 1024 - 16
 """Control messages fit one GOSSIP frame (core.frames)."""
 MAX_CHUNK_MESSAGE_BYTES = MAX_CHUNK_BYTES + 512
@@ -48,7 +62,13 @@ MAX_UPDATES = 4096
 MAX_LINKS = 1024
 MAX_HEADS = 4096
 MAX_WANT = 256
+MAX_CREDENTIAL_BYTES = 2048
 COORD_DIMENSIONS = 8
+SIGNATURE_BYTES = 64
+MAX_INCARNATION = (1 << 40) - 1
+"""A node raises its incarnation by one per refutation and per restart: 2^40 is more
+than it can use, and whatever carries it (the dissemination session, the trainer's
+incarnation times 2^20) has room. A larger number on the wire is an error."""
 
 
 class MeshDecodeError(CiuicError):
@@ -73,6 +93,7 @@ class UpdateType(enum.IntEnum):
     DEAD = 3
     LEFT = 4
     LINKS = 5
+    CREDENTIAL = 6
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,10 +107,14 @@ class Coordinate:
 
 @dataclass(frozen=True, slots=True)
 class Alive:
+    """A node's own word that it lives at ``address`` with ``incarnation``, signed by
+    it (``signature``, over :func:`signed_bytes`)."""
+
     node: str
     incarnation: int
     address: str
     region: str = ""
+    signature: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,8 +133,21 @@ class Dead:
 
 @dataclass(frozen=True, slots=True)
 class Left:
+    """A node's own word that it left for good, signed by it."""
+
     node: str
     incarnation: int
+    signature: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """The node certificate (DER) that binds ``node`` to its public key; carried with
+    a member's first signed Alive, so that a node that never linked to it can check
+    what it signs."""
+
+    node: str
+    credential: bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,9 +164,10 @@ class Links:
     origin: str
     version: int
     entries: tuple[LinkEntry, ...]
+    signature: bytes = b""
 
 
-Update = Alive | Suspect | Dead | Left | Links
+Update = Alive | Suspect | Dead | Left | Links | Credential
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,10 +214,14 @@ class Sync:
 
 @dataclass(frozen=True, slots=True)
 class Chunk:
+    """One disseminated payload; ``signature`` is its origin's (:func:`signed_bytes`),
+    checked by every node before it delivers, forwards or counts the chunk as held."""
+
     origin: str
     seq: int
     hops: int
     payload: bytes
+    signature: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,31 +291,34 @@ class _Writer:
     def coord(self, c: Coordinate) -> None:
         self.parts.append(_COORD.pack(*c.vec, c.height_s, c.error))
 
+    def sig(self, signature: bytes) -> None:
+        if len(signature) != SIGNATURE_BYTES:
+            raise ValueError(f"a signature is {SIGNATURE_BYTES} bytes, not {len(signature)}")
+        self.parts.append(bytes(signature))
+
+    def bytes16(self, data: bytes, limit: int) -> None:
+        if len(data) > limit:
+            raise ValueError(f"{len(data)} bytes exceed the limit of {limit}")
+        self.parts.append(_U16.pack(len(data)) + bytes(data))
+
     def updates(self, updates: tuple[Update, ...]) -> None:
         self.u16(len(updates))
         for u in updates:
             self.parts.append(encode_update(u))
 
 
-def encode_update(u: Update) -> bytes:
+def _signed_part(u: Alive | Left | Links) -> _Writer:
+    """An update's fields without its signature (what the signature covers)."""
     w = _Writer()
     if isinstance(u, Alive):
-        w.u8(UpdateType.ALIVE)
         w.str8(u.node)
         w.u64(u.incarnation)
         w.str8(u.address)
         w.str8(u.region)
-    elif isinstance(u, Suspect | Dead):
-        w.u8(UpdateType.SUSPECT if isinstance(u, Suspect) else UpdateType.DEAD)
-        w.str8(u.node)
-        w.u64(u.incarnation)
-        w.str8(u.by)
     elif isinstance(u, Left):
-        w.u8(UpdateType.LEFT)
         w.str8(u.node)
         w.u64(u.incarnation)
     else:
-        w.u8(UpdateType.LINKS)
         w.str8(u.origin)
         w.u32(u.version)
         w.u16(len(u.entries))
@@ -280,6 +326,48 @@ def encode_update(u: Update) -> bytes:
             w.str8(e.peer)
             w.u32(min(e.rtt_us, 0xFFFFFFFF))
             w.u16(min(e.loss_permille, 1000))
+    return w
+
+
+_DOMAINS = {
+    Alive: b"ciuic-mesh-alive-v2\0",
+    Left: b"ciuic-mesh-left-v2\0",
+    Links: b"ciuic-mesh-links-v2\0",
+    Chunk: b"ciuic-mesh-chunk-v2\0",
+}
+
+
+def payload_digest(payload: bytes | bytearray | memoryview) -> bytes:
+    return hashlib.blake2b(payload, digest_size=32).digest()
+
+
+def signed_bytes(u: Alive | Left | Links | Chunk, digest: bytes | None = None) -> bytes:
+    """What the signature of ``u`` covers (see the module docstring). For a chunk,
+    ``digest`` may pass the payload's BLAKE2b-256 when it is known already."""
+    if isinstance(u, Chunk):
+        w = _Writer()
+        w.str8(u.origin)
+        w.u64(u.seq)
+        return _DOMAINS[Chunk] + b"".join(w.parts) + (digest or payload_digest(u.payload))
+    return _DOMAINS[type(u)] + b"".join(_signed_part(u).parts)
+
+
+def encode_update(u: Update) -> bytes:
+    w = _Writer()
+    if isinstance(u, Alive | Left | Links):
+        kind = {Alive: UpdateType.ALIVE, Left: UpdateType.LEFT, Links: UpdateType.LINKS}[type(u)]
+        w.u8(kind)
+        w.parts += _signed_part(u).parts
+        w.sig(u.signature)
+    elif isinstance(u, Suspect | Dead):
+        w.u8(UpdateType.SUSPECT if isinstance(u, Suspect) else UpdateType.DEAD)
+        w.str8(u.node)
+        w.u64(u.incarnation)
+        w.str8(u.by)
+    else:
+        w.u8(UpdateType.CREDENTIAL)
+        w.str8(u.node)
+        w.bytes16(u.credential, MAX_CREDENTIAL_BYTES)
     return b"".join(w.parts)
 
 
@@ -317,6 +405,7 @@ def encode_message(msg: Message) -> bytes:
         w.u8(min(b.hops, 255))
         w.u32(len(b.payload))
         w.parts.append(bytes(b.payload))
+        w.sig(b.signature)
     elif isinstance(b, Heads):
         w.u16(len(b.heads))
         for origin, high in b.heads:
@@ -383,6 +472,15 @@ class _Reader:
             raise MeshDecodeError("coordinate height or error negative")
         return Coordinate(tuple(values[:-2]), height, error)
 
+    def incarnation(self) -> int:
+        value = self.u64()
+        if value > MAX_INCARNATION:
+            raise MeshDecodeError(f"incarnation {value} exceeds {MAX_INCARNATION}")
+        return value
+
+    def sig(self) -> bytes:
+        return bytes(self.take(SIGNATURE_BYTES))
+
     def count(self, limit: int, what: str) -> int:
         n = self.u16()
         if n > limit:
@@ -395,13 +493,13 @@ class _Reader:
     def update(self) -> Update:
         t = self.u8()
         if t == UpdateType.ALIVE:
-            return Alive(self.str8(), self.u64(), self.str8(), self.str8())
+            return Alive(self.str8(), self.incarnation(), self.str8(), self.str8(), self.sig())
         if t == UpdateType.SUSPECT:
-            return Suspect(self.str8(), self.u64(), self.str8())
+            return Suspect(self.str8(), self.incarnation(), self.str8())
         if t == UpdateType.DEAD:
-            return Dead(self.str8(), self.u64(), self.str8())
+            return Dead(self.str8(), self.incarnation(), self.str8())
         if t == UpdateType.LEFT:
-            return Left(self.str8(), self.u64())
+            return Left(self.str8(), self.incarnation(), self.sig())
         if t == UpdateType.LINKS:
             origin, version = self.str8(), self.u32()
             n = self.count(MAX_LINKS, "link entries")
@@ -411,7 +509,12 @@ class _Reader:
                 if loss > 1000:
                     raise MeshDecodeError("loss above 1000 permille")
                 entries.append(LinkEntry(peer, rtt_us, loss))
-            return Links(origin, version, tuple(entries))
+            return Links(origin, version, tuple(entries), self.sig())
+        if t == UpdateType.CREDENTIAL:
+            node, n = self.str8(), self.u16()
+            if n > MAX_CREDENTIAL_BYTES:
+                raise MeshDecodeError(f"credential of {n} bytes exceeds {MAX_CREDENTIAL_BYTES}")
+            return Credential(node, bytes(self.take(n)))
         raise MeshDecodeError(f"unknown update type {t}")
 
 
@@ -452,7 +555,7 @@ def decode_message(data: bytes) -> Message:
         n = r.u32()
         if n > MAX_CHUNK_BYTES:
             raise MeshDecodeError(f"chunk payload of {n} bytes exceeds {MAX_CHUNK_BYTES}")
-        body = Chunk(origin, seq, hops, bytes(r.take(n)))
+        body = Chunk(origin, seq, hops, bytes(r.take(n)), r.sig())
     elif kind is Kind.HEADS:
         n = r.count(MAX_HEADS, "heads")
         body = Heads(tuple((r.str8(), r.u64()) for _ in range(n)))

@@ -11,12 +11,17 @@
 Every node computes routes from the *published* values, its own included, so nodes
 that hold the same link state compute the same trees. The RTT of a pair is the mean
 of what its two ends published (one end's value if only one did).
+
+Link state is signed by the node it describes (core.meshwire; checked by
+core.membership before it gets here): the map keeps each node's newest ``Links`` as
+signed, to pass on unchanged in syncs, and signs its own with ``sign``.
 """
 
 from __future__ import annotations
 
 import zlib
 from collections import deque
+from collections.abc import Callable
 
 from ciuic_p2p.config import MeshSection
 from ciuic_p2p.core.meshwire import MAX_LINKS, Coordinate, LinkEntry, Links
@@ -31,9 +36,18 @@ made the trees of different nodes disagree while the news spread)."""
 
 
 class RttMap:
-    def __init__(self, node: str, settings: MeshSection, seed: int = 0) -> None:
+    def __init__(
+        self,
+        node: str,
+        settings: MeshSection,
+        seed: int = 0,
+        sign: Callable[[Links], Links] = lambda links: links,
+    ) -> None:
         self.node = node
         self.settings = settings
+        self.sign = sign
+        self.signed: dict[str, Links] = {}
+        """Each node's newest link state as its node signed it."""
         self.vivaldi = VivaldiClient(seed)
         self.coords: dict[str, Coordinate] = {}
         self.recent: dict[str, deque[float]] = {}
@@ -62,6 +76,7 @@ class RttMap:
         if links.origin == self.node or links.version <= self.versions.get(links.origin, -1):
             return False
         self.versions[links.origin] = links.version
+        self.signed[links.origin] = links
         self.published[links.origin] = {
             e.peer: (e.rtt_us / 1e6, e.loss_permille / 1000) for e in links.entries
         }
@@ -73,6 +88,7 @@ class RttMap:
         self.recent.pop(node, None)
         self.coords.pop(node, None)
         self.vivaldi.forget(node)
+        self.signed.pop(node, None)
         if self.published.pop(node, None) is not None:
             self.changes += 1
             self._digest = None
@@ -115,7 +131,9 @@ class RttMap:
         self.published[self.node] = current
         self.changes += 1
         self._digest = None
-        return self._links_of(self.node, current, self._version)
+        own = self.sign(self._links_of(self.node, current, self._version))
+        self.signed[self.node] = own
+        return own
 
     def _links_of(self, origin: str, measured: Measured, version: int) -> Links:
         entries = tuple(
@@ -125,12 +143,8 @@ class RttMap:
         return Links(origin, version, entries)
 
     def all_links(self) -> list[Links]:
-        """Every node's latest link state (for a full sync)."""
-        out = []
-        for origin, measured in sorted(self.published.items()):
-            version = self._version if origin == self.node else self.versions[origin]
-            out.append(self._links_of(origin, measured, version))
-        return out
+        """Every node's latest link state as signed (for a full sync)."""
+        return [self.signed[origin] for origin in sorted(self.signed)]
 
     def digest(self) -> int:
         """CRC-32 of every origin's link-state version (never 0: 0 means "none")."""

@@ -22,6 +22,12 @@ Two parts:
   hold nearly the same values (within the consensus bound) and a state assembled from
   several of them is, element by element, one replica's or another's; each piece is
   checked against the digest in its own donor's manifest.
+
+Bounds against a member that lies (each is counted): an offer whose manifest is larger
+than ``store.max_object_bytes`` is not taken; a fetch holds only the pieces that
+arrived and verified, never a buffer of the size a manifest claims; a GET's indices
+are taken once each, and a holder serves at most ``max_upload_queue_bytes`` of pieces
+not yet sent to one peer (the rest is answered BUSY).
 """
 
 from __future__ import annotations
@@ -92,6 +98,9 @@ class Holder:
         self._trim(name, now)
         return manifest
 
+    def bytes_held(self) -> int:
+        return sum(len(h.data) for versions in self.objects.values() for h in versions)
+
     def newest(self, name: str) -> Held | None:
         versions = self.objects.get(name)
         return max(versions, key=lambda h: h.manifest.version) if versions else None
@@ -114,9 +123,11 @@ class Holder:
         held.offered_s = now
         return Offer(query.token, self.load(now), held.manifest)
 
-    def on_get(self, peer: str, get: Get, now: float) -> list[Piece] | Ref:
-        """The pieces asked for; BUSY when every upload slot is taken; GONE for a
-        version not held (any more) or an index out of range."""
+    def on_get(self, peer: str, get: Get, now: float, queued_bytes: int = 0) -> list[Piece] | Ref:
+        """The pieces asked for, each once, while ``queued_bytes`` (what waits for
+        ``peer`` already) plus them stays within ``max_upload_queue_bytes``; BUSY when
+        none fits or every upload slot is taken; GONE for a version not held (any
+        more) or an index out of range."""
         held = self.find(get.name, get.version, get.root)
         self._expire(now)
         upload = self.uploads.get(peer)
@@ -127,12 +138,21 @@ class Holder:
         if upload is None and len(self.uploads) >= self.settings.upload_slots:
             self.counters["gets_busy"] += 1
             return busy
-        self.uploads[peer] = _Upload(held.root, now)
+        indices = list(dict.fromkeys(get.indices))
+        self.counters["get_repeats"] += len(get.indices) - len(indices)
         view = memoryview(held.data)
-        pieces = []
-        for i in get.indices:
+        pieces: list[Piece] = []
+        room = self.settings.max_upload_queue_bytes - queued_bytes
+        for i in indices:
             start, end = held.manifest.piece_span(i)
+            if end - start > room:
+                self.counters["get_over_queue"] += len(indices) - len(pieces)
+                break
+            room -= end - start
             pieces.append(Piece(get.name, get.version, get.root, i, view[start:end]))
+        if not pieces:
+            return busy
+        self.uploads[peer] = _Upload(held.root, now)
         self.counters["pieces_served"] += len(pieces)
         return pieces
 
@@ -177,6 +197,8 @@ class FetchStats:
     gone: int = 0
     """Donors that no longer held the version they offered."""
     queries: int = 0
+    oversize: int = 0
+    """Offers whose manifest claims more than ``store.max_object_bytes``."""
     restarts: int = 0
     """Times verified pieces were thrown away (no holder of a compatible state left)."""
     started_s: float = 0.0
@@ -219,14 +241,16 @@ class Fetch:
         self.version = -1
         self.manifest: Manifest | None = None
         """The manifest of the first donor chosen (the group's shape)."""
-        self.result: bytearray | None = None
+        self.result: bytes | None = None
         self._token = token
         self._answered: set[str] = set()
         self._query_until = 0.0
         self._requery_at: float | None = None
         self._group: tuple[bytes, int, int] | None = None
         self._pieces: list[bool] = []
-        self._buffer = bytearray()
+        self._received: dict[int, memoryview | bytes] = {}
+        """Verified pieces by index: memory grows with what arrived, whatever size a
+        manifest claims."""
         self._todo: collections.deque[int] = collections.deque()
         self._active: dict[str, dict[int, float]] = {}
         self._heard: dict[str, float] = {}
@@ -241,6 +265,10 @@ class Fetch:
     def on_offer(self, peer: str, offer: Offer, now: float) -> None:
         if offer.token != self._token or offer.manifest.name != self.name:
             self.stats.stray += 1
+            return
+        if offer.manifest.total_bytes > self.settings.max_object_bytes:
+            self.stats.oversize += 1  # an answer, but no donor: nothing is allocated
+            self.on_none(peer, NoneHeld(self.name, offer.token), now)
             return
         self.offers[peer] = offer
         self._answered.add(peer)
@@ -293,13 +321,14 @@ class Fetch:
                 self._fail_donor(peer)
             self._activate(now)
             return
-        start, end = manifest.piece_span(piece.index)
-        self._buffer[start:end] = piece.data
-        self._pieces[piece.index] = True
+        if not self._pieces[piece.index]:
+            self._received[piece.index] = piece.data
+            self._pieces[piece.index] = True
         self.stats.pieces_by_donor[peer] += 1
-        if all(self._pieces):
+        if len(self._received) == len(self._pieces):
             self.state = FetchState.DONE
-            self.result = self._buffer
+            self.result = b"".join(self._received[i] for i in range(len(self._pieces)))
+            self._received = {}
             self._active.clear()
             return
         self._fill(now)
@@ -365,7 +394,7 @@ class Fetch:
 
     @property
     def received_pieces(self) -> int:
-        return sum(self._pieces)
+        return len(self._received) if self.result is None else len(self._pieces)
 
     # -- choosing donors -----------------------------------------------------------------
 
@@ -439,11 +468,11 @@ class Fetch:
             self.manifest = manifest
             self.version = manifest.version
             self._pieces = [False] * manifest.pieces
-            self._buffer = bytearray(manifest.total_bytes)
+            self._received = {}
             self._todo = collections.deque(range(manifest.pieces))
             if manifest.pieces == 0:
                 self.state = FetchState.DONE
-                self.result = self._buffer
+                self.result = b""
                 return
         self.state = FetchState.FETCHING
         if self.stats.first_donor_s is None:

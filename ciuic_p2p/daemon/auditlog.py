@@ -5,11 +5,17 @@ one signed entry (``traffic`` is the exception: chunks are summed per origin by
 ``TrafficTally`` and written once per ``interval_s``). Entry kinds and their data:
 
 - ``started``: public_key, version     - ``stopped``: reason
-- ``admitted``: peer, address          - ``refused``: address, reason
+- ``admitted``: peer, address
+- ``refusals``: from, to, total, reasons ({reason: count}), networks ({/24 or /56:
+  count}, the busiest 32), distinct_networks: every connection refused and datagram
+  dropped before any state, summed per interval (a flood is one entry a minute)
 - ``traffic``: from, to, received and forwarded ({origin: {chunks, bytes}}), part, parts
 - ``served_state``: name, version, to, bytes
 - ``checkpoint``: path, step, digest
 - ``repaired``: file, offset, dropped_bytes, dropped_blake2b (a torn line cut at open)
+- ``pruned``: files, through_seq, head: the oldest files were deleted to keep the
+  directory under ``max_dir_bytes``; the chain now starts after ``through_seq``, whose
+  digest was ``head`` (``audit verify`` accepts a start past entry 1 only with it)
 
 Files are ``audit-000001.jsonl``, ``audit-000002.jsonl``, ... in one directory (0700,
 files 0600). A file past ``rotate_bytes`` is fsynced and closed, and the next entry
@@ -18,6 +24,10 @@ digest of the file before as ``prev``. Each entry is one ``os.write`` of the who
 line (no user-space buffer to lose); fsync happens on rotation, ``flush()`` and
 ``close()``. A crash can leave a torn last line: opening the log cuts it off, keeping
 its digest in a ``repaired`` entry, and continues the chain from the last whole line.
+
+A write that fails (a full disk: ENOSPC) never stops the daemon: the entry is not
+chained (``draft``/``commit``), ``write_errors`` and ``error`` say so in ``status``,
+one line a minute says so in the log, and the next entry tries again.
 
 Not thread-safe: call it from the daemon's loop thread. Writes block briefly (page
 cache); only rotation, ``flush`` and ``close`` wait for the disk.
@@ -39,6 +49,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ciuic_p2p import __version__
+from ciuic_p2p.addresses import network_of
 from ciuic_p2p.core.audit import (
     MAX_LINE_BYTES,
     AuditChain,
@@ -46,15 +57,19 @@ from ciuic_p2p.core.audit import (
     AuditFormatError,
     ChainVerifier,
     Direction,
+    RefusalTally,
     TrafficTally,
     VerifyReport,
     digest,
+    parse_entry,
 )
 from ciuic_p2p.identity import PUBLIC_KEY_LEN, NodeKey, peer_id_of, verify_signature
+from ciuic_p2p.logsetup import get_logger
 
 FILE_PATTERN = re.compile(r"audit-(\d{6,})\.jsonl")
 MAX_TEXT_CHARS = 1024
 """Longer strings (a refusal reason, a path) are cut, so an entry stays small."""
+log = get_logger("ciuic.audit")
 
 
 def file_name(number: int) -> str:
@@ -103,18 +118,30 @@ class AuditLog:
         peer_id: str,
         interval_s: float,
         rotate_bytes: int,
+        max_dir_bytes: int = 0,
         clock: Callable[[], float] = time.time,
     ) -> None:
+        """``max_dir_bytes``: past it the oldest files are deleted at a rotation (a
+        ``pruned`` entry records it); 0 keeps every file."""
         if rotate_bytes <= 0:
             raise ValueError("rotate_bytes must be > 0")
+        if max_dir_bytes and max_dir_bytes < 2 * rotate_bytes:
+            raise ValueError("max_dir_bytes must hold at least two files (2 x rotate_bytes)")
         self._dir = Path(directory)
         self._key = key
         self._clock = clock
         self._rotate_bytes = rotate_bytes
+        self._max_dir_bytes = max_dir_bytes
         self._chain = AuditChain(peer_id, key.sign)
         self._tally = TrafficTally(interval_s, clock())
+        self._refusals = RefusalTally()
         self._fd: int | None = None
         self._closed = False
+        self.write_errors = 0
+        """Entries that could not be written (not chained: the chain stays whole)."""
+        self.error = ""
+        """The last write failure, until a write succeeds again."""
+        self.pruned_files = 0
         if not self._dir.is_dir():
             self._dir.mkdir(mode=0o700, parents=True)
             os.chmod(self._dir, 0o700)  # mkdir's mode passes through the umask
@@ -160,7 +187,13 @@ class AuditLog:
         self._write("admitted", {"peer": _clip(peer), "address": _address(address)})
 
     def refused(self, address: str | tuple[Any, ...], reason: str) -> None:
-        self._write("refused", {"address": _address(address), "reason": _clip(reason)})
+        """A connection refused or a datagram dropped before any state: summed per
+        source network and reason, written once per interval (``refusals``)."""
+        if self._closed:
+            raise AuditError("the audit log is closed")
+        host = address[0] if isinstance(address, tuple) else str(address).rsplit(":", 1)[0]
+        self._refusals.add(network_of(str(host)), str(reason))
+        self.tick()
 
     def received(self, origin: str | bytes, nbytes: int) -> None:
         """A chunk of ``origin`` (peer ID or raw public key) arrived; summed, not written."""
@@ -182,29 +215,39 @@ class AuditLog:
         ``received`` and ``forwarded`` call it too)."""
         now = self._clock()
         if self._tally.due(now):
+            start = self._tally_start
             for data in self._tally.flush(now):
                 self._write("traffic", data)
+            self._flush_refusals(start, now)
 
     def flush(self) -> None:
         """Make every entry written so far durable (fsync). Traffic still being summed
         waits for its interval to end, or for ``close``."""
         if self._fd is not None:
-            os.fsync(self._fd)
+            try:
+                os.fsync(self._fd)
+            except OSError as exc:
+                self._failed(exc)
 
     def close(self) -> None:
         """Write the traffic summed so far, fsync and close. Call it last: later
         calls raise :class:`AuditError`."""
         if self._closed:
             return
+        now = self._clock()
+        start = self._tally_start
         if not self._tally.empty:
-            for data in self._tally.flush(self._clock()):
+            for data in self._tally.flush(now):
                 self._write("traffic", data)
+        self._flush_refusals(start, now)
         self._closed = True
         try:
             if self._fd is not None:
                 fd, self._fd = self._fd, None
                 try:
                     os.fsync(fd)
+                except OSError as exc:
+                    self._failed(exc)
                 finally:
                     os.close(fd)
         finally:
@@ -218,10 +261,29 @@ class AuditLog:
         self._tally.add(direction, _origin(origin), nbytes)
         self.tick()
 
+    @property
+    def _tally_start(self) -> float:
+        return self._tally.start
+
+    def _flush_refusals(self, start: float, now: float) -> None:
+        data = self._refusals.flush(start, now)
+        if data is not None:
+            self._write("refusals", data)
+
     def _write(self, kind: str, data: dict[str, Any]) -> None:
         if self._closed:
             raise AuditError("the audit log is closed")
         line = self._chain.draft(kind, data, round(self._clock(), 6)).encode("utf-8")
+        try:
+            self._store(line)
+        except OSError as exc:
+            self._failed(exc)
+            return
+        self.error = ""
+        if self._fd is None and self._max_dir_bytes:  # just rotated
+            self._prune()
+
+    def _store(self, line: bytes) -> None:
         if self._fd is None:
             self._fd = self._open_file(self._number)
         payload = memoryview(line + b"\n")
@@ -238,11 +300,45 @@ class AuditLog:
         self._size += len(payload)
         if self._size >= self._rotate_bytes:
             fd, self._fd = self._fd, None
+            self._number, self._size = self._number + 1, 0
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
-            self._number, self._size = self._number + 1, 0
+
+    def _failed(self, exc: OSError) -> None:
+        self.write_errors += 1
+        self.error = f"{self._dir}: {exc.strerror or exc}"
+        log.error("audit_write_failed", error=self.error, write_errors=self.write_errors)
+
+    def _prune(self) -> None:
+        """Delete the oldest files while the directory is over ``max_dir_bytes``, then
+        say so in the chain (``pruned``), so that ``audit verify`` can tell a bound from
+        a deletion."""
+        files = audit_files(self._dir)
+        sizes = {number: path.stat().st_size for number, path in files}
+        total = sum(sizes.values())
+        removed: list[int] = []
+        last: bytes | None = None
+        for number, path in files[:-1]:  # never the newest
+            if total <= self._max_dir_bytes:
+                break
+            last = _last_line(path) or last
+            path.unlink()
+            total -= sizes[number]
+            removed.append(number)
+        if not removed or last is None:
+            return
+        self.pruned_files += len(removed)
+        through = parse_entry(last)
+        self._write(
+            "pruned",
+            {
+                "files": f"{file_name(removed[0])}..{file_name(removed[-1])}",
+                "through_seq": through.seq,
+                "head": through.digest,
+            },
+        )
 
     def _open_file(self, number: int) -> int:
         flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC
@@ -353,8 +449,13 @@ def verify_directory(directory: Path, public_key: bytes) -> VerifyReport:
     files = audit_files(Path(directory))
     if not files:
         raise AuditError(f"{directory}: no audit files (audit-NNNNNN.jsonl) there")
-    verifier = ChainVerifier(lambda message, sig: verify_signature(public_key, sig, message))
-    expected = 1
+    first = files[0][0]
+    verifier = ChainVerifier(
+        lambda message, sig: verify_signature(public_key, sig, message),
+        pruned_start=first > 1,  # removed by the size bound, or deleted: see ``pruned``
+        missing=file_name(1) + ("" if first == 2 else f" to {file_name(first - 1)}"),
+    )
+    expected = first
     for number, path in files:
         if number != expected:
             gone = file_name(expected)

@@ -214,6 +214,7 @@ class DaemonCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         d = self.daemon
         if d.node is None:  # not started yet: nothing but the counters is meaningful
+            yield from self._faults()
             yield from self._counters()
             return
         yield from self._node()
@@ -222,6 +223,7 @@ class DaemonCollector(Collector):
         yield from self._membership()
         yield from self._routing()
         yield from self._training()
+        yield from self._faults()
         yield from self._counters()
 
     def _node(self) -> Iterator[Metric]:
@@ -432,6 +434,41 @@ class DaemonCollector(Collector):
             if t is not None and key in t.trainer:
                 family.add_metric([], t.trainer[key])
             yield family
+
+    def _faults(self) -> Iterator[Metric]:
+        d = self.daemon
+        errors = CounterMetricFamily(
+            "ciuic_internal_errors",
+            "Exceptions caught by a guard (a library's or our fault; 0 when healthy), by "
+            "component and callback.",
+            labels=["component", "where"],
+        )
+        for guard in (d.guard, d.transport.guard):
+            for where, count in sorted(guard.counts.items()):
+                errors.add_metric([guard.component, where], count)
+        yield errors
+        gate = d.transport.gate
+        dropped = CounterMetricFamily(
+            "ciuic_strangers_dropped",
+            "Datagrams from unknown sources dropped before any state, by reason.",
+            labels=["reason"],
+        )
+        for reason, count in sorted(gate.dropped.items()):
+            dropped.add_metric([reason], count)
+        yield dropped
+        yield GaugeMetricFamily(
+            "ciuic_pending_connections",
+            "Accepted connections not yet authenticated.",
+            gate.pending,
+        )
+        yield CounterMetricFamily(
+            "ciuic_retries_sent", "QUIC Retry packets sent (address validation).", gate.retries_sent
+        )
+        yield CounterMetricFamily(
+            "ciuic_links_refused",
+            "Connections refused before authentication (bad credential, timeout, framing).",
+            d.transport.refused,
+        )
 
     def _counters(self) -> Iterator[Metric]:
         events = CounterMetricFamily(

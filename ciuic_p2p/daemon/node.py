@@ -37,6 +37,7 @@ from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.broadcast import Delivery
 from ciuic_p2p.core.frames import BULK_TYPES, FrameType
+from ciuic_p2p.core.identities import Identities
 from ciuic_p2p.core.members import State
 from ciuic_p2p.core.meshnode import MeshNode
 from ciuic_p2p.core.meshwire import (
@@ -49,9 +50,15 @@ from ciuic_p2p.core.meshwire import (
 from ciuic_p2p.daemon import nodestatus
 from ciuic_p2p.daemon.incarnation import next_incarnation, save_incarnation
 from ciuic_p2p.daemon.outbox import ChunkKey, Outbox
+from ciuic_p2p.guard import Guard
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.logsetup import get_logger
-from ciuic_p2p.transport.base import FrameReceived, PeerConnected, PeerDisconnected
+from ciuic_p2p.transport.base import (
+    FrameReceived,
+    PeerConnected,
+    PeerDisconnected,
+    TransportEvent,
+)
 from ciuic_p2p.transport.quic import QuicTransport, TransportError
 
 MAX_STORE_CONTROL_BYTES = 60 * 1024
@@ -144,6 +151,8 @@ class MeshDaemon:
         """Per destination address; counted here, named by peer at scrape time."""
         self.member_events: collections.Counter[str] = collections.Counter()
         """Membership changes seen, by the state entered (``alive``, ``dead``...)."""
+        self.guard = Guard("daemon")
+        """Faults of this daemon's callbacks, counted (ciuic_p2p.guard)."""
         self.closed = asyncio.Event()
         self._joined = asyncio.Event()
         self._left = asyncio.Event()
@@ -162,11 +171,20 @@ class MeshDaemon:
         self.address = format_address(advertised, port)
         incarnation = next_incarnation(self.state_dir)
         self._saved_incarnation = incarnation
+        t = self.transport
+        identities = Identities(
+            self.peer_id,
+            t.certificate_der,
+            self.key.sign,
+            # The trust in force when asked: a reloaded revocation list applies.
+            lambda node, der: t.trust.check_member(node, der, t.wallclock()),
+        )
         self.node = MeshNode(
             self.peer_id,
             self.address,
             self.config.mesh,
             self.clock(),
+            identities=identities,
             region=self.config.node.region,
             incarnation=incarnation,
             seed=zlib.crc32(self.key.public_key) ^ incarnation,
@@ -223,6 +241,18 @@ class MeshDaemon:
         peer = peer_id_of(key)
         self.banned.add(peer)
         log.warning("peer_banned", peer=peer)
+
+    def trust_changed(self) -> list[str]:
+        """Check every member's credential again under the transport's new trust;
+        members now refused can no longer sign anything that counts here (their chunks
+        and announcements fail), and are banned."""
+        if self.node is None:
+            return []
+        refused = self.node.identities.recheck()
+        for peer in refused:
+            self.banned.add(peer)
+            log.warning("peer_banned", peer=peer)
+        return refused
 
     async def leave(self) -> None:
         """Tell the mesh we are leaving, wait (bounded) for it to spread, then close."""
@@ -314,8 +344,13 @@ class MeshDaemon:
     def _on_timer(self) -> None:
         self._timer, self._timer_at = None, None
         if self.node is not None and not self.closed.is_set():
-            self.node.handle_timer(self.clock())
-            self._pump()
+            self.guard.call("timer", self._timer_fired, self.node)
+
+    def _timer_fired(self, node: MeshNode) -> None:
+        try:
+            node.handle_timer(self.clock())
+        finally:
+            self._pump()  # re-arms the timer whatever happened
 
     def _log_events(self, node: MeshNode) -> None:
         if node.membership.incarnation > self._saved_incarnation:
@@ -339,29 +374,35 @@ class MeshDaemon:
     async def _receive_loop(self) -> None:
         while True:
             event = await self.transport.next_event()
-            if isinstance(event, FrameReceived) and event.peer in self._address_of:
-                traffic = self.traffic[self._address_of[event.peer]]
-                traffic.bytes_received += len(event.payload)
-                traffic.chunks_received += event.type is FrameType.MESH_CHUNK
-            if isinstance(event, PeerConnected):
-                self._learn_peer(event.peer, format_address(*event.address))
-            elif isinstance(event, PeerDisconnected):
-                self.counters["links_lost"] += 1
-            elif isinstance(event, FrameReceived) and event.type in (
-                FrameType.GOSSIP,
-                FrameType.MESH_CHUNK,
-            ):
-                self._on_frame(event)
-            elif isinstance(event, FrameReceived) and event.type is FrameType.DIRECT:
-                self.counters["direct_received"] += 1
-                if self.on_direct is not None:
-                    self.on_direct(peer_id_of(event.peer), event.payload)
-            elif (
-                isinstance(event, FrameReceived)
-                and event.type in (FrameType.STORE_CONTROL, FrameType.STORE_DATA)
-                and self.on_store is not None
-            ):
-                self.on_store(peer_id_of(event.peer), event.payload)
+            # One member's frame must not end the loop that serves all of them.
+            self.guard.call("frame", self._on_event, event)
+
+    def _on_event(self, event: TransportEvent) -> None:
+        if isinstance(event, FrameReceived) and event.peer in self._address_of:
+            traffic = self.traffic[self._address_of[event.peer]]
+            traffic.bytes_received += len(event.payload)
+            traffic.chunks_received += event.type is FrameType.MESH_CHUNK
+        if isinstance(event, PeerConnected):
+            self._learn_peer(event.peer, format_address(*event.address))
+            if self.node is not None and event.certificate:
+                self.node.learn_identity(peer_id_of(event.peer), event.certificate)
+        elif isinstance(event, PeerDisconnected):
+            self.counters["links_lost"] += 1
+        elif isinstance(event, FrameReceived) and event.type in (
+            FrameType.GOSSIP,
+            FrameType.MESH_CHUNK,
+        ):
+            self._on_frame(event)
+        elif isinstance(event, FrameReceived) and event.type is FrameType.DIRECT:
+            self.counters["direct_received"] += 1
+            if self.on_direct is not None:
+                self.on_direct(peer_id_of(event.peer), event.payload)
+        elif (
+            isinstance(event, FrameReceived)
+            and event.type in (FrameType.STORE_CONTROL, FrameType.STORE_DATA)
+            and self.on_store is not None
+        ):
+            self.on_store(peer_id_of(event.peer), event.payload)
 
     def _on_frame(self, event: FrameReceived) -> None:
         try:
@@ -420,8 +461,17 @@ class MeshDaemon:
         return names
 
     def backlog_bytes(self) -> int:
-        """Bulk bytes queued here and not yet handed to the transport."""
-        return sum(d.box.queued_bytes for (_, bulk), d in self._outboxes.items() if bulk)
+        """Bulk bytes queued here and not yet handed to the transport (store pieces
+        included)."""
+        return sum(
+            d.box.queued_bytes + d.box.side_bytes for (_, bulk), d in self._outboxes.items() if bulk
+        )
+
+    def queued_for(self, peer: str) -> int:
+        """Bulk bytes waiting for one member (what a store GET adds to is bounded)."""
+        address = self.mesh.address_of(peer)
+        dest = None if address is None else self._outboxes.get((address, 1))
+        return 0 if dest is None else dest.box.queued_bytes + dest.box.side_bytes
 
     def _enqueue(
         self, address: str, ftype: FrameType, data: bytes, chunk: ChunkKey | None = None

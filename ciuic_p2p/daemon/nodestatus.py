@@ -63,5 +63,29 @@ def status(d: MeshDaemon) -> dict[str, Any]:
         "counters": dict(d.counters),
         "udp_bytes_sent": d.transport.udp_bytes_sent,
         "backlog_bytes": d.backlog_bytes(),
+        "internal_errors": internal_errors(d),
+        "strangers": strangers(d),
         **{name: part() for name, part in d.status_parts.items()},
+    }
+
+
+def internal_errors(d: MeshDaemon) -> dict[str, int]:
+    """Faults the guards caught (ciuic_p2p.guard), as ``component.where``: 0 is the
+    only healthy value; anything else is a bug worth reporting."""
+    out: dict[str, int] = {}
+    for guard in (d.guard, d.transport.guard):
+        for where, count in guard.counts.items():
+            out[f"{guard.component}.{where}"] = count
+    return out
+
+
+def strangers(d: MeshDaemon) -> dict[str, Any]:
+    """What sources that are not members cost this node (transport.gate)."""
+    gate = d.transport.gate
+    return {
+        "pending_connections": gate.pending,
+        "connections_opened": gate.opened_total,
+        "retries_sent": gate.retries_sent,
+        "refused": d.transport.refused,
+        "dropped": dict(gate.dropped),
     }

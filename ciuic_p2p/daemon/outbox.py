@@ -37,7 +37,9 @@ class Outbox:
     """Store pieces, taken in turn with ``queue``."""
     turn: bool = False
     queued_bytes: int = 0
-    """Bytes in ``queue`` (pieces are paced by the store, not counted here)."""
+    """Bytes in ``queue``."""
+    side_bytes: int = 0
+    """Bytes in ``side`` (bounded per fetcher by the store: core.store's Holder)."""
     already_queued: int = 0
     dropped: int = 0
 
@@ -45,6 +47,7 @@ class Outbox:
         """Queue a frame; False if it is a chunk already queued for this destination."""
         if ftype is FrameType.STORE_DATA:
             self.side.append((ftype, data))
+            self.side_bytes += len(data)
             return True
         if chunk is not None:
             if chunk in self.chunks:
@@ -63,7 +66,9 @@ class Outbox:
         """The next frame to send (the queues must not both be empty)."""
         self.turn = not self.turn
         if self.side and (self.turn or not self.queue):
-            return self.side.popleft()
+            ftype, data = self.side.popleft()
+            self.side_bytes -= len(data)
+            return ftype, data
         ftype, data, chunk = self.queue.popleft()
         self._taken(data, chunk)
         return ftype, data
@@ -75,6 +80,7 @@ class Outbox:
         self.chunks.clear()
         self.side.clear()
         self.queued_bytes = 0
+        self.side_bytes = 0
         return count
 
     def __bool__(self) -> bool:

@@ -15,6 +15,7 @@ listens on 127.0.0.1:BASE+i and every datagram is shaped by the scenario's links
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import fcntl
 import os
@@ -37,6 +38,7 @@ from ciuic_p2p.daemon.store import StoreService
 from ciuic_p2p.daemon.trainer import TrainerServer
 from ciuic_p2p.daemon.web import WebServer
 from ciuic_p2p.errors import CiuicError, ConfigError, TransientError
+from ciuic_p2p.guard import install_loop_handler
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.logsetup import announce, configure_logging, get_logger
 from ciuic_p2p.transport.loop import new_event_loop
@@ -198,6 +200,7 @@ def open_audit_log(
             peer_id=daemon.peer_id,
             interval_s=config.audit.interval_s,
             rotate_bytes=config.audit.rotate_bytes,
+            max_dir_bytes=config.audit.max_dir_bytes,
         )
     except AuditError as exc:
         raise CiuicError(f"audit log {directory}: {exc}") from None
@@ -221,6 +224,9 @@ def open_audit_log(
         "dir": str(directory),
         "last_seq": audit.last_seq,
         "head": audit.head,
+        "write_errors": audit.write_errors,
+        "error": audit.error,
+        "pruned_files": audit.pruned_files,
     }
     return audit
 
@@ -234,6 +240,9 @@ async def serve(args: argparse.Namespace) -> int:
     sockets.mkdir(parents=True, exist_ok=True)
     wrap = _emulated_wrapper(args) if args.emulate else None
     daemon = MeshDaemon(config, key, cert, trust, state_dir=state_dir, wrap_udp=wrap)
+    # Whatever asyncio reports (an exception in a callback, a task's unretrieved one) is
+    # counted and logged by the daemon's guard: the daemon exits only by decision.
+    install_loop_handler(asyncio.get_running_loop(), daemon.guard)
     try:
         address = await daemon.start()
     except OSError as exc:
@@ -262,7 +271,8 @@ async def serve(args: argparse.Namespace) -> int:
         if parts.trainers is not None:
             parts.trainers.on_checkpoint = parts.audit.checkpoint
     if config.web.enabled:
-        web = WebServer(daemon, config.web, trainer=parts.trainers)
+        token_path = sockets / "web.token"
+        web = WebServer(daemon, config.web, trainer=parts.trainers, token_path=token_path)
         try:
             port = await web.start()
         except OSError as exc:
@@ -274,8 +284,20 @@ async def serve(args: argparse.Namespace) -> int:
         else:
             parts.closers.append(web.close)
             url = f"http://{format_address(config.web.listen_host, port)}/"
-            daemon.status_parts["web"] = lambda: {"url": url}
-            announce(log, "web_started", f"status page {url} (metrics at {url}metrics)", url=url)
+            page = f"{url}#token={web.token}"
+            # Over the control socket (0600): only the daemon's own user sees the token
+            # here; its group reads it from the file.
+            daemon.status_parts["web"] = lambda: {
+                "url": url,
+                "page": page,
+                "token_file": str(token_path),
+            }
+            announce(
+                log,
+                "web_started",
+                f"status page {url} (its token in {token_path}; metrics at {url}metrics)",
+                url=url,
+            )
     announce(
         log, "listening", f"{daemon.peer_id} listening on {address}", peer=daemon.peer_id,
         address=address,

@@ -260,6 +260,7 @@ class NodeService:
             return f"kept the old one: {exc}"
         for key in transport.set_trust(trust):  # links of revoked nodes close now
             self.parts.daemon.ban(key)
+        self.parts.daemon.trust_changed()  # and what they signed no longer counts
         return str(self.crl_path)
 
     # -- stopping -------------------------------------------------------------------------------

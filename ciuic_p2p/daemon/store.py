@@ -64,6 +64,8 @@ class StoreService:
         self._tokens = itertools.count(int(time.monotonic_ns()) & 0xFFFF_0000)
         self._held_waiters: dict[tuple[str, int, bytes], asyncio.Queue[str]] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._holding: set[str] = set()
+        """Members whose HOLD this node is fetching now."""
         self.freshen: Callable[[str], Awaitable[None]] | None = None
         """Called before answering a query for a name (the trainer server refreshes its
         state snapshot so that joiners get current parameters)."""
@@ -156,7 +158,7 @@ class StoreService:
             await self._drive(fetch)
         if fetch.state is FetchState.DONE and fetch.result is not None:
             self.counters["store_fetched_bytes"] += len(fetch.result)
-            return bytes(fetch.result), fetch
+            return fetch.result, fetch
         if local is not None and local.manifest.version >= min_version:
             fetch.version = local.manifest.version
             fetch.manifest = local.manifest
@@ -261,7 +263,7 @@ class StoreService:
         if isinstance(msg, Query):
             self._spawn(self._answer_query(peer, msg))
         elif isinstance(msg, Get):
-            got = self.holder.on_get(peer, msg, now)
+            got = self.holder.on_get(peer, msg, now, self.daemon.queued_for(peer))
             if isinstance(got, list):
                 self.served[(peer, msg.name, msg.version)] += sum(len(p.data) for p in got)
             if isinstance(got, list) and self.settings.upload_rate_bps > 0:
@@ -312,12 +314,24 @@ class StoreService:
         self._send(peer, self.holder.on_query(query, asyncio.get_running_loop().time()))
 
     async def _hold(self, peer: str, ref: Ref) -> None:
-        """A member asked us to keep a copy of what it put."""
+        """A member asked us to keep a copy of what it put: one such fetch at a time
+        per member, within ``store.max_held_bytes`` in all."""
         if self.holder.find(ref.name, ref.version, ref.root) is None:
+            if peer in self._holding or self.holder.bytes_held() >= self.settings.max_held_bytes:
+                self.counters["store_holds_refused"] += 1
+                log.warning("store_hold_refused", name=ref.name, peer=peer)
+                return
+            self._holding.add(peer)
             try:
                 data, fetch = await self.get(ref.name, ref.version)
             except StoreError as exc:
                 log.warning("store_hold_failed", name=ref.name, peer=peer, reason=str(exc))
+                return
+            finally:
+                self._holding.discard(peer)
+            if self.holder.bytes_held() + len(data) > self.settings.max_held_bytes:
+                self.counters["store_holds_refused"] += 1
+                log.warning("store_hold_refused", name=ref.name, peer=peer)
                 return
             self.put_local(ref.name, fetch.version, data)
         self._send(peer, Ref(Kind.HELD, ref.name, ref.version, ref.root))

@@ -11,8 +11,11 @@ mode, one end of a socket pair). The daemon:
 - gives each trainer session its own incarnation (the daemon's, times 2^20, plus the
   session number), so that a restarted trainer's steps 1, 2, ... are new to its
   peers; when a trainer goes away without DONE, tells the run's replicas (GONE);
-- verifies each delivered chunk's origin signature against the mesh origin before the
-  trainer sees it (a relay cannot forge or alter another node's update);
+- delivers only what the mesh verified: every payload a trainer acts on (UPDATE,
+  PARAMS, DONE, JOIN, GONE) comes with its origin daemon's signature over the mesh
+  chunk, checked before any node delivers or forwards it (core.broadcast), and an
+  update's own header must name that same origin (no member can pass its updates off
+  as another's);
 - tells the trainer which members are alive whenever that changes, and answers
   statistics requests (UDP bytes sent, unsent backlog) so the trainer can adapt;
 - carries DIRECT bytes between trainers (the dense baseline's all-reduce);
@@ -42,7 +45,7 @@ from typing import Any
 import structlog
 
 from ciuic_p2p.core.broadcast import Delivery
-from ciuic_p2p.core.origin import sign_chunk, verify_chunk
+from ciuic_p2p.core.origin import sign_chunk
 from ciuic_p2p.core.trainwire import (
     FrameReader,
     FrameType,
@@ -101,7 +104,8 @@ class TrainerServer:
         self._snapshot_at = -1.0
         self._fresh = asyncio.Event()
         self._parts: dict[str, tuple[int, bytes, bytearray, int]] = {}
-        """Objects the trainer is sending: name -> (version, compat, bytes, received)."""
+        """Objects the trainer is sending: name -> (version, compat, bytes so far,
+        total)."""
         self._objects: dict[str, tuple[int, bytes, bytes]] = {}
         """Complete objects waiting for the trainer's PUT_REQUEST."""
         self.server: asyncio.AbstractServer | None = None
@@ -237,6 +241,8 @@ class TrainerServer:
             self._sessions_ended += 1
             writer.close()
             if self.writer is writer:
+                self._parts.clear()  # half-sent objects go with their session
+                self._objects.clear()
                 self.writer = None
                 self._hello = False
                 self._held.clear()
@@ -342,15 +348,22 @@ class TrainerServer:
     # -- state and the shared store ------------------------------------------------------
 
     def _put_part(self, part: Part) -> None:
-        version, compat, data, got = self._parts.get(part.name, (-1, b"", bytearray(), 0))
-        if version != part.version or len(data) != part.total:
+        """One part of an object the trainer sends, in order: the buffer grows with the
+        bytes that arrived (never to the size a first part announces) and holds at most
+        ``store.max_object_bytes``; what a session leaves half-sent goes with it."""
+        limit = self.daemon.config.store.max_object_bytes
+        if part.total > limit:
+            raise TrainWireError(f"object of {part.total} bytes exceeds store.max_object_bytes")
+        version, compat, data, total = self._parts.get(part.name, (-1, b"", bytearray(), -1))
+        if version != part.version or total != part.total or part.offset == 0:
             if len(self._parts) >= MAX_PENDING_OBJECTS and part.name not in self._parts:
                 raise TrainWireError("too many objects in transfer at once")
-            version, compat, data, got = part.version, part.compat, bytearray(part.total), 0
-        data[part.offset : part.offset + len(part.data)] = part.data
-        got += len(part.data)
-        if got < part.total:
-            self._parts[part.name] = (version, compat, data, got)
+            version, compat, data, total = part.version, part.compat, bytearray(), part.total
+        if part.offset != len(data):
+            raise TrainWireError(f"object part at {part.offset}, expected {len(data)}")
+        data += part.data
+        if len(data) < part.total:
+            self._parts[part.name] = (version, compat, data, total)
             return
         self._parts.pop(part.name, None)
         if part.name == self.state_name:
@@ -458,8 +471,10 @@ class TrainerServer:
         try:
             msg = decode_message(delivery.payload)
             if msg.kind in (Kind.UPDATE, Kind.PARAMS):
+                # The mesh checked the origin's signature over the whole payload
+                # (core.broadcast): what is left is that the update is the origin's own.
                 t0 = time.perf_counter()
-                header = verify_chunk(msg.body)
+                header, _ = parse_chunk(msg.body)
                 self.progress.verify.add(time.perf_counter() - t0)
                 if peer_id_of(header.origin) != delivery.origin:
                     raise CiuicError("chunk origin differs from the mesh origin")

@@ -22,6 +22,21 @@ between two of its callbacks and never needs a lock. The endpoint listens on loo
 by default (the page names every member's address); while it does, requests whose
 ``Host`` is a name other than ``localhost`` are refused, so a web page in the
 operator's browser cannot read it by rebinding its own DNS name to 127.0.0.1.
+
+Who may read what: ``/api/status`` shows what the control socket shows (members,
+addresses, counters), so it answers only a request that carries the endpoint's token
+(``Authorization: Bearer TOKEN``), a random secret written at start to ``web.token``
+in the runtime directory with mode 0640: the daemon's user and group, like the trainer
+socket. The page itself holds no data: open ``http://HOST:PORT/#token=TOKEN`` (``ciuic-node
+status`` prints it to whoever can read the file), and it sends the token from the URL's
+fragment, which no browser sends to a server or a log. ``/metrics`` stays open to local
+users (Prometheus scrapes it; its labels name peers, not addresses).
+
+Local users are strangers too: a request's headers must arrive within
+``web.header_timeout_s`` and an idle connection closes after it; past
+``web.max_connections`` open at once, a new connection is closed at once, so a user who
+opens a thousand half-finished requests takes neither the page nor the daemon's file
+descriptors (the unit raises ``LimitNOFILE`` as well).
 """
 
 from __future__ import annotations
@@ -31,10 +46,14 @@ import base64
 import contextlib
 import dataclasses
 import hashlib
+import hmac
 import ipaddress
+import os
 import re
+import secrets
 from collections.abc import Awaitable, Callable
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -97,6 +116,27 @@ def _names_an_address(host: str | None) -> bool:
     return True
 
 
+class _Refused(asyncio.Protocol):
+    """A connection past ``web.max_connections``: closed as soon as it is made."""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.close()
+
+
+def write_token(path: Path, token: str) -> None:
+    """The endpoint's token, readable by the daemon's user and group only (0640),
+    created with that mode (no window in which it is wider)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o640)
+    try:
+        os.fchmod(fd, 0o640)
+        os.write(fd, (token + "\n").encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
 class WebServer:
     """The status page, ``/api/status`` and ``/metrics`` of one daemon."""
 
@@ -107,11 +147,15 @@ class WebServer:
         *,
         trainer: TrainerServer | None = None,
         extra_status: Callable[[], dict[str, Any]] | None = None,
+        token_path: Path | None = None,
     ) -> None:
         self.daemon = daemon
         self.settings = settings
         self.trainer = trainer
         self.extra_status = extra_status
+        self.token = secrets.token_urlsafe(24)
+        """What ``/api/status`` asks of every request (see the module docstring)."""
+        self.token_path = token_path
         self.routes = RouteWatch()
         self.collector = DaemonCollector(
             daemon, training=None if trainer is None else trainer.progress, routes=self.routes
@@ -120,7 +164,9 @@ class WebServer:
         self.port = 0
         self._page, self._csp = _load_page()
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
         self._sampler: asyncio.Task[None] | None = None
+        self.connections_refused = 0
 
     async def start(self) -> int:
         """Listen on ``settings.listen_host:settings.port`` (0: a free port); the port."""
@@ -129,19 +175,39 @@ class WebServer:
         app.router.add_get("/", self._handle_page)
         app.router.add_get("/api/status", self._handle_status)
         app.router.add_get("/metrics", self._handle_metrics)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=SHUTDOWN_S)
+        # keepalive_timeout also closes a connection whose request never completes
+        # (aiohttp arms it when the connection is made and only a whole request
+        # disarms it): the header timeout of the module docstring.
+        runner = web.AppRunner(
+            app,
+            access_log=None,
+            shutdown_timeout=SHUTDOWN_S,
+            keepalive_timeout=self.settings.header_timeout_s,
+        )
         await runner.setup()
         try:
-            site = web.TCPSite(runner, self.settings.listen_host, self.settings.port)
-            await site.start()
+            self._listener = await asyncio.get_running_loop().create_server(
+                self._protocol, self.settings.listen_host, self.settings.port
+            )
         except BaseException:
             await runner.cleanup()
             raise
         self._runner = runner
-        self.port = int(runner.addresses[0][1])
+        self.port = int(self._listener.sockets[0].getsockname()[1])
+        if self.token_path is not None:
+            write_token(self.token_path, self.token)
         self._sampler = asyncio.get_running_loop().create_task(self._sample_routes())
         log.info("web_started", host=self.settings.listen_host, port=self.port)
         return self.port
+
+    def _protocol(self) -> asyncio.BaseProtocol:
+        """A new connection: aiohttp's handler, or closed when too many are open."""
+        assert self._runner is not None and self._runner.server is not None
+        server = self._runner.server
+        if len(server.connections) >= self.settings.max_connections:
+            self.connections_refused += 1
+            return _Refused()
+        return server()
 
     async def close(self) -> None:
         if self._sampler is not None:
@@ -149,9 +215,15 @@ class WebServer:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._sampler
             self._sampler = None
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
+        if self.token_path is not None:
+            with contextlib.suppress(FileNotFoundError):
+                self.token_path.unlink()
 
     # -- what the page shows -------------------------------------------------------------------
 
@@ -221,6 +293,12 @@ class WebServer:
         )
 
     async def _handle_status(self, request: web.Request) -> web.StreamResponse:
+        given = request.headers.get("Authorization", "").removeprefix("Bearer ").strip()
+        if not hmac.compare_digest(given.encode(), self.token.encode()):
+            raise web.HTTPUnauthorized(
+                text="send the endpoint's token (web.token in the runtime directory) as "
+                "'Authorization: Bearer TOKEN'\n"
+            )
         if self.daemon.node is None:
             raise web.HTTPServiceUnavailable(text="the daemon has not started\n")
         return web.json_response(self.status(), headers={"Cache-Control": "no-store"})

@@ -10,21 +10,33 @@ benchmarks drive.
 members are spread over the cities of an RTT matrix and every pair gets its cities'
 one-way delay (plus a small intra-city delay), with optional jitter and loss; links
 are created on first use, so 1000 members do not cost a million link objects.
+
+:class:`SimAuthority` stands in for the cluster CA: every simulated member has a real
+Ed25519 key and a credential the authority signed, and the nodes check signatures
+exactly as daemons do (core.identities); only the credential's format differs (no
+X.509, which a thousand simulated members would spend most of their time parsing).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import random
 import zlib
 from collections.abc import Iterable, Mapping
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 from ciuic_p2p.config import MeshSection
+from ciuic_p2p.core.identities import Identities
 from ciuic_p2p.core.members import State
 from ciuic_p2p.core.meshnode import MeshNode
-from ciuic_p2p.core.meshwire import Alive
+from ciuic_p2p.core.meshwire import Alive, signed_bytes
 from ciuic_p2p.core.netem import LinkModel, LinkParams
 from ciuic_p2p.core.scenario import EmulatedNetwork, Scenario
 from ciuic_p2p.core.simulator import VirtualNetwork
+from ciuic_p2p.errors import AdmissionError
+from ciuic_p2p.identity import NodeKey, verify_signature
 
 
 class RegionNetwork:
@@ -76,6 +88,56 @@ class RegionNetwork:
         return None
 
 
+class SimAuthority:
+    """The simulation's cluster authority (see the module docstring). Keys derive
+    from ``seed`` and the name, so runs repeat; a credential is the member's raw public
+    key and the authority's signature over the name and that key."""
+
+    _DOMAIN = b"ciuic-sim-credential-v1\0"
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self.key = self._derive("authority")
+        self._keys: dict[str, NodeKey] = {}
+        self._checked: dict[tuple[str, bytes], bytes] = {}
+
+    def _derive(self, name: str) -> NodeKey:
+        secret = hashlib.blake2b(f"{self.seed}/{name}".encode(), digest_size=32).digest()
+        return NodeKey(Ed25519PrivateKey.from_private_bytes(secret))
+
+    def key_of(self, name: str) -> NodeKey:
+        key = self._keys.get(name)
+        if key is None:
+            key = self._keys[name] = self._derive("member/" + name)
+        return key
+
+    def credential(self, name: str) -> bytes:
+        public = self.key_of(name).public_key
+        return public + self.key.sign(self._DOMAIN, name.encode(), public)
+
+    def check(self, name: str, credential: bytes) -> bytes:
+        """The member's public key, or AdmissionError. Memoized: every simulated node
+        checks the same credentials, and the answer is a function of the bytes."""
+        known = self._checked.get((name, credential))
+        if known is not None:
+            return known
+        public, signature = credential[:32], credential[32:]
+        if len(credential) != 96 or not verify_signature(
+            self.key.public_key, signature, self._DOMAIN, name.encode(), public
+        ):
+            raise AdmissionError(f"credential of {name[:40]!r} not signed by the authority")
+        self._checked[(name, credential)] = public
+        return public
+
+    def identities(self, name: str) -> Identities:
+        return Identities(name, self.credential(name), self.key_of(name).sign, self.check)
+
+    def signed_alive(self, name: str, incarnation: int = 0, address: str | None = None) -> Alive:
+        unsigned = Alive(name, incarnation, name if address is None else address)
+        signature = self.key_of(name).sign(signed_bytes(unsigned))
+        return dataclasses.replace(unsigned, signature=signature)
+
+
 class SimMesh:
     """MeshNodes named after the network's nodes, addressed by name."""
 
@@ -97,6 +159,7 @@ class SimMesh:
         self.settings = settings
         self.seed = seed
         self.nodes: dict[str, MeshNode] = {}
+        self.authority = SimAuthority(seed)
         self.incarnations: dict[str, int] = {}
         self.regions = {n.name: n.region for n in scenario.nodes} if scenario is not None else {}
 
@@ -118,6 +181,7 @@ class SimMesh:
             name,
             self.settings,
             self.now,
+            identities=self.authority.identities(name),
             region=self.regions.get(name, ""),
             incarnation=incarnation,
             seed=zlib.crc32(f"{self.seed}/{name}/{incarnation}".encode()),
@@ -137,8 +201,11 @@ class SimMesh:
         """Every node up and already knowing every other (large simulations)."""
         for name in self.names:
             self.start(name)
-        alive = [Alive(n, 0, n) for n in self.names]
+        alive = [self.authority.signed_alive(n) for n in self.names]
+        credentials = [(n, self.authority.credential(n)) for n in self.names]
         for node in self.nodes.values():
+            for name, credential in credentials:
+                node.learn_identity(name, credential)
             node.membership.bootstrap(alive, self.now)
 
     def kill(self, name: str) -> None:

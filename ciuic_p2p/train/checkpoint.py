@@ -8,9 +8,10 @@ File layout::
 A checkpoint is written to a temporary file in the same directory, flushed and
 fsync'ed, then renamed over the previous one (kept as ``.prev`` if it is whole), and
 the directory is fsync'ed: a reader sees the old file or the new one, never half of
-one. A file cut short anyway (a disk that lied about its cache, a copy interrupted)
-fails its length or digest check and is never loaded; the loader then takes the
-previous one.
+one. Files are created 0600 in a directory made 0700: a model's parameters are the
+run's, not every local user's. A file cut short anyway (a disk that lied about its
+cache, a copy interrupted) fails its length or digest check and is never loaded; the
+loader then takes the previous one.
 """
 
 from __future__ import annotations
@@ -45,13 +46,17 @@ class Checkpoint:
 
 def write_checkpoint(path: Path, step: int, state: bytes | bytearray, compat: bytes) -> str:
     """Write atomically (see the module docstring); the file's BLAKE2b digest (hex)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.parent.is_dir():
+        path.parent.mkdir(mode=0o700, parents=True)
+        os.chmod(path.parent, 0o700)  # mkdir's mode passes through the umask
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     head = _HEAD.pack(MAGIC, step, len(state), compat)
     digest = hashlib.blake2b(head, digest_size=DIGEST_LEN)
     digest.update(state)
     try:
-        with open(tmp, "wb") as f:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as f:
             f.write(head)
             f.write(state)
             f.write(digest.digest())

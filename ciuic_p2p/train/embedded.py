@@ -22,6 +22,7 @@ from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import Config
 from ciuic_p2p.daemon.node import MeshDaemon
 from ciuic_p2p.daemon.trainer import TrainerServer
+from ciuic_p2p.guard import install_loop_handler
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel
 from ciuic_p2p.transport.loop import new_event_loop
@@ -48,6 +49,7 @@ class EmbeddedDaemon:
         )
         self.server = TrainerServer(self.daemon)
         self.loop = new_event_loop()
+        install_loop_handler(self.loop, self.daemon.guard)  # as `ciuic-node run` does
         self.address = ""
         self._thread: threading.Thread | None = None
 

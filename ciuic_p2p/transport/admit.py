@@ -7,23 +7,24 @@ apart because it is one concept: see core/auth.py for the proof itself.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import struct
 from collections.abc import Callable
 
-from cryptography import x509
+from cryptography.hazmat.primitives.serialization import Encoding
 
+from ciuic_p2p.addresses import network_of
 from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import TransportSection
-from ciuic_p2p.core.auth import build_auth, check_auth
-from ciuic_p2p.core.frames import FrameType
+from ciuic_p2p.core.auth import ServerAdmission, build_auth
+from ciuic_p2p.core.frames import Frame, FrameType
 from ciuic_p2p.errors import AdmissionError
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.transport.base import PeerConnected, TransportEvent
 from ciuic_p2p.transport.errors import RefusedError
-from ciuic_p2p.transport.link import QuicLink
+from ciuic_p2p.transport.gate import InitialGate
+from ciuic_p2p.transport.link import CONTROL_STREAM, QuicLink
 
 log = get_logger("ciuic.transport")
 
@@ -42,6 +43,7 @@ class AdmissionMixin:
     on_admission: Callable[[bytes | None, tuple[str, int], str], None] | None
     _links: dict[bytes, QuicLink]
     _events: asyncio.Queue[TransportEvent]
+    gate: InitialGate
 
     def _send_frame(self, link: QuicLink, ftype: FrameType, payload: bytes) -> None:
         raise NotImplementedError
@@ -73,28 +75,42 @@ class AdmissionMixin:
         )
         self._send_frame(link, FrameType.AUTH, proof)
 
-    def _server_check(self, link: QuicLink, payload: bytes) -> None:
-        with contextlib.suppress(ValueError, IndexError):
-            cert = x509.load_der_x509_certificate(payload[3:-64])
-            link.claimed = cert.subject.rfc4514_string()
-        client_key, client_cert = check_auth(
-            payload,
-            self.trust,
-            self.wallclock(),
-            self.local_key,
-            link.quic.host_cid,
-            link.quic.original_destination_connection_id,
-        )
-        link.peer = client_key
-        link.certificate = client_cert
-        link.claimed = peer_id_of(client_key)
+    def _server_receive(self, link: QuicLink, data: bytes) -> list[Frame]:
+        """Control-stream bytes on an accepted link before its peer is admitted
+        (core.auth.ServerAdmission); the frames after ``AUTH``, to handle as the
+        member's once it is admitted."""
+        if link.admission is None:  # made at the first bytes: the CIDs are final then
+            link.admission = ServerAdmission(
+                self.trust,
+                self.local_key,
+                link.quic.host_cid,
+                link.quic.original_destination_connection_id,
+            )
+        try:
+            admitted = link.admission.receive(data, self.wallclock())
+        finally:
+            link.claimed = link.admission.claimed
+        if admitted is None:
+            return []
+        link.peer = admitted.key
+        link.certificate = admitted.certificate
+        link.claimed = peer_id_of(admitted.key)
+        link.readers[CONTROL_STREAM] = link.admission.reader
         self._send_frame(link, FrameType.AUTH_OK, b"")
         self._authenticated(link)
+        return admitted.rest
+
+    def _settle(self, link: QuicLink) -> None:
+        """The link no longer counts as pending at the gate (transport.gate)."""
+        if link.pending:
+            link.pending = False
+            self.gate.settled(link.address)
 
     def _authenticated(self, link: QuicLink) -> None:
         assert link.peer is not None
         if link.auth_deadline is not None:
             link.auth_deadline.cancel()
+        self._settle(link)
         link.authenticated = True
         link.established_at = self.clock()
         if self.on_admission is not None:
@@ -118,7 +134,8 @@ class AdmissionMixin:
         if not link.ready.done():
             link.ready.set_result(link.peer)
         if existing is None or existing.closed:
-            self._events.put_nowait(PeerConnected(link.peer, link.address, link.dialed))
+            der = b"" if link.certificate is None else link.certificate.public_bytes(Encoding.DER)
+            self._events.put_nowait(PeerConnected(link.peer, link.address, link.dialed, der))
         link.ping_task = asyncio.get_running_loop().create_task(self._ping_loop(link))
 
     def _dialer(self, link: QuicLink) -> bytes:
@@ -135,9 +152,12 @@ class AdmissionMixin:
         where = {} if stream is None else {"stream": stream}
         if not link.authenticated:
             self.refused += 1
+            # Rate-limited per source network (logsetup): a stranger that varies its
+            # port or address within its network is one line a minute, not thousands.
             log.warning(
                 "peer_refused",
                 address=f"{link.address[0]}:{link.address[1]}",
+                network=network_of(link.address[0]),
                 claimed=link.claimed,
                 reason=reason,
                 **where,

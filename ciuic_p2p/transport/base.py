@@ -23,6 +23,9 @@ class PeerConnected:
     address: Address
     dialed: bool
     """True when we opened the connection."""
+    certificate: bytes = b""
+    """The peer's node certificate (DER), checked: the mesh takes it as the peer's
+    credential (core.identities)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from aioquic.quic.connection import QuicConnection
 from cryptography import x509
 
 from ciuic_p2p.config import TransportSection
+from ciuic_p2p.core.auth import ServerAdmission
 from ciuic_p2p.core.frames import CreditSender, FrameReader, ReceiveQuota
 from ciuic_p2p.core.rtt import RttEstimator
 from ciuic_p2p.identity import NodeKey
@@ -63,6 +64,11 @@ class QuicLink:
         is held against it)."""
         self.authenticated = False
         self.closed = False
+        self.pending = False
+        """Accepted and not yet settled (authenticated, refused or gone): counted
+        against the gate's caps (transport.gate)."""
+        self.admission: ServerAdmission | None = None
+        """An accepted link's check of its client, until it is admitted."""
         self.readers = {
             CONTROL_STREAM: FrameReader(),
             BULK_STREAM: FrameReader(),

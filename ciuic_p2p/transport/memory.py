@@ -12,6 +12,7 @@ import struct
 from dataclasses import dataclass, field
 
 from cryptography import x509
+from cryptography.hazmat.primitives import serialization
 
 from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import TransportSection
@@ -126,7 +127,8 @@ class MemoryTransport(Transport):
             quota=ReceiveQuota(self.settings.receive_window_bytes),
         )
         self._links[remote.local_key] = link
-        self._events.put_nowait(PeerConnected(remote.local_key, address, dialed))
+        der = remote.certificate.public_bytes(serialization.Encoding.DER)
+        self._events.put_nowait(PeerConnected(remote.local_key, address, dialed, der))
 
     def _deliver(self, sender: bytes, frame_type: FrameType, payload: bytes) -> None:
         link = self._links.get(sender)
@@ -134,7 +136,13 @@ class MemoryTransport(Transport):
             return
         link.bytes_received += len(payload) + 5
         if frame_type is FrameType.CREDIT:
-            (amount,) = struct.unpack("<Q", payload)
+            (amount,) = struct.unpack("<Q", payload) if len(payload) == 8 else (0,)
+            limit = self.settings.max_credit_bytes - link.credit_out.available
+            if not 0 < amount <= limit:  # as the QUIC transport: the link goes
+                asyncio.get_running_loop().create_task(
+                    self.disconnect(sender, "CREDIT beyond the bound")
+                )
+                return
             link.credit_out.grant(amount)
             link.credit_changed.set()
             return

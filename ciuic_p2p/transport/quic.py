@@ -11,6 +11,11 @@ Until a peer has proven its identity, this node sends it nothing but the QUIC
 handshake: the server waits for the client's ``AUTH`` frame on stream 0 (any other
 stream, frame or datagram first closes the connection), for at most
 ``auth_timeout_s``; every refusal is logged with the address and the claimed ID.
+Before a datagram from an unknown source costs any state at all, transport.gate
+decides (versions spoken, caps on pending connections, QUIC Retry under load, a
+handshake rate). Every callback the socket and the timers run goes through a
+:class:`~ciuic_p2p.guard.Guard`: whatever a library raises is counted
+(``internal_errors``) and the node goes on.
 
 aioquic is driven with ``time.monotonic()`` as its clock: uvloop's ``loop.time()``
 has libuv's 1 ms resolution, too coarse for aioquic's pacer (measured: 1.3 MB/s
@@ -37,7 +42,7 @@ from aioquic.buffer import Buffer  # type: ignore[attr-defined]
 from aioquic.quic import events as qe
 from aioquic.quic.configuration import QuicConfiguration
 from aioquic.quic.connection import QuicConnection
-from aioquic.quic.packet import QuicPacketType, pull_quic_header
+from aioquic.quic.packet import pull_quic_header
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
@@ -52,6 +57,7 @@ from ciuic_p2p.core.frames import (
 )
 from ciuic_p2p.core.rtt import backoff_delay_s
 from ciuic_p2p.errors import AdmissionError
+from ciuic_p2p.guard import Guard
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.transport.admit import AdmissionMixin
@@ -65,6 +71,7 @@ from ciuic_p2p.transport.base import (
     TransportEvent,
 )
 from ciuic_p2p.transport.errors import DuplicateLinkError, RefusedError, TransportError
+from ciuic_p2p.transport.gate import Drop, InitialGate, Reply
 from ciuic_p2p.transport.link import (
     ALPN,
     BULK_STREAM,
@@ -75,7 +82,6 @@ from ciuic_p2p.transport.link import (
 )
 from ciuic_p2p.transport.sockbuf import size_buffers
 
-MIN_INITIAL_DATAGRAM = 1200
 _PING = struct.Struct("<Qd")
 
 log = get_logger("ciuic.transport")
@@ -94,7 +100,7 @@ class _Endpoint(asyncio.DatagramProtocol):
         self.owner = owner
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
-        self.owner._datagram_received(data, (addr[0], addr[1]))
+        self.owner.receive_datagram(data, (addr[0], addr[1]))
 
     def error_received(self, exc: Exception) -> None:
         log.debug("udp_error", error=str(exc))
@@ -141,6 +147,12 @@ class QuicTransport(AdmissionMixin, Transport):
         self._maintained: dict[Address, asyncio.Task[None]] = {}
         self._rng = random.Random(int.from_bytes(self.local_key[:8], "little"))
         self.reconnects = 0
+        self.guard = Guard("transport")
+        """What the socket's and the timers' callbacks could not handle, counted."""
+        self.gate = InitialGate(
+            self.settings, quic_configuration(self.settings, None, None).supported_versions
+        )
+        """Datagrams from unknown sources: what they may cost (transport.gate)."""
 
     # -- set-up -------------------------------------------------------------------------
 
@@ -204,28 +216,53 @@ class QuicTransport(AdmissionMixin, Transport):
     def _register(self, link: QuicLink, cid: bytes) -> None:
         self._by_cid[cid] = link
 
+    def receive_datagram(self, data: bytes, addr: Address) -> None:
+        """One datagram from the socket: what the UDP endpoint calls (and the pre-auth
+        fuzz target). Never raises: see the module docstring."""
+        self.guard.call("datagram", self._datagram_received, data, addr)
+
     def _datagram_received(self, data: bytes, addr: Address) -> None:
         try:
             header = pull_quic_header(Buffer(data=data), host_cid_length=CID_LENGTH)
         except ValueError:
+            self.gate.dropped["not a QUIC packet"] += 1
             return
         link = self._by_cid.get(header.destination_cid)
         if link is None:
-            if header.packet_type != QuicPacketType.INITIAL or len(data) < MIN_INITIAL_DATAGRAM:
+            decision = self.gate.decide(header, len(data), addr, self.clock())
+            if isinstance(decision, Reply):
+                self._sendto(decision.data, addr)
+                return
+            if isinstance(decision, Drop):
+                self._stranger_dropped(addr, decision.reason)
                 return
             quic = QuicConnection(
                 configuration=self._configuration(is_client=False),
-                original_destination_connection_id=header.destination_cid,
+                original_destination_connection_id=decision.original_dcid,
+                retry_source_connection_id=decision.retry_scid,
             )
             link = QuicLink(quic, addr, dialed=False, window=self.settings.receive_window_bytes)
+            link.pending = True
+            self.gate.opened(addr)
             self._register(link, header.destination_cid)
             self._register(link, quic.host_cid)
             link.auth_deadline = asyncio.get_running_loop().call_later(
-                self.settings.auth_timeout_s, self._auth_timeout, link
+                self.settings.auth_timeout_s, self._auth_timer, link
             )
         link.bytes_received += len(data)
         link.quic.receive_datagram(data, addr, now=self.clock())
         self._process(link)
+
+    def _sendto(self, data: bytes, addr: Address) -> None:
+        if self._udp is not None:
+            self.udp_bytes_sent += len(data)
+            self._udp.sendto(data, addr)
+
+    def _stranger_dropped(self, addr: Address, reason: str) -> None:
+        """A datagram that made no state: counted by the gate, summed in the audit log
+        (one entry per interval), never one log line each."""
+        if self.on_admission is not None:
+            self.on_admission(None, addr, reason)
 
     def _transmit(self, link: QuicLink) -> None:
         udp = self._udp
@@ -245,8 +282,13 @@ class QuicTransport(AdmissionMixin, Transport):
                 link.timer = asyncio.get_running_loop().call_at(timer_at, self._on_timer, link)
 
     def _on_timer(self, link: QuicLink) -> None:
+        self.guard.call("timer", self._timer_fired, link)
+
+    def _timer_fired(self, link: QuicLink) -> None:
         link.timer = None
         link.timer_at = None
+        if link.closed:
+            return
         link.quic.handle_timer(now=self.clock())
         self._process(link)
 
@@ -256,6 +298,9 @@ class QuicTransport(AdmissionMixin, Transport):
                 self._handle_event(link, event)
             except (FramingError, AdmissionError) as exc:
                 self._refuse_or_drop(link, str(exc), getattr(event, "stream_id", None))
+            except Exception as exc:  # a fault of ours or a library's: the link goes
+                self.guard.record("event", exc)
+                self._refuse_or_drop(link, f"internal error ({type(exc).__name__})")
             if link.closed:
                 break
         self._schedule_transmit(link)
@@ -270,7 +315,11 @@ class QuicTransport(AdmissionMixin, Transport):
 
     def _flush(self, link: QuicLink) -> None:
         link.transmit_pending = False
-        self._transmit(link)
+        if not link.closed:
+            self.guard.call("transmit", self._transmit, link)
+
+    def _auth_timer(self, link: QuicLink) -> None:
+        self.guard.call("auth_timeout", self._auth_timeout, link)
 
     def _handle_event(self, link: QuicLink, event: qe.QuicEvent) -> None:
         if isinstance(event, qe.ConnectionIdIssued):
@@ -284,12 +333,16 @@ class QuicTransport(AdmissionMixin, Transport):
             reader = link.readers.get(event.stream_id)
             if reader is None or (not link.authenticated and event.stream_id != CONTROL_STREAM):
                 raise FramingError(f"unexpected stream {event.stream_id}")
-            for frame in reader.feed(event.data):
+            if not link.authenticated and not link.dialed:
+                frames = self._server_receive(link, event.data)
+            else:
+                frames = reader.feed(event.data)
+            for frame in frames:
                 self._handle_frame(link, event.stream_id, frame.type, frame.payload)
                 if link.closed:
                     return
             if event.end_stream:
-                reader.end_of_stream()
+                link.readers[event.stream_id].end_of_stream()
         elif isinstance(event, qe.DatagramFrameReceived):
             raise FramingError("datagram frames are not used")
         elif isinstance(event, qe.ConnectionTerminated):
@@ -298,11 +351,9 @@ class QuicTransport(AdmissionMixin, Transport):
     # -- frames ---------------------------------------------------------------------------
 
     def _handle_frame(self, link: QuicLink, stream: int, ftype: FrameType, payload: bytes) -> None:
-        if not link.authenticated:
+        if not link.authenticated:  # an accepted link's AUTH went through _server_receive
             if link.dialed and ftype is FrameType.AUTH_OK:
                 self._authenticated(link)
-            elif not link.dialed and ftype is FrameType.AUTH:
-                self._server_check(link, payload)
             else:
                 raise FramingError(f"{ftype.name} before authentication")
             return
@@ -320,6 +371,11 @@ class QuicTransport(AdmissionMixin, Transport):
             if len(payload) != 8:
                 raise FramingError("CREDIT frame of the wrong size")
             (amount,) = struct.unpack("<Q", payload)
+            if not 0 < amount <= self.settings.max_credit_bytes - link.credit_out.available:
+                raise FramingError(
+                    f"CREDIT of {amount} bytes: outstanding credit would pass "
+                    f"{self.settings.max_credit_bytes}"
+                )
             if link.peer_window == 0:
                 link.peer_window = amount
             link.credit_out.grant(amount)
@@ -336,9 +392,12 @@ class QuicTransport(AdmissionMixin, Transport):
 
     async def _ping_loop(self, link: QuicLink) -> None:
         while not link.closed:
-            self._send_frame(link, FrameType.PING, _PING.pack(next(link.ping_ids), self.clock()))
-            self._transmit(link)
+            self.guard.call("ping", self._ping, link)
             await asyncio.sleep(self.settings.ping_interval_s)
+
+    def _ping(self, link: QuicLink) -> None:
+        self._send_frame(link, FrameType.PING, _PING.pack(next(link.ping_ids), self.clock()))
+        self._transmit(link)
 
     # -- the interface --------------------------------------------------------------------
 
@@ -457,18 +516,24 @@ class QuicTransport(AdmissionMixin, Transport):
     def _close_link(self, link: QuicLink, reason: str, quiet: bool = False) -> None:
         if link.closed:
             return
+        # The link is forgotten whatever closing it raises: a connection that a
+        # library fault kept registered would stay in memory for good.
+        self.guard.call("close", self._say_close, link, reason, quiet)
+        self._link_gone(link, reason, quiet=quiet)
+
+    def _say_close(self, link: QuicLink, reason: str, quiet: bool) -> None:
         if link.authenticated and not quiet:
             with contextlib.suppress(FramingError):
                 self._send_frame(link, FrameType.CLOSE, reason.encode()[:500])
         link.quic.close(error_code=0, reason_phrase=reason)
         self._transmit(link)
-        self._link_gone(link, reason, quiet=quiet)
 
     def _link_gone(self, link: QuicLink, reason: str, quiet: bool = False) -> None:
         if link.closed:
             return
         link.closed = True
         link.gone.set()
+        self._settle(link)
         for handle in (link.timer, link.auth_deadline):
             if handle is not None:
                 handle.cancel()

@@ -86,7 +86,9 @@ def test_audit_log_records_admissions_traffic_state_and_verifies(
     log_a = entries(tmp_path / "a" / "audit")
     kinds = [e["kind"] for e in log_a]
     assert kinds[0] == "started" and kinds[-1] == "stopped"
-    assert "admitted" in kinds and "refused" in kinds and "served_state" in kinds
+    assert "admitted" in kinds and "refusals" in kinds and "served_state" in kinds
+    refusals = [e["data"] for e in log_a if e["kind"] == "refusals"]
+    assert sum(r["total"] for r in refusals) >= 1 and "127.0.0.0/24" in refusals[0]["networks"]
     served = next(e for e in log_a if e["kind"] == "served_state")
     ckpt = next(e for e in log_a if e["kind"] == "checkpoint")
     assert ckpt["data"] == {"path": str(tmp_path / "run.ckpt"), "step": 42, "digest": "ab" * 32}

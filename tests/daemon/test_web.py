@@ -145,8 +145,12 @@ class StandInTrainer:
         await self.server.close()
 
 
-async def scrape(port: int, path: str, host: str | None = None) -> tuple[int, str]:
+async def scrape(
+    port: int, path: str, host: str | None = None, token: str | None = None
+) -> tuple[int, str]:
     headers = {"Host": host} if host else {}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
     async with (
         aiohttp.ClientSession() as session,
         session.get(f"http://127.0.0.1:{port}{path}", headers=headers) as response,
@@ -226,7 +230,7 @@ async def test_metrics_of_a_running_mesh_carry_every_family_with_per_peer_labels
             }
             assert events["alive"] >= 2
 
-            status, body = await scrape(port, "/api/status")
+            status, body = await scrape(port, "/api/status", token=web.token)
             page_data = json.loads(body)
             assert status == 200
             assert {m["peer"] for m in page_data["members"]} == others
@@ -254,10 +258,10 @@ async def test_endpoint_on_loopback_refuses_requests_for_another_host_name(tmp_p
     port = await web.start()
     try:
         # DNS rebinding: a page of evil.example resolved to 127.0.0.1 sends its own name.
-        assert (await scrape(port, "/api/status", host="evil.example"))[0] == 403
+        assert (await scrape(port, "/api/status", host="evil.example", token=web.token))[0] == 403
         assert (await scrape(port, "/metrics", host=f"evil.example:{port}"))[0] == 403
         for host in (f"127.0.0.1:{port}", f"localhost:{port}", f"[::1]:{port}"):
-            assert (await scrape(port, "/api/status", host=host))[0] == 200, host
+            assert (await scrape(port, "/api/status", host=host, token=web.token))[0] == 200
         status, page = await scrape(port, "/")
         assert status == 200 and 'id="mesh"' in page
     finally:
@@ -363,7 +367,7 @@ async def test_status_page_in_a_browser_shows_the_mesh_and_a_node_that_leaves() 
         page.on("pageerror", lambda exc: errors.append(str(exc)))
         page.on("console", on_console)
 
-        await page.goto(f"http://127.0.0.1:{port}/")
+        await page.goto(f"http://127.0.0.1:{port}/#token={web.token}")
         await page.wait_for_function(
             """() => {
                 const nodes = [...document.querySelectorAll('g.node[data-state="alive"]')];

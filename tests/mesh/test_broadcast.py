@@ -14,6 +14,7 @@ from ciuic_p2p.core.meshwire import MAX_HEADS, MAX_WANT, Chunk, Heads, Message, 
 from ciuic_p2p.core.scenario import load_scenario
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
+from tests.mesh.signing import chunk, identities
 
 NAMES = ["Tokyo", "Singapore", "Sydney", "Frankfurt", "London", "Virginia", "SaoPaulo", "Oregon"]
 
@@ -100,7 +101,13 @@ def test_an_unanswered_want_is_repeated_to_the_newest_announcer() -> None:
     """A chunk announced but never answered is asked for 0.3 s after it was announced,
     then every 0.6 s, of whoever announced it last."""
     settings = MeshSection(heads_interval_s=0.05, repair_after_s=0.3, chunk_retain_s=60.0)
-    d = Disseminator("me", settings, children=lambda origin: [], live=lambda: ["me", "holder"])
+    d = Disseminator(
+        "me",
+        settings,
+        children=lambda origin: [],
+        live=lambda: ["me", "holder"],
+        identities=identities("me", "origin"),
+    )
     d.handle(Message("holder", Heads((("origin", 1),))), now=0.0)
     asked: list[tuple[float, str]] = []
     now = 0.0
@@ -158,8 +165,9 @@ def test_a_restarted_origin_is_heard_again_and_its_previous_life_is_not(
             assert max(counter.values()) == 1
             assert sim.nodes[name].dissemination.restarts_seen == 1
     tokyo = sim.nodes["Tokyo"]
+    stale = tokyo.dissemination.stale  # announcements of the old life count too
     tokyo.receive_message("Sydney", Message("Sydney", Chunk("London", old[-1], 3, straggler)), 0)
-    assert tokyo.take_deliveries() == [] and tokyo.dissemination.stale == 1
+    assert tokyo.take_deliveries() == [] and tokyo.dissemination.stale == stale + 1
 
 
 def test_an_announcement_far_ahead_costs_bounded_work_and_mutes_nobody() -> None:
@@ -167,8 +175,14 @@ def test_an_announcement_far_ahead_costs_bounded_work_and_mutes_nobody() -> None
     the gap (not 2^39 entries, which hung it), asks for it in bounded WANTs, and still
     delivers the origin's real chunks as they come."""
     settings = MeshSection(heads_interval_s=0.05, repair_after_s=0.1, chunk_retain_s=60.0)
-    d = Disseminator("me", settings, children=lambda origin: [], live=lambda: ["me", "liar"])
-    d.handle(Message("origin", Chunk("origin", 1, 0, b"x")), now=0.0)
+    d = Disseminator(
+        "me",
+        settings,
+        children=lambda origin: [],
+        live=lambda: ["me", "liar"],
+        identities=identities("me", "origin"),
+    )
+    d.handle(Message("origin", chunk("origin", 1)), now=0.0)
     d.handle(Message("liar", Heads((("origin", 1 << 39),))), now=0.0)
     log = d.logs["origin"]
     assert len(log.missing_since) <= MAX_GAP
@@ -176,7 +190,7 @@ def test_an_announcement_far_ahead_costs_bounded_work_and_mutes_nobody() -> None
     wants = [m.body for _, m in d.messages_to_send() if isinstance(m.body, Want)]
     assert wants and all(len(w.seqs) <= MAX_WANT for w in wants)
     for seq in range(2, 101):
-        d.handle(Message("origin", Chunk("origin", seq, 0, b"x")), now=0.3)
+        d.handle(Message("origin", chunk("origin", seq)), now=0.3)
     assert [x.seq for x in d.take_deliveries()] == list(range(1, 101))
     assert log.contiguous == 100 and len(log.missing_since) <= MAX_GAP
     d.handle_timer(0.4)  # the window moved on with the prefix
@@ -187,11 +201,17 @@ def test_chunks_above_a_gap_that_never_fills_are_bounded() -> None:
     """Chunks that keep arriving above a hole nobody can fill: the node holds at most
     MAX_ABOVE of them and gives the oldest gap up (counted lost), delivering all."""
     settings = MeshSection(chunk_retain_s=3600.0)
-    d = Disseminator("me", settings, children=lambda origin: [], live=lambda: ["me", "o"])
-    d.handle(Message("o", Chunk("o", 1, 0, b"x")), now=0.0)
+    d = Disseminator(
+        "me",
+        settings,
+        children=lambda origin: [],
+        live=lambda: ["me", "o"],
+        identities=identities("me", "o"),
+    )
+    d.handle(Message("o", chunk("o", 1)), now=0.0)
     count = MAX_ABOVE + 500
     for i in range(count):  # every second chunk lost on the way
-        d.handle(Message("o", Chunk("o", 3 + 2 * i, 0, b"x")), now=0.0)
+        d.handle(Message("o", chunk("o", 3 + 2 * i)), now=0.0)
     log = d.logs["o"]
     assert len(log.above) <= MAX_ABOVE
     assert len(log.missing_since) <= MAX_GAP
@@ -200,13 +220,21 @@ def test_chunks_above_a_gap_that_never_fills_are_bounded() -> None:
 
 
 def test_announced_origins_are_bounded() -> None:
-    """HEADS naming thousands of made-up origins: at most MAX_ORIGINS logs; the rest
-    ignored and counted, while a live origin is still taken."""
-    d = Disseminator("me", MeshSection(), children=lambda origin: [], live=lambda: ["me", "real"])
+    """HEADS naming thousands of made-up origins: none of them has a credential, so
+    none gets a log or a request (each counted), while a real origin is still taken."""
+    d = Disseminator(
+        "me",
+        MeshSection(),
+        children=lambda origin: [],
+        live=lambda: ["me", "real"],
+        identities=identities("me", "real"),
+    )
     for batch in range(3):
         heads = tuple((f"fake-{batch}-{i}", 1) for i in range(MAX_HEADS))
         d.handle(Message("liar", Heads(heads)), now=0.0)
-    assert len(d.logs) == MAX_ORIGINS
-    assert d.unknown_origins == 3 * MAX_HEADS - MAX_ORIGINS
-    d.handle(Message("real", Chunk("real", 1, 0, b"x")), now=0.0)
+    assert len(d.logs) == 0 and d.unknown_origins == 3 * MAX_HEADS
+    d.handle_timer(10.0)
+    assert [m for _, m in d.messages_to_send() if isinstance(m.body, Want)] == []
+    d.handle(Message("real", chunk("real", 1)), now=0.0)
     assert [x.origin for x in d.take_deliveries()] == ["real"]
+    assert len(d.logs) <= MAX_ORIGINS

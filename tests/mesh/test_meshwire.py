@@ -1,5 +1,6 @@
 """Mesh messages: every kind round-trips; no byte sequence does anything but decode or
-raise MeshDecodeError."""
+raise MeshDecodeError; every number is range-checked; signatures cover what they
+should and nothing else verifies."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from hypothesis import strategies as st
 
 from ciuic_p2p.core.meshwire import (
     MAX_ID_BYTES,
+    MAX_INCARNATION,
     Ack,
     Alive,
     Chunk,
     Coordinate,
+    Credential,
     Dead,
     Gossip,
     Heads,
@@ -32,11 +35,16 @@ from ciuic_p2p.core.meshwire import (
     Want,
     decode_message,
     encode_message,
+    encode_update,
+    signed_bytes,
 )
+from tests.mesh.signing import identities, signed
 
 ids = st.text(min_size=1, max_size=30)
 u64 = st.integers(0, 2**64 - 1)
+incarnations = st.integers(0, MAX_INCARNATION)
 u32 = st.integers(0, 2**32 - 1)
+sigs = st.binary(min_size=64, max_size=64)
 coords = st.builds(
     Coordinate,
     st.tuples(*[st.floats(-1e3, 1e3, width=32)] * 8),
@@ -44,16 +52,18 @@ coords = st.builds(
     st.floats(0, 1.5, width=32),
 )
 updates = st.one_of(
-    st.builds(Alive, ids, u64, ids, ids),
-    st.builds(Suspect, ids, u64, ids),
-    st.builds(Dead, ids, u64, ids),
-    st.builds(Left, ids, u64),
+    st.builds(Alive, ids, incarnations, ids, ids, sigs),
+    st.builds(Suspect, ids, incarnations, ids),
+    st.builds(Dead, ids, incarnations, ids),
+    st.builds(Left, ids, incarnations, sigs),
     st.builds(
         Links,
         ids,
         u32,
         st.lists(st.builds(LinkEntry, ids, u32, st.integers(0, 1000)), max_size=5).map(tuple),
+        sigs,
     ),
+    st.builds(Credential, ids, st.binary(max_size=400)),
 )
 ups = st.lists(updates, max_size=6).map(tuple)
 bodies = st.one_of(
@@ -63,7 +73,7 @@ bodies = st.one_of(
     st.builds(Nack, u32),
     st.builds(Gossip, ups),
     st.builds(Sync, st.booleans(), ups),
-    st.builds(Chunk, ids, u64, st.integers(0, 255), st.binary(max_size=300)),
+    st.builds(Chunk, ids, u64, st.integers(0, 255), st.binary(max_size=300), sigs),
     st.builds(Heads, st.lists(st.tuples(ids, u64), max_size=5).map(tuple)),
     st.builds(Want, ids, st.lists(u64, max_size=5).map(tuple)),
 )
@@ -89,10 +99,14 @@ def test_every_truncation_and_extension_is_a_typed_error(
 
 def test_random_bytes_and_mutations_only_raise_typed_errors() -> None:
     rng = random.Random(7)
+    sig = bytes(range(64))
     samples = [
-        encode_message(Message("a", Ping(1, "b", Coordinate(), 7, (Alive("c", 2, "h:1"),)))),
-        encode_message(Message("a", Sync(True, (Links("a", 3, (LinkEntry("b", 5000, 1),)),)))),
-        encode_message(Message("a", Chunk("o", 9, 1, b"x" * 50))),
+        encode_message(
+            Message("a", Ping(1, "b", Coordinate(), 7, (Alive("c", 2, "h:1", "", sig),)))
+        ),
+        encode_message(Message("a", Sync(True, (Links("a", 3, (LinkEntry("b", 5000, 1),), sig),)))),
+        encode_message(Message("a", Gossip((Credential("c", b"d" * 300), Left("c", 4, sig))))),
+        encode_message(Message("a", Chunk("o", 9, 1, b"x" * 50, sig))),
     ]
     for i in range(20_000):
         if i % 2:
@@ -109,12 +123,15 @@ def test_random_bytes_and_mutations_only_raise_typed_errors() -> None:
 def test_limits_are_enforced_both_ways() -> None:
     with pytest.raises(ValueError):
         encode_message(Message("x" * (MAX_ID_BYTES + 1), Nack(1)))
-    huge = Message("a", Gossip(tuple(Alive("n" * 100, 1, "a" * 100) for _ in range(400))))
+    sig = b"s" * 64
+    huge = Message("a", Gossip(tuple(Alive("n" * 100, 1, "a" * 100, "", sig) for _ in range(400))))
     with pytest.raises(ValueError):
         encode_message(huge)
+    with pytest.raises(ValueError, match="signature"):
+        encode_message(Message("a", Gossip((Alive("n", 1, "a"),))))  # unsigned
     # A length field claiming more than is there is refused before any allocation.
     forged = (
-        bytes([1, 7, 1, 97, 1, 111])
+        bytes([2, 7, 1, 97, 1, 111])
         + (5).to_bytes(8, "little")
         + bytes([0])
         + (2**31).to_bytes(4, "little")
@@ -125,3 +142,44 @@ def test_limits_are_enforced_both_ways() -> None:
     bad_coord[8:12] = b"\x00\x00\xc0\x7f"  # NaN in the first component
     with pytest.raises(MeshDecodeError, match=r"coordinate"):
         decode_message(bytes(bad_coord))
+
+
+def test_an_incarnation_past_the_bound_or_a_version_1_message_is_refused() -> None:
+    """Suspect(x, 2^64 - 1) once made x refute into 2^64, which no encoder takes: now
+    the decoder refuses any incarnation past MAX_INCARNATION, in every update."""
+    for update in (
+        Suspect("x", MAX_INCARNATION + 1, "liar"),
+        Dead("x", 2**64 - 1, "liar"),
+        Alive("x", 2**64 - 1, "h:1", "", b"s" * 64),
+        Left("x", MAX_INCARNATION + 1, b"s" * 64),
+    ):
+        raw = bytes([2, 5, 1, 97]) + (1).to_bytes(2, "little") + encode_update(update)
+        with pytest.raises(MeshDecodeError, match="incarnation"):
+            decode_message(raw)
+    at_bound = Message("a", Gossip((Suspect("x", MAX_INCARNATION, "b"),)))
+    assert decode_message(encode_message(at_bound)) == at_bound
+    v1 = bytearray(encode_message(Message("a", Nack(3))))
+    v1[0] = 1
+    with pytest.raises(MeshDecodeError, match="version 1"):
+        decode_message(bytes(v1))
+
+
+def test_a_signature_covers_its_fields_and_is_valid_for_nothing_else() -> None:
+    ids = identities("observer", "x")
+    alive = signed(Alive("x", 3, "10.0.0.1:7946", "eu"))
+    assert ids.verify("x", alive)
+    for changed in (
+        Alive("x", 4, "10.0.0.1:7946", "eu", alive.signature),  # incarnation
+        Alive("x", 3, "10.6.6.6:7946", "eu", alive.signature),  # address (a hijack)
+        Alive("x", 3, "10.0.0.1:7946", "us", alive.signature),  # region
+    ):
+        assert not ids.verify("x", changed)
+    assert not ids.verify("x", signed(Alive("x", 3, "10.6.6.6:7946"), by="observer"))
+    left = Left("x", 3, alive.signature)  # the same fields, another kind of message
+    assert signed_bytes(left) != signed_bytes(alive) and not ids.verify("x", left)
+    chunk = signed(Chunk("x", 9, 0, b"payload"))
+    relayed = Chunk("x", 9, 7, b"payload", chunk.signature)  # hops are not signed
+    assert ids.verify_chunk(chunk) and ids.verify_chunk(relayed)
+    assert not ids.verify_chunk(Chunk("x", 10, 0, b"payload", chunk.signature))
+    assert not ids.verify_chunk(Chunk("x", 9, 0, b"payloaD", chunk.signature))
+    assert not ids.verify("stranger", alive)  # no credential, no key

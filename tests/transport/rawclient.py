@@ -28,13 +28,21 @@ class RawClient(asyncio.DatagramProtocol):
         self.timer: asyncio.TimerHandle | None = None
 
     @classmethod
-    async def connect(cls, addr: tuple[str, int]) -> RawClient:
+    async def connect(
+        cls, addr: tuple[str, int], local_host: str = "127.0.0.1", timeout_s: float = 5.0
+    ) -> RawClient:
+        """Complete a QUIC handshake (following a Retry, as any QUIC stack does) from
+        ``local_host`` (any address of 127.0.0.0/8 on Linux's loopback)."""
         loop = asyncio.get_running_loop()
         client = cls()
-        await loop.create_datagram_endpoint(lambda: client, local_addr=("127.0.0.1", 0))
+        await loop.create_datagram_endpoint(lambda: client, local_addr=(local_host, 0))
         client.quic.connect(addr, now=time.monotonic())
         client.flush()
-        await asyncio.wait_for(asyncio.shield(client.handshake), 5)
+        try:
+            await asyncio.wait_for(asyncio.shield(client.handshake), timeout_s)
+        except TimeoutError:
+            client.close()
+            raise
         return client
 
     def connection_made(self, transport: Any) -> None:

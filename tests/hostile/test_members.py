@@ -1,0 +1,291 @@
+"""What an admitted member cannot do to the others (findings 2, 4, 5, 6, 7 and 10 of
+the hardening issue): real daemons on loopback and a member with a real certificate
+that lies (tests/hostile/harness.py). Each test also checks that the honest mesh
+still works after the attack."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from pathlib import Path
+
+from ciuic_p2p.core.frames import FrameType
+from ciuic_p2p.core.members import State
+from ciuic_p2p.core.meshwire import (
+    MAX_INCARNATION,
+    VERSION,
+    Alive,
+    Chunk,
+    Credential,
+    Dead,
+    Heads,
+    Kind,
+    Left,
+    Nack,
+    PingReq,
+    Suspect,
+    encode_update,
+)
+from ciuic_p2p.core.trainwire import Kind as TrainKind
+from ciuic_p2p.core.trainwire import encode_presence, run_id_of
+from ciuic_p2p.daemon.incarnation import next_incarnation
+from ciuic_p2p.daemon.node import MeshDaemon
+from ciuic_p2p.identity import NodeKey, peer_id_of
+from tests.hostile.attack import Liar
+from tests.hostile.harness import NOW, HonestMesh, holds, until
+
+NAMES = ["a", "b", "c"]
+
+
+async def formed_with_liar(tmp_path: Path) -> tuple[HonestMesh, Liar]:
+    mesh = HonestMesh(tmp_path, NAMES)
+    await mesh.form()
+    liar = mesh.liar()
+    await liar.start()
+    await liar.join(*NAMES)
+    await until(lambda: mesh.agree([liar.peer_id]), 20, "the liar is a member everywhere")
+    return mesh, liar
+
+
+def raw_gossip(sender: str, update_bytes: bytes) -> bytes:
+    """A GOSSIP message built byte by byte (numbers our encoder would never write)."""
+    name = sender.encode()
+    return bytes([VERSION, Kind.GOSSIP, len(name)]) + name + struct.pack("<H", 1) + update_bytes
+
+
+async def test_an_accusation_past_the_signed_incarnation_bricks_nobody(tmp_path: Path) -> None:
+    """Finding 2: ``Suspect(x, 2^64 - 1)`` or ``Dead(x, 2^64 - 1)`` made x refute into
+    2^64, which cannot be encoded; x was declared dead everywhere and wrote 2^64 to its
+    incarnation file, and crashed at every start after."""
+    mesh, liar = await formed_with_liar(tmp_path)
+    try:
+        a = mesh.daemons["a"]
+        before = a.mesh.membership.incarnation
+        for name in NAMES:
+            # In range but above what a ever signed, and at the top of the u64 range.
+            await liar.gossip(
+                name,
+                Suspect(a.peer_id, MAX_INCARNATION, liar.peer_id),
+                Dead(a.peer_id, MAX_INCARNATION, liar.peer_id),
+            )
+            for u in (Suspect(a.peer_id, 2**64 - 1, liar.peer_id), Dead(a.peer_id, 2**64 - 1, "x")):
+                await liar.frame(name, FrameType.GOSSIP, raw_gossip(liar.peer_id, encode_update(u)))
+
+        def a_alive_everywhere() -> bool:
+            return all(
+                d.mesh.membership.state_of(a.peer_id) == State.ALIVE
+                and d.mesh.membership.members[a.peer_id].incarnation == before
+                for n, d in mesh.daemons.items()
+                if n != "a"
+            )
+
+        await holds(a_alive_everywhere, 2.0, "a stays alive at its own incarnation")
+        assert a.mesh.membership.incarnation == before
+        assert (tmp_path / "a" / "incarnation").read_text().strip() == str(before)
+        for d in mesh.daemons.values():
+            assert d.mesh.membership.refused["accusation_above_incarnation"] >= 1
+            assert d.counters["decode_errors"] >= 2  # the 2^64 - 1 forms
+        # A true accusation at a's real incarnation is still refuted (a stays alive).
+        await liar.gossip("a", Suspect(a.peer_id, before, liar.peer_id))
+        await until(lambda: a.mesh.membership.incarnation == before + 1, 5, "a refutes")
+    finally:
+        await liar.close()
+        await mesh.close()
+
+
+async def test_a_node_whose_incarnation_file_holds_2_to_the_64_starts(tmp_path: Path) -> None:
+    """Finding 2, the restart: an earlier release could leave 2^64 in the file."""
+    (tmp_path / "incarnation").write_text("18446744073709551616\n")
+    assert next_incarnation(tmp_path) == 0
+    mesh = HonestMesh(tmp_path / "mesh", ["a"])
+    key = NodeKey.generate()
+    (tmp_path / "mesh" / "a").mkdir(parents=True)
+    (tmp_path / "mesh" / "a" / "incarnation").write_text("18446744073709551616\n")
+    daemon = MeshDaemon(
+        mesh.config,
+        key,
+        mesh.ca.issue(key.public_key, NOW),
+        mesh.trust,
+        state_dir=tmp_path / "mesh" / "a",
+    )
+    await daemon.start()
+    try:
+        assert daemon.mesh.membership.incarnation == 0
+    finally:
+        await daemon.close()
+
+
+async def test_nobody_can_move_another_members_address(tmp_path: Path) -> None:
+    """Finding 6: ``Alive(b, high incarnation, the liar's address)`` rewrote b's address
+    everywhere; b's probes and chunks went to the liar and b was declared dead."""
+    mesh, liar = await formed_with_liar(tmp_path)
+    try:
+        b = mesh.daemons["b"]
+        hijack = Alive(b.peer_id, 1000, liar.address, "elsewhere", bytes(64))
+        signed_by_liar = Alive(b.peer_id, 1001, liar.address, "", liar.identities.sign(hijack))
+        for name in ("a", "c"):
+            await liar.gossip(name, hijack, signed_by_liar)
+
+        def b_where_it_said() -> bool:
+            return all(
+                d.mesh.membership.members[b.peer_id].address == b.address
+                and d.mesh.membership.state_of(b.peer_id) == State.ALIVE
+                for n, d in mesh.daemons.items()
+                if n != "b"
+            )
+
+        await holds(b_where_it_said, 2.0, "b keeps its own address and stays alive")
+        for name in ("a", "c"):
+            assert mesh.daemons[name].mesh.membership.refused["alive_signature"] >= 2
+        # Left is b's own word too: a forged one changes nothing.
+        await liar.gossip("a", Left(b.peer_id, b.mesh.membership.incarnation, bytes(64)))
+        await holds(b_where_it_said, 0.5, "b is not taken for gone")
+    finally:
+        await liar.close()
+        await mesh.close()
+
+
+async def test_no_member_makes_an_honest_node_send_to_an_address_it_names(
+    tmp_path: Path,
+) -> None:
+    """Finding 10: PING_REQ (and Alive) made an honest node send QUIC Initials to any
+    host:port a member named: a reflector for floods at third parties."""
+    received: list[bytes] = []
+
+    class Victim(asyncio.DatagramProtocol):
+        def datagram_received(self, data: bytes, addr: object) -> None:
+            received.append(data)
+
+    loop = asyncio.get_running_loop()
+    victim, _ = await loop.create_datagram_endpoint(Victim, local_addr=("127.0.0.1", 0))
+    target = "127.0.0.1:{}".format(victim.get_extra_info("sockname")[1])
+    mesh, liar = await formed_with_liar(tmp_path)
+    try:
+        b = mesh.peer("b")
+        made_up = peer_id_of(NodeKey.generate().public_key)
+        await liar.say("a", PingReq(7, b, target), PingReq(8, made_up, target))
+        await liar.gossip("a", Alive(made_up, 1, target, "", bytes(64)))  # no credential
+        await until(
+            lambda: any(isinstance(m.body, Nack) and m.body.seq == 8 for m in liar.received),
+            5,
+            "a answers the probe request of a non-member with a nack",
+        )
+        await asyncio.sleep(1.0)  # give a reflection the time to happen
+        assert received == []
+        assert made_up not in mesh.daemons["a"].mesh.membership.members
+    finally:
+        victim.close()
+        await liar.close()
+        await mesh.close()
+
+
+async def test_made_up_members_never_enter_the_table(tmp_path: Path) -> None:
+    """Finding 7 (the member table): 3 messages made 2,700 members (+270 MB, probe
+    rounds of about 18 minutes, trees through nonexistent children)."""
+    mesh, liar = await formed_with_liar(tmp_path)
+    try:
+        fakes = [peer_id_of(NodeKey.generate().public_key) for _ in range(2700)]
+        for start in range(0, len(fakes), 300):
+            batch = fakes[start : start + 300]
+            await liar.gossip("a", *(Alive(f, 1, liar.address, "", bytes(64)) for f in batch))
+            # With credentials that are not certificates of theirs, too.
+            await liar.gossip("b", *(Credential(f, liar.der) for f in batch[:150]))
+        await asyncio.sleep(1.0)
+        for name in ("a", "b"):
+            membership = mesh.daemons[name].mesh.membership
+            assert set(membership.members) == {mesh.peer(n) for n in NAMES if n != name} | {
+                liar.peer_id
+            }
+        assert mesh.daemons["a"].mesh.membership.refused["no_credential"] >= 2700
+        assert mesh.daemons["b"].mesh.membership.refused["credential"] >= 1350
+    finally:
+        await liar.close()
+        await mesh.close()
+
+
+async def test_one_heads_message_mutes_no_origin(tmp_path: Path) -> None:
+    """Finding 4: announcing a higher session for origin a made every later chunk of a
+    "stale" mesh-wide, for good, and the receivers announced that head onward."""
+    mesh, liar = await formed_with_liar(tmp_path)
+    try:
+        a = mesh.daemons["a"]
+        first = a.broadcast(b"first")
+        await until(
+            lambda: all((a.peer_id, first) in mesh.origins_delivered(n) for n in ("b", "c")),
+            10,
+            "the first chunk arrives",
+        )
+        session = first >> 40
+        fake_head = ((session + 5) << 40) | 7
+        for name in ("b", "c"):
+            await liar.say(name, Heads(((a.peer_id, fake_head),)))
+        await asyncio.sleep(0.3)
+        later = [a.broadcast(b"later %d" % i) for i in range(5)]
+        await until(
+            lambda: all(
+                set((a.peer_id, s) for s in later) <= set(mesh.origins_delivered(n))
+                for n in ("b", "c")
+            ),
+            10,
+            "every later chunk of a arrives",
+        )
+        await asyncio.sleep(0.5)  # several HEADS rounds
+        announced = [
+            high
+            for m in liar.received
+            if isinstance(m.body, Heads)
+            for origin, high in m.body.heads
+            if origin == a.peer_id
+        ]
+        assert announced and all(high >> 40 == session for high in announced)
+    finally:
+        await liar.close()
+        await mesh.close()
+
+
+async def test_no_member_publishes_as_another_or_takes_its_numbers(tmp_path: Path) -> None:
+    """Finding 5: chunks claiming another origin were delivered and relayed before any
+    check; a forged "a is gone" reached every trainer; forged chunks took a's next
+    sequence numbers, so a's real updates were dropped as duplicates; bad-signature
+    chunks were relayed before being refused."""
+    mesh, liar = await formed_with_liar(tmp_path)
+    try:
+        a = mesh.daemons["a"]
+        warm = a.broadcast(b"warm-up")
+        await until(
+            lambda: all((a.peer_id, warm) in mesh.origins_delivered(n) for n in ("b", "c")),
+            10,
+            "a's first chunk arrives",
+        )
+        nxt = a.mesh.dissemination.next_seq
+        gone = encode_presence(TrainKind.GONE, run_id_of("the-run"))
+        forged = [
+            Chunk(a.peer_id, nxt, 0, gone, bytes(64)),  # a's next number, no signature
+            liar.signed_chunk(Chunk(a.peer_id, nxt + 1, 0, gone)),  # by the wrong key
+        ]
+        payload, signature, _ = a.mesh.dissemination.store[(a.peer_id, warm)]
+        replay = Chunk(a.peer_id, warm, 0, payload, signature)
+        for name in ("b", "c"):
+            await liar.say(name, *forged, replay)
+        await asyncio.sleep(0.5)
+        real = [a.broadcast(b"real %d" % i) for i in range(2)]
+        assert real == [nxt, nxt + 1]
+        await until(
+            lambda: all(
+                {(a.peer_id, s) for s in real} <= set(mesh.origins_delivered(n)) for n in ("b", "c")
+            ),
+            10,
+            "a's real chunks arrive with the numbers the liar tried to take",
+        )
+        for name in ("b", "c"):
+            got = [d for d in mesh.delivered[name] if d.origin == a.peer_id]
+            assert [d.payload for d in got] == [b"warm-up", b"real 0", b"real 1"], name
+            dis = mesh.daemons[name].mesh.dissemination
+            assert dis.bad_signatures >= 2 and dis.duplicates >= 1
+            # Nothing forged went any further than the node it was sent to.
+            assert not any(
+                isinstance(m.body, Chunk) and m.body.payload == gone for m in liar.received
+            )
+    finally:
+        await liar.close()
+        await mesh.close()
