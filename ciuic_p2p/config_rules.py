@@ -75,6 +75,11 @@ def validate(cfg: Config) -> None:
         ),
         (cfg.transport.handshakes_per_s >= 1, "transport.handshakes_per_s", "must be >= 1"),
         (
+            cfg.transport.max_control_send_bytes >= 1 << 20,
+            "transport.max_control_send_bytes",
+            "must be >= 1048576",
+        ),
+        (
             cfg.transport.max_credit_bytes >= cfg.transport.receive_window_bytes,
             "transport.max_credit_bytes",
             "must be >= receive_window_bytes",
@@ -104,6 +109,7 @@ def validate(cfg: Config) -> None:
         (1 <= m.link_state_max_peers <= 1024, "mesh.link_state_max_peers", "must be in [1, 1024]"),
         (m.suspicion_confirmations >= 0, "mesh.suspicion_confirmations", "must be >= 0"),
         (2 <= m.max_members <= 1 << 20, "mesh.max_members", "must be in [2, 1048576]"),
+        (m.address_change_min_s >= 0, "mesh.address_change_min_s", "must be >= 0"),
     ]  # fmt: skip
     t = cfg.train
     checks += [

@@ -134,6 +134,9 @@ class TransportSection:
     handshakes_per_s: float = 200.0
     """New connections admitted per second at most (a TLS handshake is about 1.5 ms of
     CPU): strangers cannot take the loop from the members."""
+    max_control_send_bytes: int = 4 * 1024 * 1024
+    """Control-stream bytes sent to a peer and not acknowledged, at most; a peer that
+    lets more pile up (it withholds QUIC's window, or never acknowledges) is dropped."""
     max_credit_bytes: int = 1 << 32
     """A peer that grants more bulk credit than this in all, outstanding, is dropped:
     no honest receiver grants more than a few windows ahead."""
@@ -195,6 +198,10 @@ class MeshSection:
     healed partition hears the refutations)."""
     dead_reap_s: float = 6 * 3600.0
     """Dead and departed members are forgotten after this long."""
+    address_change_min_s: float = 10.0
+    """A member's new address (in its signed Alive) is taken at most this often: a
+    member can sign any address as its own, and each new one makes every node dial
+    it."""
     max_members: int = 4096
     """Members the table holds at most (each enters only with a credential checked
     here, so this bounds memory, not trust); past it the oldest dead or departed one

@@ -20,8 +20,8 @@ a chunk of a lower one is a straggler of a life that ended, dropped (``stale``).
 Repair: every ``heads_interval_s`` a node tells ``heads_fanout`` random members the
 highest sequence number it holds per origin (``HEADS``). A node that learns of a
 chunk it lacks, and still lacks it ``repair_after_s`` later (the tree had its chance),
-asks the announcer for it (``WANT``), and asks again, of whoever announced it last,
-every 2 x ``repair_after_s`` (the adapter queues no second copy of a chunk already
+asks an announcer for it (``WANT``), and asks again every 2 x ``repair_after_s``, of
+its last four announcers in turn (the adapter queues no second copy of a chunk already
 queued for that peer). Holders keep delivered chunks for
 ``chunk_retain_s`` (and at most ``chunk_retain_bytes``), so a chunk whose relay died
 still reaches everyone while anyone holds it: in particular while its origin lives.
@@ -50,6 +50,7 @@ signed chunk of it arrives and opens the log (whose window then fetches the rest
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import random
 from collections import OrderedDict
@@ -58,12 +59,24 @@ from dataclasses import dataclass, field
 
 from ciuic_p2p.config import MeshSection
 from ciuic_p2p.core.identities import Identities
-from ciuic_p2p.core.meshwire import MAX_HEADS, MAX_WANT, Chunk, Heads, Message, Want
+from ciuic_p2p.core.meshwire import (
+    MAX_HEADS,
+    MAX_MESSAGE_BYTES,
+    MAX_WANT,
+    Chunk,
+    Heads,
+    Message,
+    Want,
+)
 
 REORDER_WINDOW = 64
 """On first hearing of an origin at sequence s, chunks from s - 64 on are expected."""
 SESSION_SHIFT = 40
 """A session numbers up to 2^40 chunks (35 years at 1,000 a second)."""
+CLAIM_AHEAD = REORDER_WINDOW
+"""Numbers past the highest chunk held here that are tracked as missing on an
+announcer's word: a claim far ahead (a member's HEADS of 2^40 - 1, true or not) costs
+this many entries, and the window moves up as signed chunks arrive."""
 MAX_GAP = 4096
 """Missing sequence numbers tracked per origin at a time: an announcement (or a chunk)
 far ahead is tracked this far past the contiguous prefix and further as the gap
@@ -80,6 +93,30 @@ MAX_SESSION = (1 << 24) - 1
 goes unnoticed until its count passes the previous life's, as before sessions."""
 
 
+class Holders:
+    """The last few members that announced an origin's chunks, asked in turn: a member
+    that re-announces every head right after the honest ones cannot draw every repair
+    request to itself and answer none."""
+
+    def __init__(self, size: int = 4) -> None:
+        self._recent: collections.deque[str] = collections.deque(maxlen=size)
+        self._turn = 0
+
+    def note(self, node: str) -> None:
+        if node not in self._recent:
+            self._recent.append(node)
+
+    def merge(self, other: Holders) -> None:
+        for node in other._recent:
+            self.note(node)
+
+    def next(self) -> str | None:
+        if not self._recent:
+            return None
+        self._turn += 1
+        return self._recent[self._turn % len(self._recent)]
+
+
 @dataclass(slots=True)
 class _OriginLog:
     contiguous: int
@@ -87,12 +124,15 @@ class _OriginLog:
     session: int = 0
     above: set[int] = field(default_factory=set)
     high: int = 0
-    """Highest sequence number known to exist."""
+    """Highest sequence number announced (a claim until a signed chunk shows it)."""
+    held_high: int = 0
+    """Highest sequence number held here (every number below it exists: the origin
+    numbers its chunks one by one)."""
     tracked: int = 0
     """Highest sequence number entered in ``missing_since`` (or known held)."""
     missing_since: dict[int, float] = field(default_factory=dict)
     requested_at: dict[int, float] = field(default_factory=dict)
-    holder: str | None = None
+    holders: Holders = field(default_factory=Holders)
 
     def has(self, seq: int) -> bool:
         return seq <= self.contiguous or seq in self.above
@@ -105,6 +145,7 @@ class _OriginLog:
         self.missing_since.pop(seq, None)
         self.requested_at.pop(seq, None)
         self.high = max(self.high, seq)
+        self.held_high = max(self.held_high, seq)
 
     def give_up_oldest_gap(self) -> int:
         """Skip to the lowest chunk held above the gap; how many were given up."""
@@ -119,8 +160,10 @@ class _OriginLog:
 
     def track(self, now: float) -> bool:
         """Enter the unknown sequence numbers up to ``high`` as missing, at most
-        ``MAX_GAP`` past the contiguous prefix; True if any is missing."""
-        end = min(self.high, self.contiguous + MAX_GAP)
+        ``CLAIM_AHEAD`` past the highest held and ``MAX_GAP`` past the contiguous
+        prefix; True if any is missing."""
+        held = max(self.held_high, self.contiguous)
+        end = min(self.high, held + CLAIM_AHEAD, self.contiguous + MAX_GAP)
         for seq in range(max(self.contiguous, self.tracked) + 1, end + 1):
             if seq not in self.above:
                 self.missing_since.setdefault(seq, now)
@@ -131,7 +174,7 @@ class _OriginLog:
 @dataclass(slots=True)
 class _Claim:
     high: int
-    holder: str
+    holders: Holders
     since: float
     asked_at: float | None = None
 
@@ -182,6 +225,7 @@ class Disseminator:
         self.bad_signatures = 0
         """Chunks whose origin signature did not verify (or whose origin has no
         credential here): dropped, never delivered, forwarded or held."""
+        self._heads_turn = 0
         self._claims: dict[str, _Claim] = {}
         """Heads announced in a session no signed chunk has shown yet, by origin."""
         self._out: list[tuple[str, Message]] = []
@@ -243,10 +287,10 @@ class Disseminator:
             self.unknown_origins += 1
         else:
             claim = self._claims.get(origin)
-            if claim is None or high > claim.high:
-                self._claims[origin] = _Claim(high, holder, now)
-            else:
-                claim.holder = holder  # asked of whoever announced it last
+            if claim is None:
+                claim = self._claims[origin] = _Claim(high, Holders(), now)
+            claim.high = max(claim.high, high)
+            claim.holders.note(holder)
             self._arm_heads(now)
 
     def _log(self, origin: str, seq: int) -> _OriginLog | None:
@@ -271,7 +315,7 @@ class Disseminator:
 
     def _learn(self, log: _OriginLog, high: int, holder: str, now: float) -> None:
         log.high = max(log.high, high)
-        log.holder = holder
+        log.holders.note(holder)
         while len(log.above) > MAX_ABOVE:
             self.lost += log.give_up_oldest_gap()
         if log.track(now):
@@ -303,7 +347,8 @@ class Disseminator:
         if claim is not None and claim.high >> SESSION_SHIFT <= log.session:
             del self._claims[chunk.origin]  # its session is shown: tracked in the log now
             if claim.high >> SESSION_SHIFT == log.session:
-                self._learn(log, claim.high, claim.holder, now)
+                log.holders.merge(claim.holders)
+                self._learn(log, claim.high, sender, now)
         self._keep(chunk.origin, chunk.seq, chunk.payload, chunk.signature, now)
         self.deliveries.append(Delivery(chunk.origin, chunk.seq, chunk.payload, now, chunk.hops))
         mode = self.settings.dissemination
@@ -349,11 +394,7 @@ class Disseminator:
         if self._next_heads is None or now < self._next_heads:
             return
         self._next_heads = now + s.heads_interval_s
-        heads = [(self.node, self.next_seq - 1)] if self.next_seq - 1 > self._base else []
-        heads += [
-            (o, log.contiguous if not log.above else max(log.above)) for o, log in self.logs.items()
-        ]
-        heads = [(o, h) for o, h in heads if h > 0][:MAX_HEADS]
+        heads = self._heads()
         if heads:
             for peer in self._random_peers(s.heads_fanout, exclude=()):
                 self._send(peer, Heads(tuple(heads)))
@@ -384,8 +425,9 @@ class Disseminator:
                 if len(wanted) >= MAX_WANT:
                     break
             log.track(now)  # the window moves on as the gap fills
-            if wanted and log.holder is not None:
-                self._send(log.holder, Want(origin, tuple(wanted)))
+            holder = log.holders.next() if wanted else None
+            if holder is not None:
+                self._send(holder, Want(origin, tuple(wanted)))
         self._evict(now)
 
     def _ask_claims(self, now: float) -> None:
@@ -399,7 +441,33 @@ class Disseminator:
                 claim.asked_at is None or now - claim.asked_at >= 2 * s.repair_after_s
             ):
                 claim.asked_at = now
-                self._send(claim.holder, Want(origin, (claim.high,)))
+                holder = claim.holders.next()
+                if holder is not None:
+                    self._send(holder, Want(origin, (claim.high,)))
+
+    def _heads(self) -> list[tuple[str, int]]:
+        """This node's own head first, then the others' from a place that moves on
+        every round, as many as one message holds (about 1,400): a mesh of more
+        origins is announced over several rounds, never in a message too large to
+        send."""
+        own = [(self.node, self.next_seq - 1)] if self.next_seq - 1 > self._base else []
+        others = [(o, max(log.held_high, log.contiguous)) for o, log in self.logs.items()]
+        if others:
+            start = self._heads_turn % len(others)
+            others = others[start:] + others[:start]
+        budget = MAX_MESSAGE_BYTES - 256
+        out: list[tuple[str, int]] = []
+        taken = 0
+        for origin, high in own + others:
+            size = 10 + len(origin.encode())  # str8 and u64
+            if size > budget or len(out) >= MAX_HEADS:
+                break
+            taken += 1
+            if high > 0:
+                budget -= size
+                out.append((origin, high))
+        self._heads_turn += max(0, taken - len(own))  # the next round starts after these
+        return out
 
     def forget(self, origin: str) -> None:
         """An origin left for good: stop expecting its chunks."""

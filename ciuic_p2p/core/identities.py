@@ -18,6 +18,7 @@ first); public keys are parsed once per node.
 from __future__ import annotations
 
 import collections
+import hashlib
 from collections.abc import Callable
 
 from cryptography.exceptions import InvalidSignature
@@ -63,6 +64,9 @@ class Identities:
         self._keys: dict[str, Ed25519PublicKey] = {}
         """Parsed at the first signature checked (a large simulation learns a million
         credentials it never needs a key object for)."""
+        self._refused: collections.OrderedDict[bytes, None] = collections.OrderedDict()
+        """Digests of (node, credential) refused lately: checked once, not at every
+        repetition (bounded)."""
         self.counters: collections.Counter[str] = collections.Counter()
         """``credentials_refused``, ``bad_signatures``, ``unknown_signers``."""
         self.learn(node, credential)
@@ -77,10 +81,17 @@ class Identities:
         that ``keep`` does not protect (the members) is forgotten first."""
         if self._credentials.get(node) == credential:
             return True
+        tag = hashlib.blake2b(node.encode() + b"\0" + credential, digest_size=16).digest()
+        if tag in self._refused:
+            self.counters["credentials_refused"] += 1
+            return False
         try:
             raw = self._check(node, credential)
         except (CiuicError, ValueError):
             self.counters["credentials_refused"] += 1
+            self._refused[tag] = None
+            while len(self._refused) > 4096:
+                self._refused.popitem(last=False)
             return False
         if len(raw) != 32:
             self.counters["credentials_refused"] += 1

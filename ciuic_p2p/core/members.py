@@ -46,6 +46,8 @@ class Member:
     sign it)."""
     left: Left | None = None
     """Its signed departure, once it left."""
+    address_since: float = float("-inf")
+    """When this node last took a new address for it (its first is not a change)."""
 
 
 @dataclass(frozen=True, slots=True)

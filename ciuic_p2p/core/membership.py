@@ -152,6 +152,8 @@ class Membership:
         self._join_address: str | None = None
         self._next_join: float | None = None
         self._introduced: dict[str, float] = {}
+        self._answered_sync: dict[str, float] = {}
+        self._aware_refuted_at = float("-inf")
         self._links_pushed_at = float("-inf")
         self._now = now
         self._own_alive: Alive | None = None
@@ -202,7 +204,10 @@ class Membership:
             self._on_credential(u, now)
             return
         if isinstance(u, Links):
-            if u.origin == self.node or self.identities.verify(u.origin, u):
+            if len(u.entries) > self.settings.link_state_max_peers:
+                # No node publishes more (core.rttmap): more would ride in every sync.
+                self.refused["links_too_many"] += 1
+            elif u.origin == self.node or self.identities.verify(u.origin, u):
                 self.links_received.append(u)
             else:
                 self.refused["links_signature"] += 1
@@ -258,6 +263,13 @@ class Membership:
             if credential is not None:  # for the members that never linked to it
                 self.queue.put(credential)
             return
+        if u.address != m.address:
+            # A node moves rarely; one that keeps moving would make every member dial
+            # each new address (a member can sign any address as its own).
+            if now - m.address_since < self.settings.address_change_min_s:
+                self.refused["address_change_too_soon"] += 1
+                return
+            m.address_since = now
         m.address, m.region, m.alive, m.left = u.address, u.region, u, None
         self.table.set_state(m, State.ALIVE, u.incarnation, now)
         self.queue.put(u)
@@ -304,7 +316,14 @@ class Membership:
 
     def _refute(self, incarnation: int) -> None:
         self.incarnation = min(max(self.incarnation, incarnation) + 1, MAX_INCARNATION)
-        self.awareness.apply(1)
+        # Lifeguard: being suspected hints that our own links are slow, but a member
+        # that accuses us hundreds of times a second must not stretch every deadline
+        # of ours to its maximum: at most once per (awareness_max + 1) probe intervals,
+        # fewer than the successful probes that bring the score down again.
+        s = self.settings
+        if self._now - self._aware_refuted_at >= s.probe_interval_s * (s.awareness_max + 1):
+            self._aware_refuted_at = self._now
+            self.awareness.apply(1)
         alive = self._self_alive()
         self.queue.put(alive)
         # Straight to a few members as well: the suspicion is already spreading.
@@ -365,8 +384,10 @@ class Membership:
                 if not self.joined:
                     self.joined = True
                     self._next_join = None
-            else:
+            elif self._may_answer_sync(msg.sender, now):
                 self._reply(src_address, Sync(True, self._full_state()))
+            else:
+                self.refused["sync_too_often"] += 1
 
     def _compare_links(self, peer: str, address: str, digest: int, now: float) -> None:
         """Link state rides on piggyback and can miss a node; nodes whose link-state
@@ -390,6 +411,17 @@ class Membership:
         if links:
             self._reply(address, Gossip(tuple(links)))
 
+    def _may_answer_sync(self, sender: str, now: float) -> bool:
+        """A full state answers a sync at most once per ``join_retry_s`` per member:
+        a 43-byte SYNC is answered with up to 64 KiB, which must not be a lever."""
+        last = self._answered_sync.get(sender)
+        if last is not None and now - last < self.settings.join_retry_s:
+            return False
+        if len(self._answered_sync) > 4096:
+            self._answered_sync.clear()
+        self._answered_sync[sender] = now
+        return True
+
     def _introduce(self, sender: str, address: str, now: float) -> None:
         """A message from a member we have not heard of: the news of its arrival
         did not reach us (gossip is probabilistic). A state exchange fixes that at
@@ -407,9 +439,18 @@ class Membership:
         for u in updates:
             if isinstance(u, Credential):
                 self.apply(u, now)
+        # Of one node's Alives in a message only the newest can change anything: one
+        # signature check each, not one per copy a member packed in.
+        newest: dict[str, Alive] = {}
         for u in updates:
-            if not isinstance(u, Credential):
-                self.apply(u, now)
+            if isinstance(u, Alive) and (
+                u.node not in newest or u.incarnation > newest[u.node].incarnation
+            ):
+                newest[u.node] = u
+        for u in updates:
+            if isinstance(u, Credential) or (isinstance(u, Alive) and newest[u.node] is not u):
+                continue
+            self.apply(u, now)
 
     def _on_ack(self, sender: str, ack: Ack, now: float) -> None:
         relay = self._relays.pop(ack.seq, None)
@@ -578,6 +619,8 @@ class Membership:
         budget = MAX_MESSAGE_BYTES - 256
         kept: list[Update] = []
         for group in groups:
+            if budget < 512:  # no member's group is smaller: stop encoding
+                break
             size = sum(update_size(u) for u in group)
             if size <= budget:
                 kept += group

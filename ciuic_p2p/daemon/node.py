@@ -13,6 +13,14 @@ Every message that arrives is checked: its sender name must be the peer ID of th
 authenticated key of the link it came on, or it is dropped and counted, so that no
 member can speak for another.
 
+Dialling is where a member could make this node send datagrams anywhere: a member
+signs its own address, and could sign a third party's. An address counts as *proven*
+once an authenticated link to its member has existed there (it dialled us from it:
+one socket per node; or we reached it). A dial to an unproven address that fails is
+not repeated for ``5 s x 2^failures`` (at most 10 minutes), dials run at most
+``MAX_DIALS`` at once, and a destination's queue and task go when it is unreachable,
+so that a lying address costs a few datagrams an hour, not a flood.
+
 The incarnation survives restarts in ``state_dir/incarnation``: a restarted node
 comes back with a higher one, which the mesh takes over its old death notice.
 """
@@ -65,6 +73,15 @@ MAX_STORE_CONTROL_BYTES = 60 * 1024
 """A store offer this small travels on the control stream (a joiner's query is not
 answered behind the bulk backlog)."""
 MAX_UNREAD_DELIVERIES = 1024
+MAX_DIALS = 64
+"""Outgoing connections being set up at once."""
+UNPROVEN_BACKOFF_S = (5.0, 600.0)
+"""First and largest pause after a failed dial to an address never proven."""
+MAX_ADDRESSES = 8192
+"""Proven addresses and backoffs remembered (the oldest forgotten first)."""
+REPAIR_QUEUE_BYTES = 8 * 1024 * 1024
+"""Chunks queued for one destination past which a repair answer (a WANT's) is not
+queued: a member that asks for everything and reads nothing gets this much."""
 log = get_logger("ciuic.mesh")
 
 
@@ -115,6 +132,7 @@ class MeshDaemon:
             settings=config.transport,
             clock=clock,
             wrap_udp=wrap_udp,
+            known_source=lambda addr: format_address(*addr) in self._proven,
         )
         self.node: MeshNode | None = None
         self.address = ""
@@ -123,6 +141,10 @@ class MeshDaemon:
         self._address_of: dict[bytes, str] = {}
         self._outboxes: dict[tuple[str, int], _Destination] = {}
         self._dialing: dict[str, asyncio.Future[bytes]] = {}
+        self._proven: dict[str, None] = {}
+        """Addresses where an authenticated link to their member existed (ordered)."""
+        self._backoff: dict[str, tuple[int, float]] = {}
+        """Unproven address -> (failed dials, not before)."""
         self._timer: asyncio.TimerHandle | None = None
         self._saved_incarnation = 0
         self._timer_at: float | None = None
@@ -308,6 +330,9 @@ class MeshDaemon:
                 continue
             body = msg.body
             if isinstance(body, Chunk):
+                if body.hops == 255 and self._bulk_queued(address) > REPAIR_QUEUE_BYTES:
+                    self.counters["repairs_deferred"] += 1  # asked again when it has read
+                    continue
                 if body.origin != self.peer_id and self.on_chunk_traffic is not None:
                     self.on_chunk_traffic("forwarded", body.origin, len(body.payload))
                 self._enqueue(address, FrameType.MESH_CHUNK, data, (body.origin, body.seq))
@@ -426,6 +451,10 @@ class MeshDaemon:
     def _learn_peer(self, key: bytes, address: str) -> None:
         self._peer_at[address] = key
         self._address_of[key] = address
+        self._proven[address] = None
+        self._backoff.pop(address, None)
+        while len(self._proven) > MAX_ADDRESSES:
+            del self._proven[next(iter(self._proven))]
 
     # -- sending -----------------------------------------------------------------------------
 
@@ -467,11 +496,14 @@ class MeshDaemon:
             d.box.queued_bytes + d.box.side_bytes for (_, bulk), d in self._outboxes.items() if bulk
         )
 
+    def _bulk_queued(self, address: str) -> int:
+        dest = self._outboxes.get((address, 1))
+        return 0 if dest is None else dest.box.queued_bytes + dest.box.side_bytes
+
     def queued_for(self, peer: str) -> int:
         """Bulk bytes waiting for one member (what a store GET adds to is bounded)."""
         address = self.mesh.address_of(peer)
-        dest = None if address is None else self._outboxes.get((address, 1))
-        return 0 if dest is None else dest.box.queued_bytes + dest.box.side_bytes
+        return 0 if address is None else self._bulk_queued(address)
 
     def _enqueue(
         self, address: str, ftype: FrameType, data: bytes, chunk: ChunkKey | None = None
@@ -505,6 +537,10 @@ class MeshDaemon:
             except (TransportError, OSError, ValueError) as exc:
                 self.counters["unreachable_dropped"] += box.clear()
                 log.info("peer_unreachable", address=address, reason=str(exc))
+                for dest_key, d in list(self._outboxes.items()):
+                    if d is dest and not d.box:  # its queue and task go; sends remake them
+                        del self._outboxes[dest_key]
+                        return
                 continue
             ftype, data = box.pop()
             try:
@@ -522,18 +558,52 @@ class MeshDaemon:
                 log.warning("send_failed", address=address, error=repr(exc))
 
     async def _link_to(self, address: str) -> bytes:
-        """The peer key of a live link to ``address``, dialling once for all waiters."""
+        """The peer key of a live link to ``address``, dialling once for all waiters
+        (see the module docstring for what holds a dial back)."""
         key = self._peer_at.get(address)
         if key is not None and key in self.transport.peers():
             return key
         pending = self._dialing.get(address)
         if pending is None:
-            pending = asyncio.ensure_future(self.transport.connect(parse_address(address)))
+            failures, not_before = self._backoff.get(address, (0, 0.0))
+            if address not in self._proven and self.clock() < not_before:
+                self.counters["dials_held_back"] += 1
+                raise TransportError(f"{address} has not answered as its member; backing off")
+            if len(self._dialing) >= MAX_DIALS:
+                self.counters["dials_over_limit"] += 1
+                raise TransportError("too many connections being set up at once")
+            expected = self._member_key_at(address)
+            pending = asyncio.ensure_future(
+                self.transport.connect(parse_address(address), expected_peer=expected)
+            )
             self._dialing[address] = pending
             pending.add_done_callback(lambda f: self._dial_done(address, f))
-        key = await asyncio.shield(pending)
+        try:
+            key = await asyncio.shield(pending)
+        except TransportError:
+            if address not in self._proven:
+                failures, _ = self._backoff.get(address, (0, 0.0))
+                first, most = UNPROVEN_BACKOFF_S
+                self._backoff[address] = (
+                    failures + 1,
+                    self.clock() + min(most, first * 2**failures),
+                )
+                while len(self._backoff) > MAX_ADDRESSES:
+                    del self._backoff[next(iter(self._backoff))]
+            raise
         self._learn_peer(key, address)
         return key
+
+    def _member_key_at(self, address: str) -> bytes | None:
+        """The key of the member that signed ``address`` as its own (a dial there must
+        reach that member and no other), or None when no member did (a join)."""
+        node = self.node
+        if node is None:
+            return None
+        for name, m in node.membership.members.items():
+            if m.address == address:
+                return node.identities.public_key(name)
+        return None
 
     def _dial_done(self, address: str, future: asyncio.Future[bytes]) -> None:
         self._dialing.pop(address, None)

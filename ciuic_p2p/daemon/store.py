@@ -66,6 +66,8 @@ class StoreService:
         self._tasks: set[asyncio.Task[None]] = set()
         self._holding: set[str] = set()
         """Members whose HOLD this node is fetching now."""
+        self._held_for: collections.Counter[str] = collections.Counter()
+        """Bytes held on each member's HOLDs (never decreases: a conservative share)."""
         self.freshen: Callable[[str], Awaitable[None]] | None = None
         """Called before answering a query for a name (the trainer server refreshes its
         state snapshot so that joiners get current parameters)."""
@@ -315,11 +317,16 @@ class StoreService:
 
     async def _hold(self, peer: str, ref: Ref) -> None:
         """A member asked us to keep a copy of what it put: one such fetch at a time
-        per member, within ``store.max_held_bytes`` in all."""
+        per member, each member within a quarter of ``store.max_held_bytes`` (so that
+        one cannot fill what is there for all), all within the whole."""
         if self.holder.find(ref.name, ref.version, ref.root) is None:
-            if peer in self._holding or self.holder.bytes_held() >= self.settings.max_held_bytes:
-                self.counters["store_holds_refused"] += 1
-                log.warning("store_hold_refused", name=ref.name, peer=peer)
+            share = self.settings.max_held_bytes // 4
+            if (
+                peer in self._holding
+                or self._held_for[peer] >= share
+                or self.holder.bytes_held() >= self.settings.max_held_bytes
+            ):
+                self._hold_refused(peer, ref)
                 return
             self._holding.add(peer)
             try:
@@ -329,12 +336,19 @@ class StoreService:
                 return
             finally:
                 self._holding.discard(peer)
-            if self.holder.bytes_held() + len(data) > self.settings.max_held_bytes:
-                self.counters["store_holds_refused"] += 1
-                log.warning("store_hold_refused", name=ref.name, peer=peer)
+            if (
+                self._held_for[peer] + len(data) > share
+                or self.holder.bytes_held() + len(data) > self.settings.max_held_bytes
+            ):
+                self._hold_refused(peer, ref)
                 return
+            self._held_for[peer] += len(data)
             self.put_local(ref.name, fetch.version, data)
         self._send(peer, Ref(Kind.HELD, ref.name, ref.version, ref.root))
+
+    def _hold_refused(self, peer: str, ref: Ref) -> None:
+        self.counters["store_holds_refused"] += 1
+        log.warning("store_hold_refused", name=ref.name, peer=peer)
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)

@@ -87,6 +87,8 @@ FRESH_SNAPSHOT_S = 5.0
 """A joiner's query is answered with a snapshot at most this old (else the trainer is
 asked for a new one first)."""
 MAX_PENDING_OBJECTS = 4
+"""Objects a trainer may have in transfer, and sent but not put, at once (each at most
+``store.max_object_bytes``)."""
 log = get_logger("ciuic.trainer")
 
 
@@ -372,6 +374,8 @@ class TrainerServer:
             self._fresh.set()
             self.daemon.counters["state_snapshots"] += 1
         else:
+            if part.name not in self._objects and len(self._objects) >= MAX_PENDING_OBJECTS:
+                raise TrainWireError("too many objects sent and not put yet")
             self._objects[part.name] = (version, compat, bytes(data))
 
     def _remember_run(self, run: str) -> None:

@@ -33,10 +33,11 @@ fragment, which no browser sends to a server or a log. ``/metrics`` stays open t
 users (Prometheus scrapes it; its labels name peers, not addresses).
 
 Local users are strangers too: a request's headers must arrive within
-``web.header_timeout_s`` and an idle connection closes after it; past
+``web.header_timeout_s`` and an idle connection closes after it; a connection whose
+answers stay unread (its send buffer not drained) for that long is closed too; past
 ``web.max_connections`` open at once, a new connection is closed at once, so a user who
-opens a thousand half-finished requests takes neither the page nor the daemon's file
-descriptors (the unit raises ``LimitNOFILE`` as well).
+opens a thousand half-finished requests, or pipelines requests and never reads, takes
+neither the page nor the daemon's file descriptors (the unit raises ``LimitNOFILE``).
 """
 
 from __future__ import annotations
@@ -166,6 +167,7 @@ class WebServer:
         self._runner: web.AppRunner | None = None
         self._listener: asyncio.Server | None = None
         self._sampler: asyncio.Task[None] | None = None
+        self._reaper: asyncio.Task[None] | None = None
         self.connections_refused = 0
 
     async def start(self) -> int:
@@ -197,6 +199,7 @@ class WebServer:
         if self.token_path is not None:
             write_token(self.token_path, self.token)
         self._sampler = asyncio.get_running_loop().create_task(self._sample_routes())
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_unread())
         log.info("web_started", host=self.settings.listen_host, port=self.port)
         return self.port
 
@@ -209,12 +212,32 @@ class WebServer:
             return _Refused()
         return server()
 
+    async def _reap_unread(self) -> None:
+        """Close connections whose answers went unread for a whole ``header_timeout_s``
+        (see the module docstring)."""
+        stuck: set[int] = set()
+        while True:
+            await asyncio.sleep(self.settings.header_timeout_s)
+            server = None if self._runner is None else self._runner.server
+            now_stuck: set[int] = set()
+            for handler in [] if server is None else server.connections:
+                transport = handler.transport
+                if transport is None or not transport.get_write_buffer_size():
+                    continue
+                if id(handler) in stuck:
+                    self.connections_refused += 1
+                    transport.abort()  # close() would wait for the unread bytes to go
+                else:
+                    now_stuck.add(id(handler))
+            stuck = now_stuck
+
     async def close(self) -> None:
-        if self._sampler is not None:
-            self._sampler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sampler
-            self._sampler = None
+        for task in (self._sampler, self._reaper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._sampler = self._reaper = None
         if self._listener is not None:
             self._listener.close()
             self._listener = None

@@ -23,6 +23,11 @@ forged addresses, so before any state exists:
   bucket of one second's burst): each costs a TLS handshake, about a millisecond and
   a half of CPU here, and a loop busy with strangers' handshakes answers its members'
   probes late, which they read as suspicion.
+
+A source the transport knows (an address where a member was authenticated before:
+the daemon's proven addresses) is exempt from the caps and the rate, not from the
+Retry: strangers holding every pending slot must not keep members out, and a forged
+member address cannot return a Retry token.
 """
 
 from __future__ import annotations
@@ -89,7 +94,9 @@ class InitialGate:
         self._tokens = float(settings.handshakes_per_s)
         self._tokens_at: float | None = None
 
-    def decide(self, header: QuicHeader, size: int, addr: Address, now: float) -> Decision:
+    def decide(
+        self, header: QuicHeader, size: int, addr: Address, now: float, known: bool = False
+    ) -> Decision:
         if header.packet_type != QuicPacketType.INITIAL:
             return self._drop("not an Initial")
         if header.version is None or header.version not in self.supported_versions:
@@ -98,9 +105,9 @@ class InitialGate:
             return self._drop("Initial shorter than 1200 bytes")
         s = self.settings
         prefix = network_of(addr[0])
-        if self.pending >= s.max_pending_connections:
+        if not known and self.pending >= s.max_pending_connections:
             return self._drop("too many connections pending")
-        if self.pending_by_prefix[prefix] >= s.max_pending_per_prefix:
+        if not known and self.pending_by_prefix[prefix] >= s.max_pending_per_prefix:
             return self._drop("too many connections pending from one network")
         retry_scid: bytes | None = None
         original = header.destination_cid
@@ -117,7 +124,7 @@ class InitialGate:
             retry_scid = header.destination_cid
         elif self.pending >= s.retry_above_pending:
             return self._retry_packet(header, addr, now)
-        if not self._take_token(now):
+        if not known and not self._take_token(now):
             return self._drop("handshake rate limit")
         return Open(original, retry_scid)
 

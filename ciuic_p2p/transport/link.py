@@ -103,6 +103,12 @@ class QuicLink:
         """The stream the peer sends bulk frames on."""
         return SERVER_BULK_STREAM if self.dialed else BULK_STREAM
 
+    def control_unacked(self) -> int:
+        """Control-stream bytes sent and not acknowledged yet (aioquic keeps them in
+        the stream's send buffer; no public accessor)."""
+        stream = self.quic._streams.get(CONTROL_STREAM)
+        return 0 if stream is None else len(getattr(stream.sender, "_buffer", b""))
+
     def rtt_stats(self) -> RttStats:
         loss = self.quic._loss  # aioquic has no public accessor for its RTT estimate
         have_quic = loss._rtt_min != float("inf")

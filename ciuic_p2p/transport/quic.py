@@ -23,8 +23,9 @@ instead of 38 MB/s on loopback).
 
 aioquic internals used, each with no public accessor in 1.7.2: ``tls._peer_certificate``
 (the server's certificate, which we verify against the cluster CA ourselves),
-``_peer_cid.cid`` (the connection ID the server chose, bound into the client's proof)
-and ``_loss._rtt_*`` (QUIC's RTT estimate). tests/transport checks they exist.
+``_peer_cid.cid`` (the connection ID the server chose, bound into the client's proof),
+``_loss._rtt_*`` (QUIC's RTT estimate) and ``_streams[i].sender._buffer`` (bytes sent
+and not yet acknowledged). tests/transport/test_quic.py checks they exist.
 """
 
 from __future__ import annotations
@@ -121,8 +122,12 @@ class QuicTransport(AdmissionMixin, Transport):
         clock: Callable[[], float] = _now,
         wallclock: Callable[[], dt.datetime] = _utcnow,
         wrap_udp: Callable[[asyncio.DatagramTransport], asyncio.DatagramTransport] | None = None,
+        known_source: Callable[[Address], bool] = lambda addr: False,
     ) -> None:
+        """``known_source``: whether an address is one where a member was authenticated
+        before (the gate exempts it from its caps: transport.gate)."""
         self.key = key
+        self.known_source = known_source
         self.local_key = key.public_key
         self.certificate = certificate
         self.certificate_der = certificate.public_bytes(serialization.Encoding.DER)
@@ -229,7 +234,8 @@ class QuicTransport(AdmissionMixin, Transport):
             return
         link = self._by_cid.get(header.destination_cid)
         if link is None:
-            decision = self.gate.decide(header, len(data), addr, self.clock())
+            known = self.known_source(addr)
+            decision = self.gate.decide(header, len(data), addr, self.clock(), known)
             if isinstance(decision, Reply):
                 self._sendto(decision.data, addr)
                 return
@@ -389,6 +395,16 @@ class QuicTransport(AdmissionMixin, Transport):
     def _send_frame(self, link: QuicLink, ftype: FrameType, payload: bytes) -> None:
         stream = link.bulk_out if ftype in BULK_TYPES else CONTROL_STREAM
         link.quic.send_stream_data(stream, encode_frame(ftype, payload))
+        if stream == CONTROL_STREAM:
+            self._check_control_backlog(link)
+
+    def _check_control_backlog(self, link: QuicLink) -> None:
+        """Control frames spend no credit, so a peer that withholds QUIC's flow-control
+        window (or never acknowledges) would make this node buffer every answer to
+        it (a pong per ping, a sync per sync): past ``max_control_send_bytes``
+        unacknowledged, the link goes."""
+        if link.control_unacked() > self.settings.max_control_send_bytes and not link.closed:
+            self._refuse_or_drop(link, "peer leaves its control stream unacknowledged")
 
     async def _ping_loop(self, link: QuicLink) -> None:
         while not link.closed:
@@ -420,6 +436,10 @@ class QuicTransport(AdmissionMixin, Transport):
             if link.closed:
                 raise TransportError(f"link to {peer_id_of(peer)} closed")
         link.quic.send_stream_data(link.bulk_out if cost else CONTROL_STREAM, frame)
+        if not cost:
+            self._check_control_backlog(link)
+            if link.closed:
+                raise TransportError(f"link to {peer_id_of(peer)} dropped")
         self._transmit(link)
 
     async def next_event(self) -> TransportEvent:

@@ -215,7 +215,12 @@ class Liar:
                     with contextlib.suppress(Exception):
                         await self.transport.send(key, FrameType.GOSSIP, encode_message(refute))
 
-    async def close(self) -> None:
+    def stop_reading(self) -> None:
+        """Read nothing more: no credit goes back, what is sent to the liar piles up at
+        its senders (a member that asks and never reads)."""
         if self._reader is not None:
             self._reader.cancel()
+
+    async def close(self) -> None:
+        self.stop_reading()
         await self.transport.close()

@@ -4,9 +4,11 @@ endpoint, checkpoints, CREDIT frames, and refusals that vary their source port."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import io
 import json
+import socket
 import stat
 import struct
 from pathlib import Path
@@ -139,5 +141,36 @@ async def test_refusals_from_many_ports_are_one_line_and_one_entry(
         json.loads(x) for x in (tmp_path / "audit" / "audit-000001.jsonl").read_text().splitlines()
     ]
     refusals = [e for e in entries if e["kind"] == "refusals"]
-    assert len(refusals) == 1 and refusals[0]["data"]["total"] == 40
-    assert refusals[0]["data"]["networks"] == {"127.0.0.0/24": 40}
+    assert len(refusals) == 1
+    data = refusals[0]["data"]
+    # 40 refused proofs (and a late datagram of a closed connection now and then).
+    assert max(data["reasons"].values()) == 40 and data["total"] >= 40
+    assert list(data["networks"]) == ["127.0.0.0/24"]
+
+
+async def test_answers_left_unread_free_their_connection(tmp_path: Path) -> None:
+    """Review: pipelined requests on connections that never read held every slot
+    (the header timeout ends with a whole request; the answer then waited forever)."""
+    async with HonestMesh(tmp_path, ["a"]) as mesh:
+        await mesh.form()
+        settings = WebSection(port=0, header_timeout_s=0.5, max_connections=8)
+        web = WebServer(mesh.daemons["a"], settings, token_path=tmp_path / "run" / "web.token")
+        port = await web.start()
+        socks = []
+        try:
+            for _ in range(8):
+                s = socket.socket()
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)
+                s.connect(("127.0.0.1", port))
+                s.setblocking(False)
+                with contextlib.suppress(BlockingIOError):
+                    s.send(b"GET / HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n" * 200)
+                socks.append(s)
+            server = web._runner.server if web._runner is not None else None
+            assert server is not None
+            await until(lambda: not server.connections, 10, "the unread connections go")
+            assert await get(port, "/metrics") == 200
+        finally:
+            for s in socks:
+                s.close()
+            await web.close()

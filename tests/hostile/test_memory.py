@@ -6,6 +6,7 @@ the daemons: a test fails when it grows by what the attack announced."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import socket
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from ciuic_p2p.core.frames import FrameType
-from ciuic_p2p.core.storewire import Get, Manifest, Offer, Query, decode, encode
+from ciuic_p2p.core.storewire import Get, Kind, Manifest, Offer, Query, Ref, decode, encode
 from ciuic_p2p.core.trainwire import FrameType as TrainFrame
 from ciuic_p2p.core.trainwire import json_frame, part_frames
 from ciuic_p2p.daemon.store import StoreError, StoreService
@@ -143,6 +144,61 @@ async def test_a_put_part_announcing_a_huge_object_holds_only_what_arrived(tmp_p
         await until(
             lambda: a.counters["trainer_protocol_errors"] == 1, 10, "the session is refused"
         )
+        assert rss_bytes() - before < 64 * MiB
+        writer.close()
+    finally:
+        await server.close()
+        await mesh.close()
+
+
+async def test_one_member_cannot_take_what_a_holder_keeps_for_all(tmp_path: Path) -> None:
+    """Review: one member filled store.max_held_bytes with its own HOLDs, and every
+    later HOLD of an honest member was refused for good."""
+    config = fast_config()
+    store_cfg = dataclasses.replace(
+        config.store, max_held_bytes=8 * MiB, replicas=1, fetch_timeout_s=5.0
+    )
+    mesh = HonestMesh(
+        tmp_path, ["victim", "mallory", "honest"], dataclasses.replace(config, store=store_cfg)
+    )
+    await mesh.form()
+    try:
+        stores = {n: StoreService(mesh.daemons[n]) for n in mesh.names}
+        victim = mesh.daemons["victim"]
+        for i in range(3):  # 3 x 3 MiB: more than mallory's share of 2 MiB, and the whole
+            name = f"junk{i}"
+            m = stores["mallory"].put_local(name, 1, os.urandom(3 * MiB))
+            stores["mallory"]._send(victim.peer_id, Ref(Kind.HOLD, name, 1, m.root))
+        await until(lambda: stores["victim"].counters["store_holds_refused"] >= 2, 20, "refused")
+        assert stores["victim"].holder.bytes_held() <= 3 * MiB
+        m = stores["honest"].put_local("ckpt", 1, os.urandom(MiB))
+        stores["honest"]._send(victim.peer_id, Ref(Kind.HOLD, "ckpt", 1, m.root))
+        await until(lambda: stores["victim"].holder.find("ckpt", 1, m.root) is not None, 20, "held")
+    finally:
+        await mesh.close()
+
+
+async def test_objects_sent_and_never_put_are_bounded(tmp_path: Path) -> None:
+    """Review: complete objects a trainer sent without a PUT_REQUEST piled up (300 of
+    1 MiB: +307 MiB)."""
+    mesh = HonestMesh(tmp_path, ["a"], small_store_config())  # type: ignore[arg-type]
+    await mesh.form()
+    a = mesh.daemons["a"]
+    server = TrainerServer(a)
+    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        await server.serve_socket(theirs)
+        _, writer = await asyncio.open_unix_connection(sock=ours)
+        writer.write(json_frame(TrainFrame.HELLO, {"run": "memory-test"}))
+        before = rss_bytes()
+        with contextlib.suppress(ConnectionError):  # the daemon ends the session
+            for i in range(50):
+                for parts in part_frames(TrainFrame.PUT_PART, f"o{i}", 1, bytes(MiB), bytes(32)):
+                    writer.writelines(parts)
+                await writer.drain()
+                if a.counters["trainer_protocol_errors"]:
+                    break
+        await until(lambda: a.counters["trainer_protocol_errors"] == 1, 10, "refused")
         assert rss_bytes() - before < 64 * MiB
         writer.close()
     finally:

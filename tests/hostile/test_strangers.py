@@ -251,3 +251,36 @@ def test_mutated_proofs_raise_only_typed_errors(cluster: Cluster) -> None:
             mutated[rng.randrange(len(mutated))] = rng.randrange(256)
         with contextlib.suppress(CiuicError):
             check_auth(bytes(mutated), cluster.trust, NOW, b"k" * 32, b"c" * 8, b"d" * 8)
+
+
+async def test_known_member_sources_get_in_while_strangers_hold_every_slot(
+    cluster: Cluster,
+) -> None:
+    """Review: a stranger that follows the Retry from a few networks held every pending
+    slot, and a member's (re)join failed. Addresses where a member was authenticated
+    before are exempt from the caps (not from the Retry)."""
+    from ciuic_p2p.transport.quic import QuicTransport  # noqa: PLC0415
+
+    settings = dataclasses.replace(
+        FAST, max_pending_connections=4, max_pending_per_prefix=2, auth_timeout_s=4.0
+    )
+    key, cert = cluster.node_credentials()
+    server = QuicTransport(
+        key, cert, cluster.trust, settings=settings, known_source=lambda a: a[0] == "127.0.0.1"
+    )
+    await server.start()
+    member_key, member_cert = cluster.node_credentials()
+    member = QuicTransport(member_key, member_cert, cluster.trust, settings=FAST)
+    await member.start()
+    strangers = []
+    try:
+        for host in ("127.8.1.2", "127.8.1.3", "127.8.2.2", "127.8.2.3", "127.8.3.2"):
+            with contextlib.suppress(TimeoutError):
+                strangers.append(await RawClient.connect((server.host, server.port), host, 1.5))
+        assert server.gate.pending == 4 and len(strangers) == 4  # every slot held
+        assert await member.connect((server.host, server.port)) == server.local_key
+    finally:
+        for c in strangers:
+            c.close()
+        await member.close()
+        await server.close()

@@ -17,9 +17,11 @@ from ciuic_p2p.transport.quic import ALPN
 
 
 class RawClient(asyncio.DatagramProtocol):
-    def __init__(self) -> None:
+    def __init__(self, max_stream_data: int | None = None) -> None:
         conf = QuicConfiguration(is_client=True, alpn_protocols=[ALPN], verify_mode=ssl.CERT_NONE)
         conf.max_datagram_size = 1452
+        if max_stream_data is not None:  # how much the server may send per stream
+            conf.max_stream_data = max_stream_data
         self.quic = QuicConnection(configuration=conf)
         self.udp: asyncio.DatagramTransport | None = None
         self.handshake = asyncio.get_running_loop().create_future()
@@ -29,12 +31,16 @@ class RawClient(asyncio.DatagramProtocol):
 
     @classmethod
     async def connect(
-        cls, addr: tuple[str, int], local_host: str = "127.0.0.1", timeout_s: float = 5.0
+        cls,
+        addr: tuple[str, int],
+        local_host: str = "127.0.0.1",
+        timeout_s: float = 5.0,
+        max_stream_data: int | None = None,
     ) -> RawClient:
         """Complete a QUIC handshake (following a Retry, as any QUIC stack does) from
         ``local_host`` (any address of 127.0.0.0/8 on Linux's loopback)."""
         loop = asyncio.get_running_loop()
-        client = cls()
+        client = cls(max_stream_data)
         await loop.create_datagram_endpoint(lambda: client, local_addr=(local_host, 0))
         client.quic.connect(addr, now=time.monotonic())
         client.flush()

@@ -22,9 +22,12 @@ from tests.transport.rawclient import RawClient
 from tests.transport.test_quic import next_of
 
 
-async def authenticated_raw(server: object, cluster: Cluster) -> RawClient:
+async def authenticated_raw(
+    server: object, cluster: Cluster, max_stream_data: int | None = None
+) -> RawClient:
     key, cert = cluster.node_credentials()
-    client = await RawClient.connect((server.host, server.port))  # type: ignore[attr-defined]
+    address = (server.host, server.port)  # type: ignore[attr-defined]
+    client = await RawClient.connect(address, max_stream_data=max_stream_data)
     der = cert.public_bytes(serialization.Encoding.DER)
     proof = build_auth(
         key,

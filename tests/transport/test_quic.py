@@ -4,12 +4,14 @@ import asyncio
 import dataclasses
 import datetime as dt
 
+import pytest
+
 from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import TransportSection
 from ciuic_p2p.core.frames import FrameType
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.transport.base import FrameReceived, PeerConnected, PeerDisconnected, TransportEvent
-from ciuic_p2p.transport.quic import QuicTransport
+from ciuic_p2p.transport.quic import QuicTransport, TransportError
 from tests.conftest import eventually
 from tests.transport.conftest import FAST, Cluster, NodeFactory
 
@@ -180,3 +182,38 @@ async def test_the_udp_socket_gets_the_configured_buffers_or_the_kernel_cap(
     # Linux reports twice the usable size (its bookkeeping included).
     assert receive >= 2 * min(wanted, rmem_max)
     assert send >= 2 * min(wanted, wmem_max)
+
+
+async def test_the_aioquic_internals_we_read_exist(make_node: NodeFactory) -> None:
+    """transport/quic.py reads a few of aioquic's private fields (its docstring says
+    which and why): a release that renames one fails here, not in production."""
+    a, b = await make_node(), await make_node()
+    await a.connect((b.host, b.port))
+    link = next(iter(a._links.values()))
+    quic = link.quic
+    assert quic.tls._peer_certificate is not None
+    assert isinstance(quic._peer_cid.cid, bytes)
+    for name in ("_rtt_min", "_rtt_smoothed", "_rtt_variance"):
+        assert isinstance(getattr(quic._loss, name), float)
+    assert isinstance(quic._streams[0].sender._buffer, bytearray)
+    assert link.control_unacked() >= 0
+
+
+async def test_a_peer_that_leaves_its_control_stream_unacknowledged_is_dropped(
+    make_node: NodeFactory, cluster: Cluster
+) -> None:
+    """Control frames spend no credit: a peer that withholds QUIC's window would make
+    this node buffer every answer to it (review: 1,500 syncs left 73 MiB buffered)."""
+    from tests.transport.test_hostile import authenticated_raw  # noqa: PLC0415
+
+    settings = dataclasses.replace(FAST, max_control_send_bytes=1 << 20)
+    server = await make_node(settings=settings)
+    # The member lets the server send it 4 KiB per stream, and no more, ever.
+    hostile = await authenticated_raw(server, cluster, max_stream_data=4096)
+    await eventually(server.peers, 5)
+    peer = server.peers()[0]
+    with pytest.raises(TransportError):
+        for _ in range(40):  # 40 x 60 KB of gossip it never lets through
+            await server.send(peer, FrameType.GOSSIP, b"g" * 60_000)
+    assert peer not in server.peers()
+    hostile.close()
