@@ -160,6 +160,8 @@ class LocalCluster:
         self.trainers: list[subprocess.Popen[bytes]] = []
         self._trainers_of: dict[str, list[subprocess.Popen[bytes]]] = {}
         self.base_port = 0
+        self.ca: ClusterCA | None = None
+        """The cluster's CA once started (a benchmark may issue more credentials)."""
         self._t0 = 0.0
 
     def state_dir(self, name: str) -> Path:
@@ -179,7 +181,7 @@ class LocalCluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.config_path.write_text(self.config_toml)
         now = dt.datetime.now(dt.UTC)
-        ca = ClusterCA.create("ciuic-demo", now)
+        ca = self.ca = ClusterCA.create("ciuic-demo", now)
         self.base_port = free_port_block(len(self.names))
         self._t0 = t0
         for name in self.names:
