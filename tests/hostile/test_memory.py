@@ -10,6 +10,7 @@ import contextlib
 import dataclasses
 import os
 import socket
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ from ciuic_p2p.core.frames import FrameType
 from ciuic_p2p.core.storewire import Get, Kind, Manifest, Offer, Query, Ref, decode, encode
 from ciuic_p2p.core.trainwire import FrameType as TrainFrame
 from ciuic_p2p.core.trainwire import json_frame, part_frames
+from ciuic_p2p.daemon.node import MeshDaemon
 from ciuic_p2p.daemon.store import StoreError, StoreService
 from ciuic_p2p.daemon.trainer import TrainerServer
 from tests.hostile.attack import Liar
@@ -116,18 +118,29 @@ async def test_an_offer_of_a_huge_object_allocates_nothing(tmp_path: Path) -> No
         await mesh.close()
 
 
-async def test_a_put_part_announcing_a_huge_object_holds_only_what_arrived(tmp_path: Path) -> None:
-    """On the trainer socket, a PUT_PART announcing 2^36 bytes allocated them, and
-    kept them after the session ended."""
+@contextlib.asynccontextmanager
+async def trainer_session(tmp_path: Path) -> AsyncIterator[tuple[MeshDaemon, asyncio.StreamWriter]]:
+    """A daemon and a trainer's end of its socket, after HELLO (a local trainer in the
+    daemon's group: the socket is 0660)."""
     mesh = HonestMesh(tmp_path, ["a"], small_store_config())  # type: ignore[arg-type]
     await mesh.form()
-    a = mesh.daemons["a"]
-    server = TrainerServer(a)
+    server = TrainerServer(mesh.daemons["a"])
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         await server.serve_socket(theirs)
         _, writer = await asyncio.open_unix_connection(sock=ours)
         writer.write(json_frame(TrainFrame.HELLO, {"run": "memory-test"}))
+        yield mesh.daemons["a"], writer
+        writer.close()
+    finally:
+        await server.close()
+        await mesh.close()
+
+
+async def test_a_put_part_announcing_a_huge_object_holds_only_what_arrived(tmp_path: Path) -> None:
+    """On the trainer socket, a PUT_PART announcing 2^36 bytes allocated them, and
+    kept them after the session ended."""
+    async with trainer_session(tmp_path) as (a, writer):
         before = rss_bytes()
         # 1 KiB of an object said to be 200 MiB (under the bound): held as it arrives.
         frames = part_frames(TrainFrame.PUT_PART, "obj", 1, b"x" * 1024, bytes(32))
@@ -145,10 +158,6 @@ async def test_a_put_part_announcing_a_huge_object_holds_only_what_arrived(tmp_p
             lambda: a.counters["trainer_protocol_errors"] == 1, 10, "the session is refused"
         )
         assert rss_bytes() - before < 64 * MiB
-        writer.close()
-    finally:
-        await server.close()
-        await mesh.close()
 
 
 async def test_one_member_cannot_take_what_a_holder_keeps_for_all(tmp_path: Path) -> None:
@@ -181,15 +190,7 @@ async def test_one_member_cannot_take_what_a_holder_keeps_for_all(tmp_path: Path
 async def test_objects_sent_and_never_put_are_bounded(tmp_path: Path) -> None:
     """Review: complete objects a trainer sent without a PUT_REQUEST piled up (300 of
     1 MiB: +307 MiB)."""
-    mesh = HonestMesh(tmp_path, ["a"], small_store_config())  # type: ignore[arg-type]
-    await mesh.form()
-    a = mesh.daemons["a"]
-    server = TrainerServer(a)
-    ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        await server.serve_socket(theirs)
-        _, writer = await asyncio.open_unix_connection(sock=ours)
-        writer.write(json_frame(TrainFrame.HELLO, {"run": "memory-test"}))
+    async with trainer_session(tmp_path) as (a, writer):
         before = rss_bytes()
         with contextlib.suppress(ConnectionError):  # the daemon ends the session
             for i in range(50):
@@ -200,7 +201,3 @@ async def test_objects_sent_and_never_put_are_bounded(tmp_path: Path) -> None:
                     break
         await until(lambda: a.counters["trainer_protocol_errors"] == 1, 10, "refused")
         assert rss_bytes() - before < 64 * MiB
-        writer.close()
-    finally:
-        await server.close()
-        await mesh.close()
