@@ -16,8 +16,11 @@ Seeds: a real client Initial, valid and broken ``AUTH`` frames with a real node
 certificate of the cluster, and the certificates a fuzzer once found to break the
 parser.
 
-    python tests/hostile/fuzz_preauth.py -atheris_runs=1000000   # atheris (libFuzzer)
-    python tests/hostile/fuzz_preauth.py --mutate 20000           # seeded, no atheris
+    python tests/hostile/fuzz_preauth.py -runs=1000000   # atheris (libFuzzer)
+    python tests/hostile/fuzz_preauth.py --mutate 20000  # seeded, no atheris
+
+With atheris the corpus is kept in ``~/.cache/ciuic-p2p/fuzz-preauth`` (or a
+directory named on the command line), seeded on first use.
 
 With atheris (``pip install atheris``) it is coverage-guided; without it, ``--mutate N``
 runs N seeded random mutations of the seeds (what ``make test`` runs, briefly, when
@@ -35,6 +38,7 @@ import random
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from cryptography.hazmat.primitives import serialization
 
@@ -158,15 +162,15 @@ def main(argv: list[str]) -> int:
 
     target = Target()
     atheris.instrument_all()  # our code and aioquic's and cryptography's Python, loaded now
-    corpus = [arg for arg in argv[1:] if not arg.startswith("-")]
-    if not corpus:  # give libFuzzer the seeds as a corpus directory of its own
-        import tempfile  # noqa: PLC0415
-        from pathlib import Path  # noqa: PLC0415
-
-        directory = Path(tempfile.mkdtemp(prefix="ciuic-fuzz-"))
+    corpus = [Path(arg) for arg in argv[1:] if not arg.startswith("-")]
+    if not corpus:  # kept between runs: each run starts where the last one got to
+        cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        corpus = [cache / "ciuic-p2p" / "fuzz-preauth"]
+        argv = [*argv, str(corpus[0])]
+    corpus[0].mkdir(parents=True, exist_ok=True)
+    if not any(corpus[0].iterdir()):  # libFuzzer starts from the seeds
         for i, seed in enumerate(target.seeds):
-            (directory / f"seed-{i}").write_bytes(seed)
-        argv = [*argv, str(directory)]
+            (corpus[0] / f"seed-{i}").write_bytes(seed)
     atheris.Setup(argv, target.one)
     atheris.Fuzz()
     return 0

@@ -25,7 +25,7 @@ def test_coverage_guided_inputs_raise_only_typed_errors(tmp_path: Path) -> None:
         pytest.skip("atheris is not installed (pip install atheris)")
     done = subprocess.run(
         [sys.executable, str(ROOT / "tests/hostile/fuzz_preauth.py"), "-runs=10000",
-         "-max_total_time=60", f"-artifact_prefix={tmp_path}/"],
+         "-max_total_time=60", f"-artifact_prefix={tmp_path}/", str(tmp_path / "corpus")],
         capture_output=True,
         text=True,
         timeout=180,
