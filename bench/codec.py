@@ -35,10 +35,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from ciuic_p2p.core.codec import BucketEncoder, BucketSpec, ChunkSource, apply_chunk
-from ciuic_p2p.core.quant import dequantize_int8, quantize_int8
-from ciuic_p2p.core.select import exact_topk
-from ciuic_p2p.core.wire import Codec
+from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource, apply_chunk
+from ciuic_p2p.core.codec.chunk import Codec
+from ciuic_p2p.core.codec.quant import dequantize_int8, quantize_int8
+from ciuic_p2p.core.codec.select import exact_topk
+from ciuic_p2p.train.parallel import thread_parts
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from support.index_coders import CODERS
@@ -80,7 +81,7 @@ def codec_row(
     """Encode and decode ``reps`` fresh updates through one encoder (error feedback
     carries across them, as in training); medians of the timings."""
     spec = BucketSpec(codec=codec, density=density)
-    enc = BucketEncoder(0, n, spec, SOURCE, seed=1)
+    enc = BucketEncoder(0, n, spec, SOURCE, seed=1, run_parts=thread_parts)
     target = torch.zeros(n)
     acc = torch.empty(n)
     enc_ms, dec_ms, sizes, sel, rel_err, q_err = [], [], [], [], [], []

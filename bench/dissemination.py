@@ -34,9 +34,9 @@ from pathlib import Path
 from typing import Any
 
 from ciuic_p2p.config import Config, Dissemination, LogSection
-from ciuic_p2p.core.broadcast import Delivery
-from ciuic_p2p.core.scenario import Scenario, scenario_from_matrix
-from ciuic_p2p.emulator.daemons import DaemonMesh
+from ciuic_p2p.core.mesh.broadcast import Delivery
+from ciuic_p2p.emulator.model.scenario import Scenario, scenario_from_matrix
+from ciuic_p2p.lab.daemons import DaemonMesh
 from ciuic_p2p.logsetup import configure_logging
 from ciuic_p2p.transport.loop import new_event_loop
 

@@ -21,8 +21,6 @@ import os
 import sys
 import time
 
-from ciuic_p2p.core.netem import LinkModel, LinkParams
-from ciuic_p2p.core.scenario import load_scenario, scenario_from_mapping
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.mesh import (
     EmulatedMesh,
@@ -30,6 +28,9 @@ from ciuic_p2p.emulator.mesh import (
     measure_rate_error_pct,
     measure_rtts,
 )
+from ciuic_p2p.emulator.model.netem import LinkModel, LinkParams
+from ciuic_p2p.emulator.model.scenario import scenario_from_mapping
+from ciuic_p2p.emulator.scenarios import load_scenario
 
 DATAGRAM = 1452
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Failure detection benchmark on the 11-city scenario, on virtual time (the pure
-membership cores on core.simulator; the same code the daemon runs).
+membership cores on emulator.model.simulator; the same code the daemon runs).
 
 With one configuration throughout (the WAN preset's mesh section):
 
@@ -27,10 +27,11 @@ import sys
 import time
 
 from ciuic_p2p.config import Config
-from ciuic_p2p.core.members import State
-from ciuic_p2p.core.scenario import Scenario, load_scenario
+from ciuic_p2p.core.mesh.members import State
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
+from ciuic_p2p.emulator.model.scenario import Scenario
+from ciuic_p2p.emulator.scenarios import load_scenario
 
 
 def cities(loss: float = 0.0, jitter_s: float | None = None, seed: int = 11) -> Scenario:

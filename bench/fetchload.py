@@ -30,7 +30,7 @@ from typing import Any
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from support.statefetch import CONFIG, cpu_s, farthest, timed_fetch
 
-from ciuic_p2p.train.cluster import JsonLines, LocalCluster, spread_nodes
+from ciuic_p2p.lab.cluster import JsonLines, LocalCluster, spread_nodes
 
 
 def main(argv: list[str] | None = None) -> int:

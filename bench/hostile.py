@@ -55,34 +55,34 @@ sys.path.insert(0, str(ROOT))  # the attackers live with the hostile tests
 
 import torch  # noqa: E402
 
-from ciuic_p2p.core.codec import BucketEncoder, BucketSpec, ChunkSource  # noqa: E402
-from ciuic_p2p.core.frames import FrameType  # noqa: E402
-from ciuic_p2p.core.meshwire import (  # noqa: E402
+from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource  # noqa: E402
+from ciuic_p2p.core.codec.chunk import Codec, parse_chunk  # noqa: E402
+from ciuic_p2p.core.link.frames import FrameType  # noqa: E402
+from ciuic_p2p.core.mesh.messages import (  # noqa: E402
     MAX_INCARNATION,
     VERSION,
     Alive,
     Chunk,
     Dead,
     Heads,
-    Kind,
+    MeshKind,
     PingReq,
     Suspect,
     encode_update,
 )
-from ciuic_p2p.core.storewire import Get, Manifest, Offer, Query, decode, encode  # noqa: E402
-from ciuic_p2p.core.trainwire import Kind as TrainKind  # noqa: E402
-from ciuic_p2p.core.trainwire import (  # noqa: E402
-    decode_message,
+from ciuic_p2p.core.replica.messages import PayloadKind as TrainKind  # noqa: E402
+from ciuic_p2p.core.replica.messages import (  # noqa: E402
+    decode_payload,
     encode_done,
     encode_presence,
     envelope,
     run_id_of,
 )
-from ciuic_p2p.core.wire import Codec, parse_chunk  # noqa: E402
+from ciuic_p2p.core.store.messages import Get, Manifest, Offer, Query, decode, encode  # noqa: E402
 from ciuic_p2p.daemon.control import request  # noqa: E402
 from ciuic_p2p.identity import NodeKey, peer_id_of  # noqa: E402
+from ciuic_p2p.lab.cluster import LocalCluster  # noqa: E402
 from ciuic_p2p.train.channel import DaemonChannel  # noqa: E402
-from ciuic_p2p.train.cluster import LocalCluster  # noqa: E402
 from tests.hostile.attack import (  # noqa: E402
     Liar,
     long_header,
@@ -141,7 +141,7 @@ class Trainer:
         while not self._stop.wait(0.02):
             while self.channel.deliveries:
                 peer, payload = self.channel.deliveries.popleft()
-                msg = decode_message(payload)
+                msg = decode_payload(payload)
                 if msg.kind is TrainKind.UPDATE:
                     header, _ = parse_chunk(msg.body)
                     self.received.setdefault((peer, header.step), time.time())
@@ -563,7 +563,7 @@ class Bench:
 
 def _raw_gossip(sender: str, update: bytes) -> bytes:
     name = sender.encode()
-    return bytes([VERSION, Kind.GOSSIP, len(name)]) + name + struct.pack("<H", 1) + update
+    return bytes([VERSION, MeshKind.GOSSIP, len(name)]) + name + struct.pack("<H", 1) + update
 
 
 def main() -> int:

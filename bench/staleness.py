@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""How the update rule (core.replica) holds up under staleness, without a network:
+"""How the update rule (core.replica.rule) holds up under staleness, without a network:
 N replicas of the digits task in one process hand each other their payloads after a
 fixed delay of D steps (every replica steps once per round). With density 1 and no
 delay the rule is the dense computation; the sweep shows what compression and delay
@@ -20,19 +20,18 @@ import sys
 import torch
 
 from ciuic_p2p.config import CodecSection, TrainSection
-from ciuic_p2p.core.codec import ChunkSource
-from ciuic_p2p.core.layout import BucketLayout
-from ciuic_p2p.core.replica import Replica, consensus_distance
-from ciuic_p2p.core.trainwire import Kind, encode_presence, run_id_of
+from ciuic_p2p.core.codec.bucket import ChunkSource
+from ciuic_p2p.core.codec.layout import BucketLayout
+from ciuic_p2p.core.replica.messages import PayloadKind, encode_presence, run_id_of
+from ciuic_p2p.core.replica.rule import Replica, consensus_distance
+from ciuic_p2p.lab.tasks import DigitsTask
 from ciuic_p2p.train.hook import flatten_parameters
-from ciuic_p2p.train.tasks import DigitsTask
+
+_Rep = tuple[torch.nn.Module, torch.optim.Optimizer, Replica, torch.Generator]
 
 
-def run(
-    density: float, delay: int, interval: int, seed: int, nodes: int, steps: int
-) -> tuple[float, float]:
-    task = DigitsTask()
-    reps = []
+def _replicas(task: DigitsTask, density: float, interval: int, seed: int, nodes: int) -> list[_Rep]:
+    reps: list[_Rep] = []
     for i in range(nodes):
         torch.manual_seed(seed)
         model = task.model()
@@ -54,16 +53,34 @@ def run(
     for i, (_, _, r, _) in enumerate(reps):  # everyone joined
         for j in range(nodes):
             if j != i:
-                r.receive(f"p{j}", encode_presence(Kind.JOIN, run_id_of("sim")))
-    queue: collections.deque[tuple[int, int, bytes]] = collections.deque()
+                r.receive(f"p{j}", encode_presence(PayloadKind.JOIN, run_id_of("sim")))
+    return reps
 
-    def deliver(until: int) -> None:
-        while queue and queue[0][0] <= until:
-            _, i, payload = queue.popleft()
-            for j, (_, _, r, _) in enumerate(reps):
+
+class _DelayLine:
+    """Payloads handed to every other replica once their round comes."""
+
+    def __init__(self, reps: list[_Rep]) -> None:
+        self.reps = reps
+        self.queue: collections.deque[tuple[int, int, bytes]] = collections.deque()
+
+    def put(self, at_step: int, sender: int, payloads: list[bytes]) -> None:
+        self.queue.extend((at_step, sender, p) for p in payloads)
+
+    def deliver(self, until: int) -> None:
+        while self.queue and self.queue[0][0] <= until:
+            _, i, payload = self.queue.popleft()
+            for j, (_, _, r, _) in enumerate(self.reps):
                 if j != i:
                     r.receive(f"p{i}", payload)
 
+
+def run(
+    density: float, delay: int, interval: int, seed: int, nodes: int, steps: int
+) -> tuple[float, float]:
+    task = DigitsTask()
+    reps = _replicas(task, density, interval, seed, nodes)
+    line = _DelayLine(reps)
     for step in range(1, steps + 1):
         for i, (model, opt, r, gen) in enumerate(reps):
             for group in opt.param_groups:
@@ -73,16 +90,14 @@ def run(
             loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             if r.local_step():
-                for p in r.encode_update(r.take_update(), r.step):
-                    queue.append((step + delay, i, p))
-        deliver(step)
+                line.put(step + delay, i, r.encode_update(r.take_update(), r.step))
+        line.deliver(step)
         for _, _, r, _ in reps:
             r.settle()
     for i, (_, _, r, _) in enumerate(reps):
         if r.last_send_step < r.step:
-            for p in r.encode_update(r.take_update(), r.step):
-                queue.append((0, i, p))
-    deliver(steps + delay)
+            line.put(0, i, r.encode_update(r.take_update(), r.step))
+    line.deliver(steps + delay)
     for _, _, r, _ in reps:
         r.settle(everything=True)
     losses = [task.evaluate(m)[0] for m, _, _, _ in reps]

@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from ciuic_p2p.data import WAN_DIR
-from ciuic_p2p.train.cluster import LocalCluster, spread_nodes
-from ciuic_p2p.train.demo import DEMO_CONFIG
-from ciuic_p2p.train.report import final_consensus, summarize
+from ciuic_p2p.lab.cluster import LocalCluster, spread_nodes
+from ciuic_p2p.lab.demo import DEMO_CONFIG
+from ciuic_p2p.lab.report import final_consensus, summarize
 
 SCENARIO = """seed = 11
 rate_scale = 1.0

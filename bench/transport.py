@@ -30,9 +30,9 @@ from cryptography.hazmat.primitives import serialization
 
 from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import TransportSection
-from ciuic_p2p.core.frames import FrameType
-from ciuic_p2p.core.origin import ChunkFilter, sign_chunk, verify_chunk
-from ciuic_p2p.core.wire import ChunkHeader, Codec, IndexCode, build_chunk
+from ciuic_p2p.core.codec.chunk import ChunkHeader, Codec, IndexCode, build_chunk
+from ciuic_p2p.core.codec.origin import ChunkFilter, sign_chunk, verify_chunk
+from ciuic_p2p.core.link.frames import FrameType
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.transport.base import FrameReceived
 from ciuic_p2p.transport.lanes import LanePool

@@ -28,10 +28,10 @@ from typing import Any
 
 from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import CongestionControl, TransportSection
-from ciuic_p2p.core.frames import FrameType
-from ciuic_p2p.core.scenario import load_scenario
+from ciuic_p2p.core.link.frames import FrameType
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.mesh import EmulatedMesh
+from ciuic_p2p.emulator.scenarios import load_scenario
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.transport.base import FrameReceived
 from ciuic_p2p.transport.loop import new_event_loop

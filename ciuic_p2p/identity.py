@@ -12,46 +12,33 @@ raw public key; the peer ID is for people and logs.
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import os
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 
-from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from ciuic_p2p.core.link.keys import (
+    PEER_ID_PREFIX,
+    PUBLIC_KEY_LEN,
+    SIGNATURE_LEN,
+    peer_id_of,
+    raw_public_key,
+    verify_signature,
+)
 from ciuic_p2p.errors import IdentityError
 
-PEER_ID_PREFIX = "ciuic"
-PUBLIC_KEY_LEN = 32
-SIGNATURE_LEN = 64
-
-
-def peer_id_of(public_key: bytes) -> str:
-    """The printable peer ID of a raw Ed25519 public key."""
-    if len(public_key) != PUBLIC_KEY_LEN:
-        raise IdentityError("an Ed25519 public key is 32 bytes")
-    digest = hashlib.sha256(public_key).digest()[:20]
-    return PEER_ID_PREFIX + base64.b32encode(digest).decode().lower()
-
-
-def raw_public_key(key: Ed25519PublicKey) -> bytes:
-    return key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-
-
-def verify_signature(public_key: bytes, signature: bytes, *message: bytes | memoryview) -> bool:
-    """True when ``signature`` is the key's Ed25519 signature over the concatenation
-    of ``message`` parts."""
-    try:
-        Ed25519PublicKey.from_public_bytes(public_key).verify(
-            signature, b"".join(bytes(m) for m in message)
-        )
-    except (InvalidSignature, ValueError):
-        return False
-    return True
+__all__ = [
+    "PEER_ID_PREFIX",
+    "PUBLIC_KEY_LEN",
+    "SIGNATURE_LEN",
+    "NodeKey",
+    "peer_id_of",
+    "raw_public_key",
+    "verify_signature",
+]
 
 
 @dataclass(frozen=True)

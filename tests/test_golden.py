@@ -22,16 +22,17 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from ciuic_p2p.core import meshwire as mw
-from ciuic_p2p.core import storewire as sw
-from ciuic_p2p.core import trainwire as tw
 from ciuic_p2p.core.audit import AuditChain
-from ciuic_p2p.core.auth import build_auth
-from ciuic_p2p.core.codec import BucketEncoder, BucketSpec, ChunkSource
-from ciuic_p2p.core.frames import FrameType, encode_frame
-from ciuic_p2p.core.origin import sign_chunk
-from ciuic_p2p.core.statefile import pack_state
-from ciuic_p2p.core.wire import Codec
+from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource
+from ciuic_p2p.core.codec.chunk import Codec
+from ciuic_p2p.core.codec.origin import sign_chunk
+from ciuic_p2p.core.link.auth import build_auth
+from ciuic_p2p.core.link.frames import FrameType, encode_frame
+from ciuic_p2p.core.mesh import messages as mw
+from ciuic_p2p.core.replica import messages as tw
+from ciuic_p2p.core.replica import trainersocket as ts
+from ciuic_p2p.core.store import messages as sw
+from ciuic_p2p.core.store.statefile import pack_state
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.train.checkpoint import write_checkpoint
 
@@ -97,7 +98,13 @@ def _store() -> dict[str, bytes]:
         "piece": sw.Piece("state/abc", 12, root, 1, b"piece" * 10),
         **{
             kind.name.lower(): sw.Ref(kind, "state/abc", 12, root)
-            for kind in (sw.Kind.BUSY, sw.Kind.HOLD, sw.Kind.HELD, sw.Kind.FINISHED, sw.Kind.GONE)
+            for kind in (
+                sw.StoreKind.BUSY,
+                sw.StoreKind.HOLD,
+                sw.StoreKind.HELD,
+                sw.StoreKind.FINISHED,
+                sw.StoreKind.GONE,
+            )
         },
     }
     return {f"store_{k}": sw.encode(m) for k, m in messages.items()}
@@ -105,15 +112,15 @@ def _store() -> dict[str, bytes]:
 
 def _trainer() -> dict[str, bytes]:
     run = tw.run_id_of("golden-run")
-    parts = tw.part_frames(tw.FrameType.PUT_PART, "state/x", 3, b"p" * 10, b"c" * 32)
+    parts = ts.part_frames(ts.TrainerFrame.PUT_PART, "state/x", 3, b"p" * 10, b"c" * 32)
     return {
         "train_done": tw.encode_done(run, 40, 12),
-        "train_join": tw.encode_presence(tw.Kind.JOIN, run, 40, ask=True),
-        "train_gone": tw.encode_presence(tw.Kind.GONE, run),
-        "train_envelope_update": tw.envelope(tw.Kind.UPDATE),
-        "trainer_hello": tw.json_frame(tw.FrameType.HELLO, {"run": "golden-run"}),
-        "trainer_deliver_header": tw.frame_header(tw.FrameType.DELIVER, 1000)
-        + tw.peer_prefix(PEER),
+        "train_join": tw.encode_presence(tw.PayloadKind.JOIN, run, 40, ask=True),
+        "train_gone": tw.encode_presence(tw.PayloadKind.GONE, run),
+        "train_envelope_update": tw.envelope(tw.PayloadKind.UPDATE),
+        "trainer_hello": ts.json_frame(ts.TrainerFrame.HELLO, {"run": "golden-run"}),
+        "trainer_deliver_header": ts.frame_header(ts.TrainerFrame.DELIVER, 1000)
+        + ts.peer_prefix(PEER),
         "trainer_put_part": b"".join(bytes(p) for p in parts[0]),
     }
 

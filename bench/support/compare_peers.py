@@ -136,16 +136,16 @@ async def _ciuic_rounds(elements: int, density: float, rounds: int, asyncio: Any
     import dataclasses  # noqa: PLC0415
 
     from ciuic_p2p.config import Config, LogSection  # noqa: PLC0415
-    from ciuic_p2p.core.broadcast import Delivery  # noqa: PLC0415
-    from ciuic_p2p.core.codec import (  # noqa: PLC0415
+    from ciuic_p2p.core.codec.bucket import (  # noqa: PLC0415
         BucketEncoder,
         BucketSpec,
         ChunkSource,
         apply_chunk,
     )
-    from ciuic_p2p.core.scenario import scenario_from_mapping  # noqa: PLC0415
-    from ciuic_p2p.core.wire import Codec  # noqa: PLC0415
-    from ciuic_p2p.emulator.daemons import DaemonMesh  # noqa: PLC0415
+    from ciuic_p2p.core.codec.chunk import Codec  # noqa: PLC0415
+    from ciuic_p2p.core.mesh.broadcast import Delivery  # noqa: PLC0415
+    from ciuic_p2p.emulator.model.scenario import scenario_from_mapping  # noqa: PLC0415
+    from ciuic_p2p.lab.daemons import DaemonMesh  # noqa: PLC0415
     from ciuic_p2p.logsetup import configure_logging  # noqa: PLC0415
 
     configure_logging(LogSection(level="error"))

@@ -4,7 +4,7 @@ peer, in the environment ``make bench-deps`` builds).
     compare_train.py ddp RANK WORLD PORT STEPS SEED
     compare_train.py hivemind RANK WORLD STEPS SEED [INITIAL_PEER ...]
 
-Both train the digits task (ciuic_p2p.train.tasks: the same model, optimizer, data
+Both train the digits task (ciuic_p2p.lab.tasks: the same model, optimizer, data
 shards, batch size and seeds as ciuic's worker) on STEPS x 256 samples per peer: DDP
 averages gradients over gloo every step; hivemind.Optimizer with
 ``target_batch_size`` WORLD x 256 averages gradients once per epoch of at least that
@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from ciuic_p2p.train.tasks import DigitsTask
+from ciuic_p2p.lab.tasks import DigitsTask
 
 
 def say(kind: str, **fields: Any) -> None:

@@ -1,7 +1,7 @@
 """Alternative codings of sorted positions, measured beside ciuic's split Rice code.
 
 Each coder takes sorted int64 positions (numpy) and returns bytes; its decoder
-returns the positions. They exist to justify the choice in core/indexcode.py with
+returns the positions. They exist to justify the choice in core/codec/indexcode.py with
 numbers from the same run, and each one round-trips (the benchmark checks).
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from ciuic_p2p.core import indexcode
+from ciuic_p2p.core.codec import indexcode
 
 
 def _gaps(pos: np.ndarray) -> np.ndarray:

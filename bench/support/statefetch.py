@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ciuic_p2p.core.scenario import load_scenario
 from ciuic_p2p.daemon.control import request
 from ciuic_p2p.data import scenario_path
-from ciuic_p2p.train.cluster import LocalCluster
+from ciuic_p2p.emulator.scenarios import load_scenario
+from ciuic_p2p.lab.cluster import LocalCluster
 
 CONFIG = """
 [codec]

@@ -15,8 +15,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ciuic_p2p.train.cluster import LocalCluster
-from ciuic_p2p.train.demo import DEMO_CONFIG
+from ciuic_p2p.lab.cluster import LocalCluster
+from ciuic_p2p.lab.demo import DEMO_CONFIG
 from support.compare_meter import cpu_seconds, tree_pids
 from support.peerproc import Peer, all_expect, free_tcp_port, go_and_measure
 

@@ -29,8 +29,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from ciuic_p2p.core.scenario import load_scenario
 from ciuic_p2p.data import WAN_DIR
+from ciuic_p2p.emulator.scenarios import load_scenario
 
 BENCH = Path(__file__).resolve().parents[1]
 RATE_SCALE = 0.1  # bench/training.py's default: links at a tenth of the measured rates
@@ -86,7 +86,7 @@ def run_scenario(name: str, seeds: int, steps: int, work: Path) -> dict[str, Any
 
 def workload_wan(scenarios: list[str], seeds: int, steps: int) -> dict[str, Any]:
     out: dict[str, Any] = {"wan_rate_scale": RATE_SCALE, "wan_model": __doc__.split("\n\n")[2]}
-    from ciuic_p2p.train.tasks import DigitsTask  # noqa: PLC0415
+    from ciuic_p2p.lab.tasks import DigitsTask  # noqa: PLC0415
 
     params = sum(p.numel() for p in DigitsTask().model().parameters())
     gradient_bytes = 4 * params

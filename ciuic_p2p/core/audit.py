@@ -129,6 +129,31 @@ def _is_int(value: object) -> bool:
 def parse_entry(text: bytes | str) -> AuditEntry:
     """Parse and check one line (a trailing newline is allowed). The signature and the
     chain are checked by :class:`ChainVerifier`, which knows the key and the past."""
+    raw = _line_bytes(text)
+    obj = _json_object(raw)
+    _check_fields(obj)
+    try:
+        canonical = encode(obj)
+        sig = obj.pop("sig")
+        signed = SIG_CONTEXT + encode(obj)
+    except (ValueError, RecursionError):
+        raise AuditFormatError("holds a value with no canonical encoding") from None
+    if canonical != raw:
+        raise AuditFormatError("not in canonical form (sorted keys, no spaces)")
+    return AuditEntry(
+        obj["seq"],
+        obj["prev"],
+        obj["time"],
+        obj["node"],
+        obj["kind"],
+        obj["data"],
+        bytes.fromhex(sig),
+        raw,
+        signed,
+    )
+
+
+def _line_bytes(text: bytes | str) -> bytes:
     try:
         raw = text.encode("utf-8") if isinstance(text, str) else bytes(text)
     except UnicodeEncodeError:
@@ -139,6 +164,10 @@ def parse_entry(text: bytes | str) -> AuditEntry:
         raise AuditFormatError(f"the line is over the {MAX_LINE_BYTES}-byte limit")
     if not raw:
         raise AuditFormatError("the line is empty")
+    return raw
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
     try:
         obj = json.loads(
             raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys, parse_constant=_no_constant
@@ -150,6 +179,10 @@ def parse_entry(text: bytes | str) -> AuditEntry:
     if set(obj) != _FIELDS:
         missing, extra = sorted(_FIELDS - set(obj)), sorted(set(obj) - _FIELDS)
         raise AuditFormatError(f"wrong fields (missing {missing}, unexpected {extra})"[:200])
+    return obj
+
+
+def _check_fields(obj: dict[str, Any]) -> None:
     if not _is_int(obj["v"]) or obj["v"] != VERSION:
         raise AuditFormatError(f"unsupported version {str(obj['v'])[:20]} (this reader: 1)")
     seq, prev, when = obj["seq"], obj["prev"], obj["time"]
@@ -168,15 +201,6 @@ def parse_entry(text: bytes | str) -> AuditEntry:
         raise AuditFormatError("data is not an object")
     if not isinstance(sig, str) or not _HEX_SIG.fullmatch(sig):
         raise AuditFormatError("sig is not 128 lower-case hex digits")
-    try:
-        canonical = encode(obj)
-        del obj["sig"]
-        signed = SIG_CONTEXT + encode(obj)
-    except (ValueError, RecursionError):
-        raise AuditFormatError("holds a value with no canonical encoding") from None
-    if canonical != raw:
-        raise AuditFormatError("not in canonical form (sorted keys, no spaces)")
-    return AuditEntry(seq, prev, when, node, kind, data, bytes.fromhex(sig), raw, signed)
 
 
 class AuditChain:

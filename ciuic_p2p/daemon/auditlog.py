@@ -181,6 +181,9 @@ class AuditLog:
         self._write("started", {"public_key": self._key.public_key.hex(), "version": __version__})
 
     def stopped(self, reason: str) -> None:
+        """The last entry: the sums still open go before it, so that a reader can
+        take ``stopped`` as the end of what this run recorded."""
+        self._flush_pending()
         self._write("stopped", {"reason": _clip(reason)})
 
     def admitted(self, peer: str, address: str | tuple[Any, ...]) -> None:
@@ -234,12 +237,7 @@ class AuditLog:
         calls raise :class:`AuditError`."""
         if self._closed:
             return
-        now = self._clock()
-        start = self._tally_start
-        if not self._tally.empty:
-            for data in self._tally.flush(now):
-                self._write("traffic", data)
-        self._flush_refusals(start, now)
+        self._flush_pending()
         self._closed = True
         try:
             if self._fd is not None:
@@ -264,6 +262,14 @@ class AuditLog:
     @property
     def _tally_start(self) -> float:
         return self._tally.start
+
+    def _flush_pending(self) -> None:
+        now = self._clock()
+        start = self._tally_start
+        if not self._tally.empty:
+            for data in self._tally.flush(now):
+                self._write("traffic", data)
+        self._flush_refusals(start, now)
 
     def _flush_refusals(self, start: float, now: float) -> None:
         data = self._refusals.flush(start, now)

@@ -3,12 +3,12 @@ restarted node comes back with a higher one, which the mesh takes over its old d
 notice, and one raised by a refutation is saved at once.
 
 The file is ours but the disk is not: a value that is not a number in the range the
-wire format allows (``core.meshwire.MAX_INCARNATION``; an older release could write
+wire format allows (``core.mesh.messages.MAX_INCARNATION``; an older release could write
 one past it after a forged accusation) is ignored as if the file were missing, and a
 write that fails (a full disk) is logged, not raised. Either way the node starts:
 should the mesh know it by a higher incarnation than it starts with, its own signed
 announcement of that incarnation comes back to it and it refutes above it
-(core.membership).
+(core.mesh.membership).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ciuic_p2p.core.meshwire import MAX_INCARNATION
+from ciuic_p2p.core.mesh.messages import MAX_INCARNATION
 from ciuic_p2p.logsetup import get_logger
 
 log = get_logger("ciuic.mesh")

@@ -14,7 +14,7 @@ It also owns the two small trackers whose numbers do not exist elsewhere:
   chunks. The trainer does not send its own step rate or codec times over the socket;
   what is derived here is what the daemon can see.
 - ``RouteWatch``: route changes, counted by comparing samples of the route table
-  (core.routing keeps no count of its own; web.WebServer samples every ``refresh_s``).
+  (core.mesh.routing keeps no count of its own; web.WebServer samples every ``refresh_s``).
 
 Label ``peer`` is always a peer ID. Per-peer traffic is kept by address in the daemon
 (the key of its outboxes) and named at scrape time (``MeshDaemon.peers_by_address``).
@@ -35,7 +35,7 @@ from prometheus_client.core import (
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from ciuic_p2p.core.members import State
+from ciuic_p2p.core.mesh.members import State
 from ciuic_p2p.daemon.node import MeshDaemon, PeerTraffic
 from ciuic_p2p.identity import peer_id_of
 
@@ -140,7 +140,7 @@ class TrainingProgress:
         Staleness is how many steps an origin's newest chunk here is behind our own
         trainer's newest (or, without one, the furthest origin's): chunks delivered,
         which the trainer applies between steps, so it is a lower bound of
-        core.replica's staleness of applied steps."""
+        core.replica.rule's staleness of applied steps."""
         steps = {o: r.step for o, r in self.origins.items() if r.step is not None}
         reference = steps.get(own, max(steps.values(), default=0))
         out: dict[str, dict[str, float | int | None]] = {}

@@ -43,18 +43,18 @@ from cryptography import x509
 from ciuic_p2p.addresses import format_address, parse_address
 from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import Config
-from ciuic_p2p.core.broadcast import Delivery
-from ciuic_p2p.core.frames import BULK_TYPES, FrameType
-from ciuic_p2p.core.identities import Identities
-from ciuic_p2p.core.members import State
-from ciuic_p2p.core.meshnode import MeshNode
-from ciuic_p2p.core.meshwire import (
+from ciuic_p2p.core.link.frames import BULK_TYPES, FrameType
+from ciuic_p2p.core.mesh.broadcast import Delivery
+from ciuic_p2p.core.mesh.identities import Identities
+from ciuic_p2p.core.mesh.members import State
+from ciuic_p2p.core.mesh.messages import (
     Chunk,
-    Kind,
     MeshDecodeError,
+    MeshKind,
     decode_message,
     encode_message,
 )
+from ciuic_p2p.core.mesh.node import MeshNode
 from ciuic_p2p.daemon import nodestatus
 from ciuic_p2p.daemon.incarnation import next_incarnation, save_incarnation
 from ciuic_p2p.daemon.outbox import ChunkKey, Outbox
@@ -322,6 +322,16 @@ class MeshDaemon:
         node = self.node
         if node is None or self.closed.is_set():
             return
+        self._send_messages(node)
+        self._hand_deliveries(node)
+        self._log_events(node)
+        if node.membership.joined:
+            self._joined.set()
+        if node.membership.left_spread():
+            self._left.set()
+        self._arm_timer(node.get_timer())
+
+    def _send_messages(self, node: MeshNode) -> None:
         for address, msg in node.messages_to_send():
             try:
                 data = encode_message(msg)
@@ -338,6 +348,8 @@ class MeshDaemon:
                 self._enqueue(address, FrameType.MESH_CHUNK, data, (body.origin, body.seq))
             else:
                 self._enqueue(address, FrameType.GOSSIP, data)
+
+    def _hand_deliveries(self, node: MeshNode) -> None:
         for delivery in node.take_deliveries():
             if delivery.origin in self.banned:
                 self.counters["chunks_from_banned"] += 1
@@ -351,12 +363,8 @@ class MeshDaemon:
                 self.counters["deliveries_dropped"] += 1
             else:
                 self.deliveries.put_nowait(delivery)
-        self._log_events(node)
-        if node.membership.joined:
-            self._joined.set()
-        if node.membership.left_spread():
-            self._left.set()
-        when = node.get_timer()
+
+    def _arm_timer(self, when: float | None) -> None:
         if when != self._timer_at:
             if self._timer is not None:
                 self._timer.cancel()
@@ -437,7 +445,7 @@ class MeshDaemon:
             log.warning("mesh_message_refused", peer=peer_id_of(event.peer), reason=str(exc))
             return
         if msg.sender != peer_id_of(event.peer) or (
-            (msg.kind is Kind.CHUNK) != (event.type is FrameType.MESH_CHUNK)
+            (msg.kind is MeshKind.CHUNK) != (event.type is FrameType.MESH_CHUNK)
         ):
             self.counters["spoofed"] += 1
             log.warning("mesh_message_refused", peer=peer_id_of(event.peer), reason="sender")

@@ -3,11 +3,36 @@ counters, and the sections other parts add) and the route table. Read-only."""
 
 from __future__ import annotations
 
+import collections
 import itertools
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
-if TYPE_CHECKING:
-    from ciuic_p2p.daemon.node import MeshDaemon
+from ciuic_p2p.config import Config
+from ciuic_p2p.core.mesh.node import MeshNode
+from ciuic_p2p.guard import Guard
+from ciuic_p2p.transport.quic import QuicTransport
+
+
+class MeshDaemon(Protocol):
+    """What status reads of a daemon (daemon.node.MeshDaemon), named here so that the
+    two modules do not import each other."""
+
+    peer_id: str
+    address: str
+    started_at: float
+    config: Config
+    transport: QuicTransport
+    guard: Guard
+    banned: set[str]
+    counters: collections.Counter[str]
+    status_parts: dict[str, Callable[[], Any]]
+    clock: Callable[[], float]
+
+    @property
+    def mesh(self) -> MeshNode: ...
+
+    def backlog_bytes(self) -> int: ...
 
 
 def route_table(d: MeshDaemon) -> list[dict[str, Any]]:

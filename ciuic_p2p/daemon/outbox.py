@@ -16,7 +16,7 @@ from __future__ import annotations
 import collections
 from dataclasses import dataclass, field
 
-from ciuic_p2p.core.frames import FrameType
+from ciuic_p2p.core.link.frames import FrameType
 
 MAX_OUTBOX = 4096
 """Messages in ``queue`` past which the oldest is dropped (membership repeats what
@@ -39,7 +39,7 @@ class Outbox:
     queued_bytes: int = 0
     """Bytes in ``queue``."""
     side_bytes: int = 0
-    """Bytes in ``side`` (bounded per fetcher by the store: core.store's Holder)."""
+    """Bytes in ``side`` (bounded per fetcher by the store: core.store.holder's Holder)."""
     already_queued: int = 0
     dropped: int = 0
 

@@ -167,9 +167,9 @@ def lock_state_dir(state_dir: Path) -> int:
 
 
 def _emulated_wrapper(args: argparse.Namespace) -> Any:
-    from ciuic_p2p.core.scenario import load_scenario  # noqa: PLC0415
     from ciuic_p2p.data import scenario_path  # noqa: PLC0415
     from ciuic_p2p.emulator.mesh import EmulatedMesh  # noqa: PLC0415
+    from ciuic_p2p.emulator.scenarios import load_scenario  # noqa: PLC0415
 
     path = Path(args.emulate) if Path(args.emulate).exists() else scenario_path(args.emulate)
     overrides: dict[str, Any] = {}

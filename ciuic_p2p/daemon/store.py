@@ -20,10 +20,10 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ciuic_p2p.core.store import Fetch, FetchState, Holder
-from ciuic_p2p.core.storewire import (
+from ciuic_p2p.core.store.fetch import Fetch, FetchState
+from ciuic_p2p.core.store.holder import Holder
+from ciuic_p2p.core.store.messages import (
     Get,
-    Kind,
     Manifest,
     Message,
     NoneHeld,
@@ -31,6 +31,7 @@ from ciuic_p2p.core.storewire import (
     Piece,
     Query,
     Ref,
+    StoreKind,
     StoreWireError,
     decode,
     encode,
@@ -109,7 +110,7 @@ class StoreService:
         held: list[str] = []
         try:
             for peer in members:
-                self._send(peer, Ref(Kind.HOLD, name, version, manifest.root))
+                self._send(peer, Ref(StoreKind.HOLD, name, version, manifest.root))
             deadline = asyncio.get_running_loop().time() + timeout_s
             while len(held) < len(members):
                 left = deadline - asyncio.get_running_loop().time()
@@ -222,7 +223,7 @@ class StoreService:
             offer = fetch.offers.get(donor)
             if offer is not None:
                 m = offer.manifest
-                self._send(donor, Ref(Kind.FINISHED, fetch.name, m.version, m.root))
+                self._send(donor, Ref(StoreKind.FINISHED, fetch.name, m.version, m.root))
 
     def _rtt(self, peer: str) -> float | None:
         d = self.daemon
@@ -265,41 +266,48 @@ class StoreService:
         if isinstance(msg, Query):
             self._spawn(self._answer_query(peer, msg))
         elif isinstance(msg, Get):
-            got = self.holder.on_get(peer, msg, now, self.daemon.queued_for(peer))
-            if isinstance(got, list):
-                self.served[(peer, msg.name, msg.version)] += sum(len(p.data) for p in got)
-            if isinstance(got, list) and self.settings.upload_rate_bps > 0:
-                self._spawn(self._paced(peer, got))
-            else:
-                for reply in got if isinstance(got, list) else [got]:
-                    self._send(peer, reply)
+            self._on_get(peer, msg, now)
         elif isinstance(msg, Offer | NoneHeld | Piece) or (
-            isinstance(msg, Ref) and msg.kind in (Kind.BUSY, Kind.GONE)
+            isinstance(msg, Ref) and msg.kind in (StoreKind.BUSY, StoreKind.GONE)
         ):
-            for running in list(self._fetches.values()):
-                f = running.fetch
-                if isinstance(msg, Offer):
-                    f.on_offer(peer, msg, now)
-                elif isinstance(msg, NoneHeld):
-                    f.on_none(peer, msg, now)
-                elif msg.name != f.name:
-                    continue
-                elif isinstance(msg, Piece):
-                    f.on_piece(peer, msg, now)
-                elif msg.kind is Kind.GONE:
-                    f.on_gone(peer, now)
-                else:
-                    f.on_busy(peer, now)
-                running.wake.set()
-        elif msg.kind is Kind.FINISHED:
+            self._to_fetches(peer, msg, now)
+        elif msg.kind is StoreKind.FINISHED:
             self.holder.finished(peer)
             self._served_to(peer)
-        elif msg.kind is Kind.HOLD:
+        elif msg.kind is StoreKind.HOLD:
             self._spawn(self._hold(peer, msg))
-        elif msg.kind is Kind.HELD:
+        elif msg.kind is StoreKind.HELD:
             queue = self._held_waiters.get((msg.name, msg.version, msg.root))
             if queue is not None:
                 queue.put_nowait(peer)
+
+    def _on_get(self, peer: str, msg: Get, now: float) -> None:
+        got = self.holder.on_get(peer, msg, now, self.daemon.queued_for(peer))
+        if isinstance(got, list):
+            self.served[(peer, msg.name, msg.version)] += sum(len(p.data) for p in got)
+        if isinstance(got, list) and self.settings.upload_rate_bps > 0:
+            self._spawn(self._paced(peer, got))
+        else:
+            for reply in got if isinstance(got, list) else [got]:
+                self._send(peer, reply)
+
+    def _to_fetches(self, peer: str, msg: Offer | NoneHeld | Piece | Ref, now: float) -> None:
+        """An answer to a fetch: every running fetch of that name hears it."""
+        for running in list(self._fetches.values()):
+            f = running.fetch
+            if isinstance(msg, Offer):
+                f.on_offer(peer, msg, now)
+            elif isinstance(msg, NoneHeld):
+                f.on_none(peer, msg, now)
+            elif msg.name != f.name:
+                continue
+            elif isinstance(msg, Piece):
+                f.on_piece(peer, msg, now)
+            elif msg.kind is StoreKind.GONE:
+                f.on_gone(peer, now)
+            else:
+                f.on_busy(peer, now)
+            running.wake.set()
 
     async def _paced(self, peer: str, pieces: list[Piece]) -> None:
         """Send pieces no faster than ``store.upload_rate_bps`` (the donor's own
@@ -344,7 +352,7 @@ class StoreService:
                 return
             self._held_for[peer] += len(data)
             self.put_local(ref.name, fetch.version, data)
-        self._send(peer, Ref(Kind.HELD, ref.name, ref.version, ref.root))
+        self._send(peer, Ref(StoreKind.HELD, ref.name, ref.version, ref.root))
 
     def _hold_refused(self, peer: str, ref: Ref) -> None:
         self.counters["store_holds_refused"] += 1

@@ -1,6 +1,6 @@
 """The trainer socket: where the node's trainer (ciuic_p2p.train) meets its daemon.
 
-One trainer at a time speaks the frames of core.trainwire on a Unix socket (mode
+One trainer at a time speaks the frames of core.replica.messages on a Unix socket (mode
 0660: the daemon's account and group; default ``STATE_DIR/trainer.sock``; in embedded
 mode, one end of a socket pair). The daemon:
 
@@ -13,7 +13,7 @@ mode, one end of a socket pair). The daemon:
   peers; when a trainer goes away without DONE, tells the run's replicas (GONE);
 - delivers only what the mesh verified: every payload a trainer acts on (UPDATE,
   PARAMS, DONE, JOIN, GONE) comes with its origin daemon's signature over the mesh
-  chunk, checked before any node delivers or forwards it (core.broadcast), and an
+  chunk, checked before any node delivers or forwards it (core.mesh.broadcast), and an
   update's own header must name that same origin (no member can pass its updates off
   as another's);
 - tells the trainer which members are alive whenever that changes, and answers
@@ -44,26 +44,28 @@ from typing import Any
 
 import structlog
 
-from ciuic_p2p.core.broadcast import Delivery
-from ciuic_p2p.core.origin import sign_chunk
-from ciuic_p2p.core.trainwire import (
-    FrameReader,
-    FrameType,
-    Kind,
-    Part,
+from ciuic_p2p.core.codec.chunk import parse_chunk
+from ciuic_p2p.core.codec.origin import sign_chunk
+from ciuic_p2p.core.mesh.broadcast import Delivery
+from ciuic_p2p.core.replica.messages import (
+    PayloadKind,
     TrainWireError,
-    decode_message,
-    decode_part,
+    decode_payload,
     encode_presence,
+    run_id_of,
+)
+from ciuic_p2p.core.replica.trainersocket import (
+    Part,
+    TrainerFrame,
+    TrainerFrameReader,
+    decode_part,
     frame_header,
     json_frame,
     parse_json,
     part_frames,
     peer_prefix,
-    run_id_of,
     split_peer,
 )
-from ciuic_p2p.core.wire import parse_chunk
 from ciuic_p2p.daemon.control import serve_unix
 from ciuic_p2p.daemon.metrics import TrainingProgress
 from ciuic_p2p.daemon.node import MeshDaemon
@@ -220,12 +222,12 @@ class TrainerServer:
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         if self.writer is not None and not self.writer.is_closing():
-            writer.write(json_frame(FrameType.WELCOME, {"error": "a trainer is attached"}))
+            writer.write(json_frame(TrainerFrame.WELCOME, {"error": "a trainer is attached"}))
             writer.close()
             return
         self.writer = writer
         self._hello = False
-        frames = FrameReader()
+        frames = TrainerFrameReader()
         counters = self.daemon.counters
         # This task's own context: every event it logs names the trainer session.
         structlog.contextvars.bind_contextvars(trainer_session=counters["trainer_sessions"] + 1)
@@ -252,13 +254,13 @@ class TrainerServer:
                 self._prefetch_usable = False
                 if self._run_id is not None and not self._done and self.daemon.node is not None:
                     # The trainer went away mid-run: its replicas stop waiting for it.
-                    self.daemon.broadcast(encode_presence(Kind.GONE, self._run_id))
+                    self.daemon.broadcast(encode_presence(PayloadKind.GONE, self._run_id))
                     counters["trainer_gone"] += 1
                 self._run_id = None
 
-    def _on_frame(self, ftype: FrameType, body: memoryview) -> None:
+    def _on_frame(self, ftype: TrainerFrame, body: memoryview) -> None:
         d = self.daemon
-        if ftype is FrameType.HELLO:
+        if ftype is TrainerFrame.HELLO:
             run = parse_json(body).get("run")
             if not isinstance(run, str) or not run:
                 raise TrainWireError("HELLO names no run")
@@ -271,7 +273,7 @@ class TrainerServer:
             self._hello = True
             self._write(
                 json_frame(
-                    FrameType.WELCOME,
+                    TrainerFrame.WELCOME,
                     {
                         "peer": d.peer_id,
                         "public_key": d.key.public_key.hex(),
@@ -284,14 +286,14 @@ class TrainerServer:
                 droppable, parts = self._held.popleft()
                 self._write(*parts, droppable=droppable)
             self._held_bytes = 0
-        elif ftype is FrameType.PUBLISH:
+        elif ftype is TrainerFrame.PUBLISH:
             self._publish(body)
-        elif ftype is FrameType.STATS_REQUEST:
+        elif ftype is TrainerFrame.STATS_REQUEST:
             if len(body):
                 self.progress.report(parse_json(body))
             self._write(
                 json_frame(
-                    FrameType.STATS,
+                    TrainerFrame.STATS,
                     {
                         "udp_bytes_sent": d.transport.udp_bytes_sent,
                         "backlog_bytes": d.backlog_bytes(),
@@ -299,13 +301,13 @@ class TrainerServer:
                     },
                 )
             )
-        elif ftype is FrameType.PUT_PART:
+        elif ftype is TrainerFrame.PUT_PART:
             self._put_part(decode_part(body))
-        elif ftype is FrameType.GET_REQUEST:
+        elif ftype is TrainerFrame.GET_REQUEST:
             self._spawn(self._get(parse_json(body)))
-        elif ftype is FrameType.PUT_REQUEST:
+        elif ftype is TrainerFrame.PUT_REQUEST:
             self._spawn(self._put(parse_json(body)))
-        elif ftype is FrameType.CHECKPOINT:
+        elif ftype is TrainerFrame.CHECKPOINT:
             info = parse_json(body)
             step, digest = info.get("step"), info.get("digest")
             if not isinstance(step, int) or not isinstance(digest, str):
@@ -313,7 +315,7 @@ class TrainerServer:
             d.counters["trainer_checkpoints"] += 1
             if self.on_checkpoint is not None:
                 self.on_checkpoint(str(info.get("path", "")), step, digest)
-        elif ftype is FrameType.DIRECT_OUT:
+        elif ftype is TrainerFrame.DIRECT_OUT:
             peer, payload = split_peer(body)
             try:
                 d.send_direct(peer, bytes(payload))
@@ -324,9 +326,9 @@ class TrainerServer:
 
     def _publish(self, body: memoryview) -> None:
         d = self.daemon
-        msg = decode_message(body)
-        if msg.kind in (Kind.DONE, Kind.JOIN, Kind.GONE):
-            self._done = self._done or msg.kind is Kind.DONE
+        msg = decode_payload(body)
+        if msg.kind in (PayloadKind.DONE, PayloadKind.JOIN, PayloadKind.GONE):
+            self._done = self._done or msg.kind is PayloadKind.DONE
             d.broadcast(bytes(body))
             return
         chunk = bytearray(msg.body)
@@ -339,7 +341,7 @@ class TrainerServer:
         self.progress.sign.add(time.perf_counter() - t0)
         self.progress.observe(d.peer_id, header.incarnation, header.step, d.clock())
         payload = bytes(body[:4]) + chunk
-        if msg.kind is Kind.PARAMS:
+        if msg.kind is PayloadKind.PARAMS:
             if header.step != self.snapshot_step:
                 self.snapshot.clear()
                 self.snapshot_step = header.step
@@ -396,11 +398,11 @@ class TrainerServer:
         if loop.time() - self._snapshot_at <= FRESH_SNAPSHOT_S:
             return
         self._fresh.clear()
-        self._write(frame_header(FrameType.SNAPSHOT_REQUEST, 0))
+        self._write(frame_header(TrainerFrame.SNAPSHOT_REQUEST, 0))
         await self._fresh.wait()
 
     def _result(self, rid: object, ok: bool, **fields: object) -> None:
-        self._write(json_frame(FrameType.STORE_RESULT, {"id": rid, "ok": ok, **fields}))
+        self._write(json_frame(TrainerFrame.STORE_RESULT, {"id": rid, "ok": ok, **fields}))
 
     async def _get(self, request: dict[str, object]) -> None:
         rid = request.get("id")
@@ -424,7 +426,7 @@ class TrainerServer:
             self._result(rid, False, error=str(exc))
             return
         compat = fetch.manifest.compat if fetch.manifest else bytes(32)
-        for parts in part_frames(FrameType.GOT_PART, name, fetch.version, data, compat):
+        for parts in part_frames(TrainerFrame.GOT_PART, name, fetch.version, data, compat):
             self._write(*parts)
         self._result(
             rid,
@@ -473,10 +475,10 @@ class TrainerServer:
     def _deliver(self, delivery: Delivery) -> None:
         counters = self.daemon.counters
         try:
-            msg = decode_message(delivery.payload)
-            if msg.kind in (Kind.UPDATE, Kind.PARAMS):
+            msg = decode_payload(delivery.payload)
+            if msg.kind in (PayloadKind.UPDATE, PayloadKind.PARAMS):
                 # The mesh checked the origin's signature over the whole payload
-                # (core.broadcast): what is left is that the update is the origin's own.
+                # (core.mesh.broadcast): what is left is that the update is the origin's own.
                 t0 = time.perf_counter()
                 header, _ = parse_chunk(msg.body)
                 self.progress.verify.add(time.perf_counter() - t0)
@@ -487,22 +489,24 @@ class TrainerServer:
             counters["deliveries_refused"] += 1
             log.warning("delivery_refused", origin=delivery.origin, reason=str(exc))
             return
-        if msg.kind is Kind.JOIN and not self._attached():
+        if msg.kind is PayloadKind.JOIN and not self._attached():
             # A trainer that attaches later asks the replicas where they are then; an
             # old JOIN would tell it a step long past.
             counters["joins_not_held"] += 1
             return
         prefix = peer_prefix(delivery.origin)
         self._write(
-            frame_header(FrameType.DELIVER, len(prefix) + len(delivery.payload)),
+            frame_header(TrainerFrame.DELIVER, len(prefix) + len(delivery.payload)),
             prefix,
             delivery.payload,
-            droppable=msg.kind in (Kind.UPDATE, Kind.PARAMS),
+            droppable=msg.kind in (PayloadKind.UPDATE, PayloadKind.PARAMS),
         )
 
     def _direct(self, peer: str, payload: bytes) -> None:
         prefix = peer_prefix(peer)
-        self._write(frame_header(FrameType.DIRECT_IN, len(prefix) + len(payload)), prefix, payload)
+        self._write(
+            frame_header(TrainerFrame.DIRECT_IN, len(prefix) + len(payload)), prefix, payload
+        )
 
     def _attached(self) -> bool:
         return self.writer is not None and not self.writer.is_closing() and self._hello
@@ -532,4 +536,4 @@ class TrainerServer:
             view = self.daemon.mesh.view()
             if view != self._members:
                 self._members = view
-                self._write(json_frame(FrameType.MEMBERS, {"alive": view}))
+                self._write(json_frame(TrainerFrame.MEMBERS, {"alive": view}))

@@ -1,1 +1,1 @@
-"""The WAN emulator's I/O edge: link models (core.netem) applied to real datagrams."""
+"""The WAN emulator's I/O edge: link models (emulator.model.netem) applied to real datagrams."""

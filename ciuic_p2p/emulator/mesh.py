@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ciuic_p2p.core.scenario import EmulatedNetwork, Scenario, scenario_from_mapping
+from ciuic_p2p.emulator.model.scenario import EmulatedNetwork, Scenario, scenario_from_mapping
 from ciuic_p2p.emulator.udp import Address, EmulatedDatagramTransport, TimerLead
 
 _PING = struct.Struct("<BQd")  # kind (0 ping, 1 pong), id, send time

@@ -13,7 +13,7 @@ are created on first use, so 1000 members do not cost a million link objects.
 
 :class:`SimAuthority` stands in for the cluster CA: every simulated member has a real
 Ed25519 key and a credential the authority signed, and the nodes check signatures
-exactly as daemons do (core.identities); only the credential's format differs (no
+exactly as daemons do (core.mesh.identities); only the credential's format differs (no
 X.509, which a thousand simulated members would spend most of their time parsing).
 """
 
@@ -28,13 +28,13 @@ from collections.abc import Iterable, Mapping
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ciuic_p2p.config import MeshSection
-from ciuic_p2p.core.identities import Identities
-from ciuic_p2p.core.members import State
-from ciuic_p2p.core.meshnode import MeshNode
-from ciuic_p2p.core.meshwire import Alive, signed_bytes
-from ciuic_p2p.core.netem import LinkModel, LinkParams
-from ciuic_p2p.core.scenario import EmulatedNetwork, Scenario
-from ciuic_p2p.core.simulator import VirtualNetwork
+from ciuic_p2p.core.mesh.identities import Identities
+from ciuic_p2p.core.mesh.members import State
+from ciuic_p2p.core.mesh.messages import Alive, signed_bytes
+from ciuic_p2p.core.mesh.node import MeshNode
+from ciuic_p2p.emulator.model.netem import LinkModel, LinkParams
+from ciuic_p2p.emulator.model.scenario import EmulatedNetwork, Scenario
+from ciuic_p2p.emulator.model.simulator import VirtualNetwork
 from ciuic_p2p.errors import AdmissionError
 from ciuic_p2p.identity import NodeKey, verify_signature
 

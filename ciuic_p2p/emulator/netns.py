@@ -28,8 +28,8 @@ import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from ciuic_p2p.core.netem import LinkParams
-from ciuic_p2p.core.scenario import Scenario
+from ciuic_p2p.emulator.model.netem import LinkParams
+from ciuic_p2p.emulator.model.scenario import Scenario
 from ciuic_p2p.errors import CiuicError
 
 SUBNET = "10.77.0"

@@ -23,9 +23,9 @@ import statistics
 import sys
 import time
 
-from ciuic_p2p.core.scenario import load_scenario
 from ciuic_p2p.emulator.mesh import EmulatedMesh, PingNode
 from ciuic_p2p.emulator.netns import address as netns_address
+from ciuic_p2p.emulator.scenarios import load_scenario
 
 
 async def serve(args: argparse.Namespace) -> int:

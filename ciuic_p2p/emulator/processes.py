@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from ciuic_p2p.core.scenario import load_scenario
+from ciuic_p2p.emulator.scenarios import load_scenario
 from ciuic_p2p.errors import CiuicError
 
 

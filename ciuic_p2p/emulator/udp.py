@@ -33,7 +33,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from ciuic_p2p.core.scenario import EmulatedNetwork
+from ciuic_p2p.emulator.model.scenario import EmulatedNetwork
 
 Address = tuple[str, int]
 TIMER_LEAD_S = 0.001

@@ -11,8 +11,7 @@ from typing import TYPE_CHECKING, Any, overload
 import torch
 
 from ciuic_p2p.config import Config, trainer_socket_path
-from ciuic_p2p.train.channel import DaemonChannel
-from ciuic_p2p.train.embedded import EmbeddedDaemon
+from ciuic_p2p.train.channel import DaemonChannel, LocalDaemon
 from ciuic_p2p.train.hook import MeshSync
 
 if TYPE_CHECKING:
@@ -28,7 +27,7 @@ def attach(
     *,
     run: str = "default",
     socket_path: str | Path | None = None,
-    daemon: EmbeddedDaemon | None = None,
+    daemon: LocalDaemon | None = None,
     config: Config | None = None,
     min_replicas: int = 1,
     join_timeout_s: float = 120.0,
@@ -46,7 +45,7 @@ def attach(
     *,
     run: str = "default",
     socket_path: str | Path | None = None,
-    daemon: EmbeddedDaemon | None = None,
+    daemon: LocalDaemon | None = None,
     config: Config | None = None,
     min_replicas: int = 1,
     join_timeout_s: float = 120.0,
@@ -63,7 +62,7 @@ def attach(
     *,
     run: str = "default",
     socket_path: str | Path | None = None,
-    daemon: EmbeddedDaemon | None = None,
+    daemon: LocalDaemon | None = None,
     config: Config | None = None,
     min_replicas: int = 1,
     join_timeout_s: float = 120.0,

@@ -13,13 +13,13 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from ciuic_p2p.core.trainwire import (
-    FrameReader,
-    FrameType,
+from ciuic_p2p.core.replica.messages import TrainWireError
+from ciuic_p2p.core.replica.trainersocket import (
     Part,
-    TrainWireError,
+    TrainerFrame,
+    TrainerFrameReader,
     decode_part,
     frame_header,
     json_frame,
@@ -29,6 +29,20 @@ from ciuic_p2p.core.trainwire import (
     split_peer,
 )
 from ciuic_p2p.errors import CiuicError
+
+
+class LocalDaemon(Protocol):
+    """A daemon that runs in this process (ciuic_p2p.train.embedded.EmbeddedDaemon):
+    what the hook needs of it, named here so that importing the hook loads no daemon,
+    transport or QUIC stack until one is made."""
+
+    address: str
+
+    def start(self, timeout_s: float = 30.0) -> str: ...
+
+    def connect(self) -> DaemonChannel: ...
+
+    def stop(self, leave: bool = True) -> None: ...
 
 
 class ChannelError(CiuicError):
@@ -102,7 +116,7 @@ class DaemonChannel:
                 raise ChannelError(self.error or "closed") from None
 
     def hello(self, run: str, timeout_s: float = 10.0) -> dict[str, Any]:
-        self._send(json_frame(FrameType.HELLO, {"run": run}))
+        self._send(json_frame(TrainerFrame.HELLO, {"run": run}))
         self.wait(lambda: self.welcome is not None, timeout_s)
         if self.welcome is None:
             raise ChannelError(self.error or "the daemon did not answer the trainer's hello")
@@ -111,27 +125,31 @@ class DaemonChannel:
         return self.welcome
 
     def publish(self, payload: bytes | memoryview) -> None:
-        self._send(frame_header(FrameType.PUBLISH, len(payload)), payload)
+        self._send(frame_header(TrainerFrame.PUBLISH, len(payload)), payload)
 
     def send_direct(self, peer: str, payload: bytes | memoryview) -> None:
         prefix = peer_prefix(peer)
-        self._send(frame_header(FrameType.DIRECT_OUT, len(prefix) + len(payload)), prefix, payload)
+        self._send(
+            frame_header(TrainerFrame.DIRECT_OUT, len(prefix) + len(payload)), prefix, payload
+        )
 
     def checkpoint_written(self, path: Path, step: int, digest: str) -> None:
         body = {"path": str(Path(path).resolve()), "step": step, "digest": digest}
-        self._send(json_frame(FrameType.CHECKPOINT, body))
+        self._send(json_frame(TrainerFrame.CHECKPOINT, body))
 
     def put_parts(
         self, name: str, version: int, data: bytes | bytearray | memoryview, compat: bytes
     ) -> None:
         """Hand the daemon an object to hold (the state snapshot, or a put's data)."""
-        for parts in part_frames(FrameType.PUT_PART, name, version, data, compat):
+        for parts in part_frames(TrainerFrame.PUT_PART, name, version, data, compat):
             self._send(*parts)
 
-    def _request(self, ftype: FrameType, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    def _request(
+        self, ftype: TrainerFrame, body: dict[str, Any], timeout_s: float
+    ) -> dict[str, Any]:
         return self._result(self._ask(ftype, body), timeout_s)
 
-    def _ask(self, ftype: FrameType, body: dict[str, Any]) -> int:
+    def _ask(self, ftype: TrainerFrame, body: dict[str, Any]) -> int:
         rid = next(self._ids)
         self._send(json_frame(ftype, {**body, "id": rid}))
         return rid
@@ -157,7 +175,7 @@ class DaemonChannel:
         patient: bool = True,
         timeout_s: float = 300.0,
     ) -> tuple[bytearray, dict[str, Any]]:
-        """Fetch ``name`` through the daemon (core.store): its bytes and the daemon's
+        """Fetch ``name`` through the daemon (core.store.fetch): its bytes and the daemon's
         report (version, donors, bytes, seconds, corrupt pieces...)."""
         return self.object_got(self.ask_object(name, min_version, slack, patient), name, timeout_s)
 
@@ -179,7 +197,7 @@ class DaemonChannel:
             "patient": patient,
             "held_ok": held_ok,
         }
-        return self._ask(FrameType.GET_REQUEST, body)
+        return self._ask(TrainerFrame.GET_REQUEST, body)
 
     def object_got(self, rid: int, name: str, timeout_s: float) -> tuple[bytearray, dict[str, Any]]:
         """Wait for the fetch ``rid`` of ``name``; see :meth:`get_object`."""
@@ -198,7 +216,7 @@ class DaemonChannel:
     ) -> dict[str, Any]:  # fmt: skip
         """Have the mesh hold ``data`` as ``name`` (version 0: the next one)."""
         self.put_parts(name, version, data, bytes(32))
-        result = self._request(FrameType.PUT_REQUEST, {"name": name}, timeout_s)
+        result = self._request(TrainerFrame.PUT_REQUEST, {"name": name}, timeout_s)
         if not result.get("ok"):
             raise ChannelError(f"{name}: {result.get('error', 'put failed')}")
         return result
@@ -207,9 +225,9 @@ class DaemonChannel:
         """Ask for statistics; the answer lands in ``stats`` when it comes. ``report``
         tells the daemon this trainer's own figures (its metrics export them)."""
         if report is None:
-            self._send(frame_header(FrameType.STATS_REQUEST, 0))
+            self._send(frame_header(TrainerFrame.STATS_REQUEST, 0))
         else:
-            self._send(json_frame(FrameType.STATS_REQUEST, report))
+            self._send(json_frame(TrainerFrame.STATS_REQUEST, report))
 
     def fetch_stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         with self._cond:
@@ -244,7 +262,7 @@ class DaemonChannel:
                 self._cond.wait(timeout_s)
 
     def _read_loop(self) -> None:
-        reader = FrameReader()
+        reader = TrainerFrameReader()
         try:
             while True:
                 data = self.sock.recv(1 << 20)
@@ -258,9 +276,9 @@ class DaemonChannel:
         except Exception as exc:  # e.g. out of device memory while decoding: never die silently
             self._fail(f"trainer socket reader failed: {exc!r}")
 
-    def _on_frame(self, ftype: FrameType, body: memoryview) -> None:
+    def _on_frame(self, ftype: TrainerFrame, body: memoryview) -> None:
         item: Any = None
-        if ftype is FrameType.DELIVER:
+        if ftype is TrainerFrame.DELIVER:
             peer, payload = split_peer(body)
             # Decode here, on the reader thread, while the trainer computes.
             prepare = self.prepare
@@ -268,23 +286,23 @@ class DaemonChannel:
             item = (peer, payload) if prepare is None else prepare(peer, payload)
             self.decode_s += time.perf_counter() - t0
         with self._cond:
-            if ftype is FrameType.DELIVER:
+            if ftype is TrainerFrame.DELIVER:
                 self.deliveries.append(item)
-            elif ftype is FrameType.DIRECT_IN:
+            elif ftype is TrainerFrame.DIRECT_IN:
                 self.direct.append(split_peer(body))
-            elif ftype is FrameType.MEMBERS:
+            elif ftype is TrainerFrame.MEMBERS:
                 self.alive = list(parse_json(body).get("alive", []))
-            elif ftype is FrameType.WELCOME:
+            elif ftype is TrainerFrame.WELCOME:
                 self.welcome = parse_json(body)
                 self.alive = list(self.welcome.get("members", []))
-            elif ftype is FrameType.STATS:
+            elif ftype is TrainerFrame.STATS:
                 self.stats = parse_json(body)
                 self._stats_seq += 1
-            elif ftype is FrameType.SNAPSHOT_REQUEST:
+            elif ftype is TrainerFrame.SNAPSHOT_REQUEST:
                 self.snapshot_wanted.set()
-            elif ftype is FrameType.GOT_PART:
+            elif ftype is TrainerFrame.GOT_PART:
                 self._got_part(decode_part(body))
-            elif ftype is FrameType.STORE_RESULT:
+            elif ftype is TrainerFrame.STORE_RESULT:
                 result = parse_json(body)
                 if isinstance(result.get("id"), int):
                     self._results[result["id"]] = result

@@ -1,4 +1,4 @@
-"""Local checkpoints: a replica's state (core.statefile) written atomically.
+"""Local checkpoints: a replica's state (core.store.statefile) written atomically.
 
 File layout::
 

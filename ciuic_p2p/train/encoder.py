@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 import torch
 
-from ciuic_p2p.core.layout import BucketLayout
+from ciuic_p2p.core.codec.layout import BucketLayout
 
 
 def flatten_parameters(model: torch.nn.Module, layout: BucketLayout) -> list[torch.Tensor]:

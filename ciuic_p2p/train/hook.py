@@ -8,14 +8,14 @@
     sync.finish()                                              # wait for the others' last chunks
 
 ``attach`` makes the model's parameters views into flat buckets on their own device
-(core.layout), connects to the node's daemon (the trainer socket; or an embedded
+(core.codec.layout), connects to the node's daemon (the trainer socket; or an embedded
 daemon) and waits until ``min_replicas`` members are up. ``step`` never waits for the
 network: it encodes this step's update (on the tensor's device; only packed chunk
 bytes reach the host), hands it to the daemon, applies the peers' chunks that have
 arrived, and returns. It waits only when a live replica is more than
 ``staleness_bound_steps`` behind; that wait is counted in ``stats``.
 
-The update rule and its references: core.replica.
+The update rule and its references: core.replica.rule.
 """
 
 from __future__ import annotations
@@ -28,22 +28,22 @@ from typing import Any
 import torch
 
 from ciuic_p2p.config import Config
-from ciuic_p2p.core.codec import ChunkSource
-from ciuic_p2p.core.intake import Prepared
-from ciuic_p2p.core.layout import BucketLayout
-from ciuic_p2p.core.replica import RefusedChunk, Replica
-from ciuic_p2p.core.trainwire import (
-    Kind,
+from ciuic_p2p.core.codec.bucket import ChunkSource
+from ciuic_p2p.core.codec.layout import BucketLayout
+from ciuic_p2p.core.replica.intake import Prepared
+from ciuic_p2p.core.replica.messages import (
+    PayloadKind,
     TrainWireError,
-    decode_message,
+    decode_payload,
     encode_done,
     encode_presence,
     run_id_of,
 )
+from ciuic_p2p.core.replica.rule import RefusedChunk, Replica
 from ciuic_p2p.logsetup import get_logger
-from ciuic_p2p.train.channel import ChannelError, DaemonChannel
-from ciuic_p2p.train.embedded import EmbeddedDaemon
+from ciuic_p2p.train.channel import ChannelError, DaemonChannel, LocalDaemon
 from ciuic_p2p.train.encoder import Encoder, flatten_parameters
+from ciuic_p2p.train.parallel import thread_parts
 from ciuic_p2p.train.statesync import StateSync
 
 __all__ = ["MeshSync", "flatten_parameters"]
@@ -57,9 +57,12 @@ def _is_chunk(arrived: Any) -> bool:
     """An update or parameter chunk (raw, or as the reader thread prepared it)."""
     if isinstance(arrived, tuple):
         with contextlib.suppress(TrainWireError):
-            return decode_message(arrived[1]).kind in (Kind.UPDATE, Kind.PARAMS)
+            return decode_payload(arrived[1]).kind in (PayloadKind.UPDATE, PayloadKind.PARAMS)
         return False
-    return isinstance(arrived, Prepared) and arrived.kind in (Kind.UPDATE, Kind.PARAMS)
+    return isinstance(arrived, Prepared) and arrived.kind in (
+        PayloadKind.UPDATE,
+        PayloadKind.PARAMS,
+    )
 
 
 class MeshSync(StateSync):
@@ -76,7 +79,7 @@ class MeshSync(StateSync):
         min_replicas: int = 1,
         join_timeout_s: float = 120.0,
         seed: int = 0,
-        embedded: EmbeddedDaemon | None = None,
+        embedded: LocalDaemon | None = None,
         checkpoint_dir: Path | None = None,
     ) -> None:
         self.model = model
@@ -97,7 +100,14 @@ class MeshSync(StateSync):
             layout_id=self.layout.layout_id,
         )
         self.replica = Replica(
-            self.layout, self.buckets, source, self.peer, config.codec, config.train, seed
+            self.layout,
+            self.buckets,
+            source,
+            self.peer,
+            config.codec,
+            config.train,
+            seed,
+            run_parts=thread_parts,
         )
         channel.prepare = self.replica.prepare
         self.state_name = "state/" + source.run_id.hex()
@@ -140,7 +150,7 @@ class MeshSync(StateSync):
         self.channel.publish(self._join())  # where it stands now
 
     def _join(self, ask: bool = False) -> bytes:
-        return encode_presence(Kind.JOIN, self.replica.source.run_id, self.replica.step, ask)
+        return encode_presence(PayloadKind.JOIN, self.replica.source.run_id, self.replica.step, ask)
 
     def _await_replicas(self, count: int, timeout_s: float) -> None:
         """Say JOIN, asking for answers (again every second: a trainer that attaches
@@ -232,23 +242,31 @@ class MeshSync(StateSync):
                 "hook_s": self.hook_s,
             }
         self.poll()
-        if r.blocking():
-            w0 = time.perf_counter()
-            grace = self.config.train.stall_grace_s
-            self._send_stats_report()  # waiting anyway: the daemon hears it now
-            while behind := r.blocking():
-                if ch.closed:
-                    raise ChannelError(ch.error or "the daemon went away")
-                if time.perf_counter() - w0 > grace:  # dead or far too slow: go on
-                    r.excuse(behind)
-                    log.warning("replicas_excused", step=r.step, behind=behind)
-                    break
-                ch.wait_any(0.02)
-                self.poll()
-            waited = time.perf_counter() - w0
-            self.wait_s += waited
-            self.max_wait_s = max(self.max_wait_s, waited)
+        self._wait_while_blocked()
         self.hook_s += time.perf_counter() - t0
+
+    def _wait_while_blocked(self) -> None:
+        """Wait while a live replica is past the staleness bound behind, excusing it
+        after ``stall_grace_s`` (dead or far too slow: go on)."""
+        r = self.replica
+        ch = self.channel
+        if not r.blocking():
+            return
+        w0 = time.perf_counter()
+        grace = self.config.train.stall_grace_s
+        self._send_stats_report()  # waiting anyway: the daemon hears it now
+        while behind := r.blocking():
+            if ch.closed:
+                raise ChannelError(ch.error or "the daemon went away")
+            if time.perf_counter() - w0 > grace:
+                r.excuse(behind)
+                log.warning("replicas_excused", step=r.step, behind=behind)
+                break
+            ch.wait_any(0.02)
+            self.poll()
+        waited = time.perf_counter() - w0
+        self.wait_s += waited
+        self.max_wait_s = max(self.max_wait_s, waited)
 
     def _daemon_gone(self) -> None:
         """The daemon stopped (or crashed): keep what this replica learned in a

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ciuic_p2p.core.layout import BucketLayout
+from ciuic_p2p.core.codec.layout import BucketLayout
 from ciuic_p2p.train.hook import MeshSync, flatten_parameters
 
 

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from ciuic_p2p.config import Config
-from ciuic_p2p.core.layout import BucketLayout
-from ciuic_p2p.core.replica import Replica
-from ciuic_p2p.core.statefile import StateFormatError, pack_state, unpack_state
+from ciuic_p2p.core.codec.layout import BucketLayout
+from ciuic_p2p.core.replica.rule import Replica
+from ciuic_p2p.core.store.statefile import StateFormatError, pack_state, unpack_state
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel
 from ciuic_p2p.train.checkpoint import Checkpoint, load_newest, write_checkpoint

@@ -1,7 +1,7 @@
 """Admission on a QUIC link: the client's proof of possession, the server's check,
 and what happens once a link is authenticated (one link per peer: simultaneous dials
 and a restarted peer's stale link are resolved here). Part of QuicTransport, kept
-apart because it is one concept: see core/auth.py for the proof itself.
+apart because it is one concept: see core/link/auth.py for the proof itself.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from cryptography.hazmat.primitives.serialization import Encoding
 from ciuic_p2p.addresses import network_of
 from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import TransportSection
-from ciuic_p2p.core.auth import ServerAdmission, build_auth
-from ciuic_p2p.core.frames import Frame, FrameType
+from ciuic_p2p.core.link.auth import ServerAdmission, build_auth
+from ciuic_p2p.core.link.frames import Frame, FrameType
 from ciuic_p2p.errors import AdmissionError
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.logsetup import get_logger
@@ -77,7 +77,7 @@ class AdmissionMixin:
 
     def _server_receive(self, link: QuicLink, data: bytes) -> list[Frame]:
         """Control-stream bytes on an accepted link before its peer is admitted
-        (core.auth.ServerAdmission); the frames after ``AUTH``, to handle as the
+        (core.link.auth.ServerAdmission); the frames after ``AUTH``, to handle as the
         member's once it is admitted."""
         if link.admission is None:  # made at the first bytes: the CIDs are final then
             link.admission = ServerAdmission(

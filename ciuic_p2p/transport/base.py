@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass
 
-from ciuic_p2p.core.frames import FrameType
+from ciuic_p2p.core.link.frames import FrameType
 
 Address = tuple[str, int]
 
@@ -25,7 +25,7 @@ class PeerConnected:
     """True when we opened the connection."""
     certificate: bytes = b""
     """The peer's node certificate (DER), checked: the mesh takes it as the peer's
-    credential (core.identities)."""
+    credential (core.mesh.identities)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,8 +29,8 @@ from cryptography.hazmat.primitives import serialization
 
 from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import TransportSection
-from ciuic_p2p.core.frames import FrameType
-from ciuic_p2p.core.origin import ChunkFilter
+from ciuic_p2p.core.codec.origin import ChunkFilter
+from ciuic_p2p.core.link.frames import FrameType
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.transport.base import Address, FrameReceived
 from ciuic_p2p.transport.quic import QuicTransport, TransportError

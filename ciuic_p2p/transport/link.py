@@ -12,9 +12,9 @@ from aioquic.quic.connection import QuicConnection
 from cryptography import x509
 
 from ciuic_p2p.config import TransportSection
-from ciuic_p2p.core.auth import ServerAdmission
-from ciuic_p2p.core.frames import CreditSender, FrameReader, ReceiveQuota
-from ciuic_p2p.core.rtt import RttEstimator
+from ciuic_p2p.core.link.auth import ServerAdmission
+from ciuic_p2p.core.link.frames import CreditSender, FrameReader, ReceiveQuota
+from ciuic_p2p.core.link.rtt import RttEstimator
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.transport.base import Address, LinkStats, RttStats
 

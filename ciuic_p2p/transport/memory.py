@@ -16,7 +16,7 @@ from cryptography.hazmat.primitives import serialization
 
 from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import TransportSection
-from ciuic_p2p.core.frames import (
+from ciuic_p2p.core.link.frames import (
     CreditSender,
     FlowControlError,
     FrameType,
@@ -24,7 +24,7 @@ from ciuic_p2p.core.frames import (
     bulk_cost,
     encode_frame,
 )
-from ciuic_p2p.core.rtt import RttEstimator
+from ciuic_p2p.core.link.rtt import RttEstimator
 from ciuic_p2p.errors import AdmissionError
 from ciuic_p2p.identity import peer_id_of
 from ciuic_p2p.transport.base import (

@@ -1,4 +1,4 @@
-"""QUIC transport over aioquic, with our own admission (see core.auth).
+"""QUIC transport over aioquic, with our own admission (see core.link.auth).
 
 One UDP socket per node, bound where the config says, serves both the connections
 this node dials and the ones it accepts; datagrams are routed to connections by
@@ -49,14 +49,14 @@ from cryptography.hazmat.primitives import serialization
 
 from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import TransportSection
-from ciuic_p2p.core.frames import (
+from ciuic_p2p.core.link.frames import (
     BULK_TYPES,
     FrameType,
     FramingError,
     bulk_cost,
     encode_frame,
 )
-from ciuic_p2p.core.rtt import backoff_delay_s
+from ciuic_p2p.core.link.rtt import backoff_delay_s
 from ciuic_p2p.errors import AdmissionError
 from ciuic_p2p.guard import Guard
 from ciuic_p2p.identity import NodeKey, peer_id_of
@@ -494,7 +494,7 @@ class QuicTransport(AdmissionMixin, Transport):
 
     def maintain(self, address: Address, expected_peer: bytes | None = None) -> None:
         """Keep a link to ``address`` up: dial now, and again whenever it is lost,
-        after a delay with exponential backoff and full jitter (core.rtt)."""
+        after a delay with exponential backoff and full jitter (core.link.rtt)."""
         if address not in self._maintained:
             task = asyncio.get_running_loop().create_task(self._keep_up(address, expected_peer))
             self._maintained[address] = task

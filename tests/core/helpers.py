@@ -1,4 +1,4 @@
-"""Test helpers built only on the documented wire layout (core/wire.py docstring)."""
+"""Test helpers built only on the documented wire layout (core/codec/chunk.py docstring)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import zlib
 
 import torch
 
-from ciuic_p2p.core.codec import BucketEncoder, BucketSpec, ChunkSource
-from ciuic_p2p.core.wire import Codec
+from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource
+from ciuic_p2p.core.codec.chunk import Codec
 
 SOURCE = ChunkSource(run_id=bytes(range(16)), origin=bytes(range(32)), incarnation=3, layout_id=99)
 

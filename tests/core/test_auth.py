@@ -6,7 +6,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from ciuic_p2p.admission import ClusterCA, Trust
-from ciuic_p2p.core.auth import build_auth, check_auth
+from ciuic_p2p.core.link.auth import build_auth, check_auth
 from ciuic_p2p.errors import AdmissionError
 from ciuic_p2p.identity import NodeKey
 

@@ -8,9 +8,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from ciuic_p2p.config import CodecSection
-from ciuic_p2p.core.codec import BucketSpec, apply_chunk, decode_chunk
-from ciuic_p2p.core.select import ApproxTopK, exact_topk
-from ciuic_p2p.core.wire import MAX_PAYLOAD_BYTES, Codec, parse_chunk
+from ciuic_p2p.core.codec.bucket import BucketSpec, apply_chunk, decode_chunk
+from ciuic_p2p.core.codec.chunk import MAX_PAYLOAD_BYTES, Codec, parse_chunk
+from ciuic_p2p.core.codec.select import ApproxTopK, exact_topk
 from ciuic_p2p.errors import ChunkMismatchError, NonFiniteUpdateError
 from tests.conftest import devices
 from tests.core.helpers import SOURCE, encoder, heavy_tailed

@@ -4,7 +4,8 @@ import random
 
 import pytest
 
-from ciuic_p2p.core.frames import (
+from ciuic_p2p.core.codec.chunk import MAX_CHUNK_BYTES
+from ciuic_p2p.core.link.frames import (
     CreditReceiver,
     CreditSender,
     FlowControlError,
@@ -16,7 +17,6 @@ from ciuic_p2p.core.frames import (
     bulk_cost,
     encode_frame,
 )
-from ciuic_p2p.core.wire import MAX_CHUNK_BYTES
 
 
 def test_frames_survive_any_split_of_the_stream() -> None:

@@ -12,8 +12,8 @@ import struct
 import pytest
 import torch
 
-from ciuic_p2p.core.codec import decode_chunk
-from ciuic_p2p.core.wire import MAGIC, Codec
+from ciuic_p2p.core.codec.bucket import decode_chunk
+from ciuic_p2p.core.codec.chunk import MAGIC, Codec
 from ciuic_p2p.errors import ChunkDecodeError
 from tests.core.helpers import encoder, heavy_tailed, reseal
 

@@ -6,7 +6,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ciuic_p2p.core import indexcode
+from ciuic_p2p.core.codec import indexcode
 from ciuic_p2p.errors import InconsistentChunkError
 
 

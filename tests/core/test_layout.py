@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ciuic_p2p.core.layout import BucketLayout
+from ciuic_p2p.core.codec.layout import BucketLayout
 
 
 def mlp() -> torch.nn.Sequential:

@@ -2,9 +2,9 @@ from __future__ import annotations
 
 import pytest
 
-from ciuic_p2p.core.codec import BucketEncoder, BucketSpec, ChunkSource
-from ciuic_p2p.core.origin import ChunkFilter, ReplayWindow, sign_chunk, verify_chunk
-from ciuic_p2p.core.wire import ChunkHeader, Codec, IndexCode, parse_chunk
+from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource
+from ciuic_p2p.core.codec.chunk import ChunkHeader, Codec, IndexCode, parse_chunk
+from ciuic_p2p.core.codec.origin import ChunkFilter, ReplayWindow, sign_chunk, verify_chunk
 from ciuic_p2p.errors import CodecError, ReplayedChunkError, SignatureError
 from ciuic_p2p.identity import NodeKey
 from tests.core.helpers import heavy_tailed, reseal

@@ -4,7 +4,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ciuic_p2p.core.quant import dequantize_int8, quantize_int8
+from ciuic_p2p.core.codec.quant import dequantize_int8, quantize_int8
 
 
 @given(

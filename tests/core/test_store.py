@@ -1,4 +1,4 @@
-"""The shared store's state machines (core.store) and wire format (core.storewire),
+"""The shared store's state machines (core.store.fetch) and wire format (core.store.messages),
 on virtual time: every message goes through the wire codec."""
 
 from __future__ import annotations
@@ -13,17 +13,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ciuic_p2p.config import StoreSection
-from ciuic_p2p.core import storewire
-from ciuic_p2p.core.store import Fetch, FetchState, Holder
-from ciuic_p2p.core.storewire import (
+from ciuic_p2p.core.store import messages as storewire
+from ciuic_p2p.core.store.fetch import Fetch, FetchState
+from ciuic_p2p.core.store.holder import Holder
+from ciuic_p2p.core.store.messages import (
     Get,
-    Kind,
     Manifest,
     NoneHeld,
     Offer,
     Piece,
     Query,
     Ref,
+    StoreKind,
     StoreWireError,
     decode,
     encode,
@@ -103,9 +104,9 @@ class Net:
                     kill = self.kill_after_pieces
                     if kill and kill[0] == peer and self.served[peer] >= kill[1]:
                         self.dead.add(peer)
-                elif isinstance(msg, Ref) and msg.kind is Kind.BUSY:
+                elif isinstance(msg, Ref) and msg.kind is StoreKind.BUSY:
                     fetch.on_busy(peer, self.now)
-                elif isinstance(msg, Ref) and msg.kind is Kind.GONE:
+                elif isinstance(msg, Ref) and msg.kind is StoreKind.GONE:
                     fetch.on_gone(peer, self.now)
             else:
                 assert timer is not None
@@ -310,7 +311,7 @@ def test_every_message_round_trips() -> None:
         Offer(9, 2, m),
         Get("n", 3, m.root, (0, 5, 7)),
         Piece("n", 3, m.root, 2, b"abc"),
-        Ref(Kind.HOLD, "n", 3, m.root),
+        Ref(StoreKind.HOLD, "n", 3, m.root),
     ]
     for msg in messages:
         back = decode(encode(msg))
@@ -350,7 +351,7 @@ def test_mutated_messages_get_a_typed_error_or_decode() -> None:
 
 def test_limits_are_enforced() -> None:
     with pytest.raises(StoreWireError):
-        decode(b"CS\x01" + bytes([Kind.PIECE]) + b"\x01n" + bytes(8 + 32 + 4) + bytes(2 << 20))
+        decode(b"CS\x01" + bytes([StoreKind.PIECE]) + b"\x01n" + bytes(8 + 32 + 4) + bytes(2 << 20))
     with pytest.raises(ValueError):
         Manifest("n", 1, 10, 4096, b"x" * 32, ())
     with pytest.raises(ValueError):

@@ -5,8 +5,8 @@ import struct
 
 import pytest
 
-from ciuic_p2p.core import wire
-from ciuic_p2p.core.wire import ChunkHeader, Codec, IndexCode, build_chunk, parse_chunk
+from ciuic_p2p.core.codec import chunk as wire
+from ciuic_p2p.core.codec.chunk import ChunkHeader, Codec, IndexCode, build_chunk, parse_chunk
 from ciuic_p2p.errors import (
     BadMagicError,
     ChecksumMismatchError,

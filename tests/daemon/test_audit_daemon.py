@@ -15,8 +15,7 @@ from typing import Any
 from ciuic_p2p.admission import ClusterCA
 from ciuic_p2p.daemon.control import request
 from ciuic_p2p.train.channel import DaemonChannel
-
-from .conftest import NOW, Fleet, free_port_block
+from tests.daemon.fleet import NOW, Fleet, free_port_block
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -69,15 +69,16 @@ def test_entries_record_what_happened_with_owner_only_files(tmp_path: Path) -> N
     log.stopped("SIGTERM")
     log.close()
     got = entries(directory)
+    # The open sums go before "stopped": it is the last entry.
     assert [e.kind for e in got] == [
-        "started", "admitted", "served_state", "checkpoint", "stopped", "refusals"
+        "started", "admitted", "served_state", "checkpoint", "refusals", "stopped"
     ]  # fmt: skip
     assert got[0].data["public_key"] == KEY.public_key.hex()
     assert got[1].data == {"peer": "ciuicpeer", "address": "10.0.0.2:7946"}
     assert got[2].data == {"name": "state/run1", "version": 40, "to": "ciuicpeer", "bytes": 1234}
     assert got[3].data["digest"] == "01" * 32
-    assert got[5].data["total"] == 1 and got[5].data["networks"] == {"10.0.0.0/24": 1}
-    assert got[5].data["reasons"] == {"certificate revoked": 1}
+    assert got[4].data["total"] == 1 and got[4].data["networks"] == {"10.0.0.0/24": 1}
+    assert got[4].data["reasons"] == {"certificate revoked": 1}
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     assert stat.S_IMODE((directory / "audit-000001.jsonl").stat().st_mode) == 0o600
     report = verify_directory(directory, KEY.public_key)

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Any
 
 from ciuic_p2p.admission import ClusterCA
-from ciuic_p2p.core.scenario import load_scenario
 from ciuic_p2p.data import scenario_path
-from tests.daemon.conftest import NOW, Fleet, free_port_block
+from ciuic_p2p.emulator.scenarios import load_scenario
+from tests.daemon.fleet import NOW, Fleet, free_port_block
 
 NAMES = ["Tokyo", "Singapore", "Sydney", "Frankfurt", "London", "Virginia", "SaoPaulo", "Oregon"]
 PARTITION_AT_S = 45.0

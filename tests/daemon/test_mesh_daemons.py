@@ -8,10 +8,10 @@ import asyncio
 import collections
 
 from ciuic_p2p.config import Config
-from ciuic_p2p.core.broadcast import Delivery
-from ciuic_p2p.core.scenario import load_scenario
+from ciuic_p2p.core.mesh.broadcast import Delivery
 from ciuic_p2p.data import scenario_path
-from ciuic_p2p.emulator.daemons import DaemonMesh
+from ciuic_p2p.emulator.scenarios import load_scenario
+from ciuic_p2p.lab.daemons import DaemonMesh
 
 NAMES = [
     "azure:westeurope",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ciuic_p2p.core.frames import FrameType
+from ciuic_p2p.core.link.frames import FrameType
 from ciuic_p2p.daemon.outbox import MAX_OUTBOX, Outbox
 
 

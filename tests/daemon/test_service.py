@@ -22,13 +22,12 @@ import pytest
 
 from ciuic_p2p.admission import ClusterCA, Trust, load_certificate, write_pem
 from ciuic_p2p.config import SECTIONS, Config, config_from_toml, load_config
-from ciuic_p2p.config_example import example_toml
+from ciuic_p2p.config.example import example_toml
 from ciuic_p2p.daemon.control import request
 from ciuic_p2p.daemon.incarnation import next_incarnation
 from ciuic_p2p.daemon.node import MeshDaemon
 from ciuic_p2p.identity import NodeKey
-
-from .conftest import NOW, Fleet, free_port_block
+from tests.daemon.fleet import NOW, Fleet, free_port_block
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "ciuic-node.service"

@@ -2,7 +2,7 @@
 real 3-node mesh with per-peer labels, the status JSON, the loopback Host check, and
 the live page in a real headless Chromium that shows the mesh and a node leaving.
 
-Daemons run in this process (emulator.daemons) on the emulated WAN; trainers are
+Daemons run in this process (lab.daemons) on the emulated WAN; trainers are
 stand-ins that speak the trainer socket's frames and publish tiny dense chunks."""
 
 from __future__ import annotations
@@ -25,18 +25,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import Config, WebSection
-from ciuic_p2p.core.scenario import load_scenario
-from ciuic_p2p.core.trainwire import FrameType, Kind, envelope, frame_header, json_frame
-from ciuic_p2p.core.trainwire import run_id_of as trainwire_run_id
-from ciuic_p2p.core.wire import ChunkHeader, Codec, IndexCode, build_chunk
+from ciuic_p2p.core.codec.chunk import ChunkHeader, Codec, IndexCode, build_chunk
+from ciuic_p2p.core.replica.messages import PayloadKind, envelope
+from ciuic_p2p.core.replica.messages import run_id_of as trainwire_run_id
+from ciuic_p2p.core.replica.trainersocket import TrainerFrame, frame_header, json_frame
 from ciuic_p2p.daemon.metrics import RouteWatch, StepRate
 from ciuic_p2p.daemon.node import MeshDaemon
 from ciuic_p2p.daemon.trainer import TrainerServer
 from ciuic_p2p.daemon.web import WebServer
 from ciuic_p2p.data import scenario_path
-from ciuic_p2p.emulator.daemons import DaemonMesh
+from ciuic_p2p.emulator.scenarios import load_scenario
 from ciuic_p2p.identity import NodeKey
-from tests.daemon.conftest import NOW
+from ciuic_p2p.lab.daemons import DaemonMesh
+from tests.daemon.fleet import NOW
 
 NAMES = ["azure:westeurope", "gcp:us-east1-b", "azure:japaneast"]
 RUN = "web-test"
@@ -95,9 +96,9 @@ class StandInTrainer:
         ours, theirs = socket.socketpair()
         await self.server.serve_socket(theirs)
         reader, self._writer = await asyncio.open_unix_connection(sock=ours)
-        self._writer.write(json_frame(FrameType.HELLO, {"run": RUN}))
+        self._writer.write(json_frame(TrainerFrame.HELLO, {"run": RUN}))
         length, ftype = struct.unpack("<IB", await reader.readexactly(5))
-        assert ftype == FrameType.WELCOME
+        assert ftype == TrainerFrame.WELCOME
         self.welcome = json.loads(await reader.readexactly(length - 1))
         self._drain = asyncio.get_running_loop().create_task(self._read_all(reader))
 
@@ -121,14 +122,14 @@ class StandInTrainer:
             range_len=4,
             count=4,
         )
-        payload = envelope(Kind.UPDATE) + build_chunk(header, [bytes(16)])
+        payload = envelope(PayloadKind.UPDATE) + build_chunk(header, [bytes(16)])
         assert self._writer is not None
-        self._writer.write(frame_header(FrameType.PUBLISH, len(payload)) + payload)
+        self._writer.write(frame_header(TrainerFrame.PUBLISH, len(payload)) + payload)
 
     def report(self, figures: dict[str, float]) -> None:
         """What the hook sends with each stats request (its own timings)."""
         assert self._writer is not None
-        self._writer.write(json_frame(FrameType.STATS_REQUEST, figures))
+        self._writer.write(json_frame(TrainerFrame.STATS_REQUEST, figures))
 
     async def close(self) -> None:
         if self._closed:

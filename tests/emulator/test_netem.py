@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from ciuic_p2p.core.netem import LinkModel, LinkParams
+from ciuic_p2p.emulator.model.netem import LinkModel, LinkParams
 
 
 def run(

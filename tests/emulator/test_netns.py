@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from ciuic_p2p.core.netem import LinkParams
-from ciuic_p2p.core.scenario import load_scenario
 from ciuic_p2p.data import scenario_path
+from ciuic_p2p.emulator.model.netem import LinkParams
 from ciuic_p2p.emulator.netns import commands, netem_args
+from ciuic_p2p.emulator.scenarios import load_scenario
 from tests.test_cli import run_cli
 
 

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from ciuic_p2p.core.scenario import load_scenario
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.processes import ProcessMesh
+from ciuic_p2p.emulator.scenarios import load_scenario
 
 
 def test_separate_processes_see_the_scenario_rtts(process_mesh: ProcessMesh) -> None:

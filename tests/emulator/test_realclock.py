@@ -7,11 +7,12 @@ import dataclasses
 import math
 from typing import Any
 
-from ciuic_p2p.core.frames import FrameType
-from ciuic_p2p.core.netem import LinkParams
-from ciuic_p2p.core.scenario import load_scenario, scenario_from_mapping
+from ciuic_p2p.core.link.frames import FrameType
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.mesh import EmulatedMesh, PingNode, measure_rate_error_pct, measure_rtts
+from ciuic_p2p.emulator.model.netem import LinkParams
+from ciuic_p2p.emulator.model.scenario import scenario_from_mapping
+from ciuic_p2p.emulator.scenarios import load_scenario
 from ciuic_p2p.transport.base import FrameReceived
 from ciuic_p2p.transport.quic import QuicTransport
 from ciuic_p2p.transport.sockbuf import size_buffers

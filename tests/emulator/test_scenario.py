@@ -5,13 +5,13 @@ from pathlib import Path
 
 import pytest
 
-from ciuic_p2p.core.scenario import (
+from ciuic_p2p.data import WAN_DIR, scenario_path
+from ciuic_p2p.emulator.model.scenario import (
     EmulatedNetwork,
-    load_scenario,
     scenario_from_mapping,
     scenario_from_matrix,
 )
-from ciuic_p2p.data import WAN_DIR, scenario_path
+from ciuic_p2p.emulator.scenarios import load_scenario
 from ciuic_p2p.errors import ConfigError
 
 RTT = "region_a,region_b,rtt_ms,note\na,b,10,x\na,c,30,y\nb,c,50,z\n"

@@ -2,9 +2,10 @@ from __future__ import annotations
 
 import struct
 
-from ciuic_p2p.core.scenario import load_scenario, scenario_from_mapping
-from ciuic_p2p.core.simulator import VirtualNetwork
 from ciuic_p2p.data import scenario_path
+from ciuic_p2p.emulator.model.scenario import scenario_from_mapping
+from ciuic_p2p.emulator.model.simulator import VirtualNetwork
+from ciuic_p2p.emulator.scenarios import load_scenario
 
 
 class Pinger:

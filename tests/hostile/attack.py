@@ -25,9 +25,9 @@ from aioquic.quic.connection import QuicConnection
 from cryptography.hazmat.primitives import serialization
 
 from ciuic_p2p.admission import ClusterCA, Trust
-from ciuic_p2p.core.frames import FrameType
-from ciuic_p2p.core.identities import Identities
-from ciuic_p2p.core.meshwire import (
+from ciuic_p2p.core.link.frames import FrameType
+from ciuic_p2p.core.mesh.identities import Identities
+from ciuic_p2p.core.mesh.messages import (
     Ack,
     Alive,
     Body,

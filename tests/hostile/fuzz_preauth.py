@@ -44,8 +44,8 @@ from cryptography.hazmat.primitives import serialization
 
 from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import LogSection
-from ciuic_p2p.core.auth import ServerAdmission, build_auth
-from ciuic_p2p.core.frames import FrameType, encode_frame
+from ciuic_p2p.core.link.auth import ServerAdmission, build_auth
+from ciuic_p2p.core.link.frames import FrameType, encode_frame
 from ciuic_p2p.errors import CiuicError
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.logsetup import configure_logging

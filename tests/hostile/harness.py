@@ -17,7 +17,7 @@ from types import TracebackType
 
 from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import Config
-from ciuic_p2p.core.broadcast import Delivery
+from ciuic_p2p.core.mesh.broadcast import Delivery
 from ciuic_p2p.daemon.node import MeshDaemon
 from ciuic_p2p.identity import NodeKey
 from tests.hostile.attack import Liar

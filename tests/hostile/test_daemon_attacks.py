@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.daemon.conftest import Fleet, free_port_block
+from tests.daemon.fleet import Fleet, free_port_block
 from tests.hostile.attack import long_header, random_datagrams, source_hosts
 
 

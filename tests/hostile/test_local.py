@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 
 from ciuic_p2p.config import LogSection, WebSection
-from ciuic_p2p.core.frames import FrameType, encode_frame
+from ciuic_p2p.core.link.frames import FrameType, encode_frame
 from ciuic_p2p.daemon.auditlog import AuditLog
 from ciuic_p2p.daemon.web import WebServer
 from ciuic_p2p.identity import NodeKey

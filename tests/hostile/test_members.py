@@ -9,9 +9,9 @@ import asyncio
 import struct
 from pathlib import Path
 
-from ciuic_p2p.core.frames import FrameType
-from ciuic_p2p.core.members import State
-from ciuic_p2p.core.meshwire import (
+from ciuic_p2p.core.link.frames import FrameType
+from ciuic_p2p.core.mesh.members import State
+from ciuic_p2p.core.mesh.messages import (
     MAX_INCARNATION,
     VERSION,
     Alive,
@@ -19,10 +19,10 @@ from ciuic_p2p.core.meshwire import (
     Credential,
     Dead,
     Heads,
-    Kind,
     Left,
     LinkEntry,
     Links,
+    MeshKind,
     Nack,
     PingReq,
     Suspect,
@@ -30,8 +30,8 @@ from ciuic_p2p.core.meshwire import (
     Want,
     encode_update,
 )
-from ciuic_p2p.core.trainwire import Kind as TrainKind
-from ciuic_p2p.core.trainwire import encode_presence, run_id_of
+from ciuic_p2p.core.replica.messages import PayloadKind as TrainKind
+from ciuic_p2p.core.replica.messages import encode_presence, run_id_of
 from ciuic_p2p.daemon.incarnation import next_incarnation
 from ciuic_p2p.daemon.node import REPAIR_QUEUE_BYTES, MeshDaemon
 from ciuic_p2p.identity import NodeKey, peer_id_of
@@ -54,7 +54,7 @@ async def formed_with_liar(tmp_path: Path) -> tuple[HonestMesh, Liar]:
 def raw_gossip(sender: str, update_bytes: bytes) -> bytes:
     """A GOSSIP message built byte by byte (numbers our encoder would never write)."""
     name = sender.encode()
-    return bytes([VERSION, Kind.GOSSIP, len(name)]) + name + struct.pack("<H", 1) + update_bytes
+    return bytes([VERSION, MeshKind.GOSSIP, len(name)]) + name + struct.pack("<H", 1) + update_bytes
 
 
 async def test_an_accusation_past_the_signed_incarnation_bricks_nobody(tmp_path: Path) -> None:

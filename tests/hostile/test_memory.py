@@ -15,10 +15,19 @@ from pathlib import Path
 
 import pytest
 
-from ciuic_p2p.core.frames import FrameType
-from ciuic_p2p.core.storewire import Get, Kind, Manifest, Offer, Query, Ref, decode, encode
-from ciuic_p2p.core.trainwire import FrameType as TrainFrame
-from ciuic_p2p.core.trainwire import json_frame, part_frames
+from ciuic_p2p.core.link.frames import FrameType
+from ciuic_p2p.core.replica.trainersocket import TrainerFrame as TrainFrame
+from ciuic_p2p.core.replica.trainersocket import json_frame, part_frames
+from ciuic_p2p.core.store.messages import (
+    Get,
+    Manifest,
+    Offer,
+    Query,
+    Ref,
+    StoreKind,
+    decode,
+    encode,
+)
 from ciuic_p2p.daemon.node import MeshDaemon
 from ciuic_p2p.daemon.store import StoreError, StoreService
 from ciuic_p2p.daemon.trainer import TrainerServer
@@ -177,11 +186,11 @@ async def test_one_member_cannot_take_what_a_holder_keeps_for_all(tmp_path: Path
         for i in range(3):  # 3 x 3 MiB: more than mallory's share of 2 MiB, and the whole
             name = f"junk{i}"
             m = stores["mallory"].put_local(name, 1, os.urandom(3 * MiB))
-            stores["mallory"]._send(victim.peer_id, Ref(Kind.HOLD, name, 1, m.root))
+            stores["mallory"]._send(victim.peer_id, Ref(StoreKind.HOLD, name, 1, m.root))
         await until(lambda: stores["victim"].counters["store_holds_refused"] >= 2, 20, "refused")
         assert stores["victim"].holder.bytes_held() <= 3 * MiB
         m = stores["honest"].put_local("ckpt", 1, os.urandom(MiB))
-        stores["honest"]._send(victim.peer_id, Ref(Kind.HOLD, "ckpt", 1, m.root))
+        stores["honest"]._send(victim.peer_id, Ref(StoreKind.HOLD, "ckpt", 1, m.root))
         await until(lambda: stores["victim"].holder.find("ckpt", 1, m.root) is not None, 20, "held")
     finally:
         await mesh.close()

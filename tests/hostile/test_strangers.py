@@ -17,8 +17,8 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 
 from ciuic_p2p.config import LogSection
-from ciuic_p2p.core.auth import ServerAdmission, build_auth, check_auth
-from ciuic_p2p.core.frames import FrameType, encode_frame
+from ciuic_p2p.core.link.auth import ServerAdmission, build_auth, check_auth
+from ciuic_p2p.core.link.frames import FrameType, encode_frame
 from ciuic_p2p.errors import AdmissionError, CiuicError
 from ciuic_p2p.guard import Guard, install_loop_handler
 from ciuic_p2p.logsetup import configure_logging

@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 from typing import TypeVar
 
-from ciuic_p2p.core.identities import Identities
-from ciuic_p2p.core.meshwire import Alive, Chunk, Left, Links, signed_bytes
+from ciuic_p2p.core.mesh.identities import Identities
+from ciuic_p2p.core.mesh.messages import Alive, Chunk, Left, Links, signed_bytes
 from ciuic_p2p.emulator.meshsim import SimAuthority
 
 AUTHORITY = SimAuthority(seed=77)

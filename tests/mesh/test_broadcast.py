@@ -9,14 +9,14 @@ import itertools
 import pytest
 
 from ciuic_p2p.config import MeshSection
-from ciuic_p2p.core.broadcast import (
+from ciuic_p2p.core.mesh.broadcast import (
     CLAIM_AHEAD,
     MAX_ABOVE,
     MAX_GAP,
     MAX_ORIGINS,
     Disseminator,
 )
-from ciuic_p2p.core.meshwire import (
+from ciuic_p2p.core.mesh.messages import (
     MAX_HEADS,
     MAX_MESSAGE_BYTES,
     MAX_WANT,
@@ -26,9 +26,9 @@ from ciuic_p2p.core.meshwire import (
     Want,
     encode_message,
 )
-from ciuic_p2p.core.scenario import load_scenario
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
+from ciuic_p2p.emulator.scenarios import load_scenario
 from tests.mesh.signing import chunk, identities
 
 NAMES = ["Tokyo", "Singapore", "Sydney", "Frankfurt", "London", "Virginia", "SaoPaulo", "Oregon"]

@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from ciuic_p2p.config import MeshSection
-from ciuic_p2p.core.members import State
-from ciuic_p2p.core.scenario import load_scenario
+from ciuic_p2p.core.mesh.members import State
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
+from ciuic_p2p.emulator.scenarios import load_scenario
 
 NAMES = ["Tokyo", "Singapore", "Sydney", "Frankfurt", "London", "Virginia", "SaoPaulo", "Oregon"]
 

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from ciuic_p2p.core.meshwire import (
+from ciuic_p2p.core.mesh.messages import (
     MAX_ID_BYTES,
     MAX_INCARNATION,
     Ack,

@@ -6,10 +6,11 @@ import itertools
 from collections.abc import Callable
 
 from ciuic_p2p.config import MeshSection
-from ciuic_p2p.core.routing import Router, build_tree, shortest_paths
-from ciuic_p2p.core.scenario import load_scenario, scenario_from_mapping
+from ciuic_p2p.core.mesh.routing import Router, build_tree, shortest_paths
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
+from ciuic_p2p.emulator.model.scenario import scenario_from_mapping
+from ciuic_p2p.emulator.scenarios import load_scenario
 
 
 def detour_scenario() -> SimMesh:

@@ -6,11 +6,11 @@ from __future__ import annotations
 import statistics
 
 from ciuic_p2p.config import MeshSection
-from ciuic_p2p.core.rttmap import RttMap
-from ciuic_p2p.core.scenario import load_scenario
-from ciuic_p2p.core.suspicion import Suspicion
+from ciuic_p2p.core.mesh.rttmap import RttMap
+from ciuic_p2p.core.mesh.suspicion import Suspicion
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
+from ciuic_p2p.emulator.scenarios import load_scenario
 
 
 def test_coordinates_estimate_unmeasured_pairs_within_a_quarter() -> None:

@@ -17,9 +17,9 @@ import torch
 
 from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import Config
-from ciuic_p2p.core.layout import BucketLayout
-from ciuic_p2p.core.replica import consensus_distance
-from ciuic_p2p.core.statefile import StateFormatError, pack_state, read_header, unpack_state
+from ciuic_p2p.core.codec.layout import BucketLayout
+from ciuic_p2p.core.replica.rule import consensus_distance
+from ciuic_p2p.core.store.statefile import StateFormatError, pack_state, read_header, unpack_state
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.train.attach import attach
 from ciuic_p2p.train.checkpoint import (

@@ -14,7 +14,7 @@ import torch
 
 from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import Config
-from ciuic_p2p.core.replica import consensus_distance
+from ciuic_p2p.core.replica.rule import consensus_distance
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.train.attach import attach
 from ciuic_p2p.train.channel import ChannelError

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from ciuic_p2p.core.replica import consensus_distance
-from ciuic_p2p.train.cluster import LocalCluster, free_port_block, spread_nodes
+from ciuic_p2p.core.replica.rule import consensus_distance
+from ciuic_p2p.lab.cluster import LocalCluster, free_port_block, spread_nodes
 
 SCRIPT = r"""
 import json, sys, torch, torch.distributed as dist

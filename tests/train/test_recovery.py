@@ -13,9 +13,9 @@ from typing import Any
 
 import torch
 
-from ciuic_p2p.core.replica import consensus_distance
+from ciuic_p2p.core.replica.rule import consensus_distance
 from ciuic_p2p.daemon.control import request
-from ciuic_p2p.train.cluster import JsonLines, LocalCluster, spread_nodes
+from ciuic_p2p.lab.cluster import JsonLines, LocalCluster, spread_nodes
 
 CONFIG = """
 [codec]

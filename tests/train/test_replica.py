@@ -1,22 +1,29 @@
-"""The update rule (core.replica) without any network: replicas hand each other
+"""The update rule (core.replica.rule) without any network: replicas hand each other
 payloads directly, in any order, with duplicates and bad input."""
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import random
 
 import pytest
 import torch
 
 from ciuic_p2p.config import CodecSection, TrainSection
-from ciuic_p2p.core.codec import BucketEncoder, BucketSpec, ChunkSource
-from ciuic_p2p.core.layout import BucketLayout
-from ciuic_p2p.core.replica import RefusedChunk, Replica, consensus_distance
-from ciuic_p2p.core.trainwire import Kind, encode_done, encode_presence, envelope, run_id_of
-from ciuic_p2p.core.wire import Codec
+from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource
+from ciuic_p2p.core.codec.chunk import Codec
+from ciuic_p2p.core.codec.layout import BucketLayout
+from ciuic_p2p.core.replica.messages import (
+    PayloadKind,
+    encode_done,
+    encode_presence,
+    envelope,
+    run_id_of,
+)
+from ciuic_p2p.core.replica.rule import RefusedChunk, Replica, consensus_distance
+from ciuic_p2p.lab.tasks import DigitsTask
 from ciuic_p2p.train.hook import flatten_parameters
-from ciuic_p2p.train.tasks import DigitsTask
 
 CODEC = CodecSection(density=0.05, dense_below_numel=0)
 TRAIN = TrainSection(consensus_interval_steps=0, norm_warmup_chunks=3)
@@ -51,14 +58,29 @@ def snapshot(r: Replica) -> list[torch.Tensor]:
     return [b.clone() for b in r.buckets]
 
 
+def _introduce(reps: list[Replica]) -> None:
+    names = [r.peer for r in reps]
+    for r in reps:
+        r.set_alive(names)
+        for other in names:
+            if other != r.peer:
+                r.receive(other, encode_presence(PayloadKind.JOIN, run_id_of("run")))
+
+
+def _deliver_tolerating_duplicates(
+    reps: list[Replica], inbox: list[tuple[int, str, bytes]]
+) -> None:
+    for j, origin, p in inbox:
+        try:
+            reps[j].receive(origin, p)
+        except RefusedChunk as exc:
+            assert exc.reason == "duplicate"
+
+
 def test_every_chunk_applies_exactly_once_in_any_order() -> None:
     reps = [replica(i) for i in range(3)]
-    for r in reps:
-        r.set_alive(["p0", "p1", "p2"])
-        for other in ("p0", "p1", "p2"):
-            if other != r.peer:
-                r.receive(other, encode_presence(Kind.JOIN, run_id_of("run")))
-        assert r.replicas == 3
+    _introduce(reps)
+    assert all(r.replicas == 3 for r in reps)
     gen = torch.Generator().manual_seed(1)
     rng = random.Random(2)
     sent: dict[str, int] = {}
@@ -67,24 +89,15 @@ def test_every_chunk_applies_exactly_once_in_any_order() -> None:
         for i, r in enumerate(reps):
             payloads = local_update(r, gen)
             sent[r.peer] = sent.get(r.peer, 0) + len(payloads)
-            for p in payloads:
-                for j in range(3):
-                    if j != i:
+            for p, j in itertools.product(payloads, range(3)):
+                if j != i:
+                    inbox.append((j, r.peer, p))
+                    if rng.random() < 0.2:  # a duplicate, delivered again later
                         inbox.append((j, r.peer, p))
-                        if rng.random() < 0.2:  # a duplicate, delivered again later
-                            inbox.append((j, r.peer, p))
         rng.shuffle(inbox)
-        for j, origin, p in inbox[: len(inbox) // 2]:
-            try:
-                reps[j].receive(origin, p)
-            except RefusedChunk as exc:
-                assert exc.reason == "duplicate"
+        _deliver_tolerating_duplicates(reps, inbox[: len(inbox) // 2])
         del inbox[: len(inbox) // 2]
-    for j, origin, p in inbox:
-        try:
-            reps[j].receive(origin, p)
-        except RefusedChunk as exc:
-            assert exc.reason == "duplicate"
+    _deliver_tolerating_duplicates(reps, inbox)
     for r in reps:
         for origin, state in r.peers.items():
             assert state.applied == sent[origin]
@@ -107,12 +120,12 @@ def test_bad_chunks_are_refused_counted_and_change_nothing() -> None:
     bad: dict[str, bytes] = {
         "other_run": local_update(other_run, gen)[0],
         "layout": local_update(other_shape, gen)[0],
-        "malformed": envelope(Kind.UPDATE) + b"\x00" * 200,
+        "malformed": envelope(PayloadKind.UPDATE) + b"\x00" * 200,
     }
     # A chunk of this layout for a bucket the model does not have.
     src = ChunkSource(run_id_of("run"), b"\x05" * 32, 0, me.layout.layout_id)
     enc = BucketEncoder(3, 100, BucketSpec(codec=Codec.SPARSE_INT8, exact=True), src)
-    bad["range"] = envelope(Kind.UPDATE) + enc.encode(torch.randn(100), 1)[0]
+    bad["range"] = envelope(PayloadKind.UPDATE) + enc.encode(torch.randn(100), 1)[0]
     # A faulty node's update: a hundred times this replica's own.
     loud = replica(4)
     loud.set_alive(["p0", "p4"])
@@ -188,7 +201,7 @@ def test_staleness_bound_waits_for_the_slowest_live_replica() -> None:
     me, slow = replica(0, train=train), replica(1, train=train)
     me.set_alive(["p0", "p1", "p2"])
     slow.set_alive(["p0", "p1"])
-    me.receive("p1", encode_presence(Kind.JOIN, run_id_of("run")))  # p2 trains nothing
+    me.receive("p1", encode_presence(PayloadKind.JOIN, run_id_of("run")))  # p2 trains nothing
     assert me.replicas == 2
     gen = torch.Generator().manual_seed(5)
     for _ in range(3):
@@ -212,10 +225,10 @@ def test_replicas_are_the_members_that_train_this_run() -> None:
     me = replica(0)
     me.set_alive(["p0", "p1", "p2", "p3"])
     run = run_id_of("run")
-    me.receive("p1", encode_presence(Kind.JOIN, run))
-    me.receive("p2", encode_presence(Kind.JOIN, run_id_of("another run")))  # ignored
+    me.receive("p1", encode_presence(PayloadKind.JOIN, run))
+    me.receive("p2", encode_presence(PayloadKind.JOIN, run_id_of("another run")))  # ignored
     assert sorted(me.peers) == ["p1"] and me.replicas == 2 and me.joined == ["p1"]
-    me.receive("p1", encode_presence(Kind.GONE, run))  # its trainer went away
+    me.receive("p1", encode_presence(PayloadKind.GONE, run))  # its trainer went away
     assert me.peers == {} and me.replicas == 1
     gen = torch.Generator().manual_seed(6)
     late = replica(1)
@@ -223,8 +236,8 @@ def test_replicas_are_the_members_that_train_this_run() -> None:
     for p in local_update(late, gen):  # a chunk it sent before going: applied, and it
         me.receive("p1", p)  # does not come back as a replica
     assert me.peers == {} and me.stats.applied == 1
-    me.receive("p1", encode_presence(Kind.JOIN, run))  # a restarted trainer does
-    me.receive("p4", encode_presence(Kind.JOIN, run))  # not a live member: ignored
+    me.receive("p1", encode_presence(PayloadKind.JOIN, run))  # a restarted trainer does
+    me.receive("p4", encode_presence(PayloadKind.JOIN, run))  # not a live member: ignored
     assert sorted(me.peers) == ["p1"]
 
 
@@ -236,6 +249,47 @@ def test_backlog_merges_steps_and_lowers_density_then_recovers() -> None:
     for _ in range(5):
         r.adapt(0)
     assert r.send_interval == 1 and r.density == CODEC.density
+
+
+class _DelayedMesh:
+    """Two live replicas and a joiner, c, whose chunks travel with a per-pair delay in
+    steps; c hears chunks once its daemon is in, and applies them once restored."""
+
+    def __init__(
+        self,
+        a: Replica,
+        b: Replica,
+        c: Replica,
+        delay: dict[tuple[str, str], int],
+        gen: torch.Generator,
+    ) -> None:
+        self.everyone = (a, b, c)
+        self.joiner = c
+        self.delay = delay
+        self.gen = gen
+        self.live = [a, b]
+        self.pending: list[tuple[int, Replica, str, bytes]] = []
+        self.joiner_in_mesh = False
+        self.restored = False
+
+    def _reaches(self, other: Replica) -> bool:
+        return other in self.live or (other is self.joiner and self.joiner_in_mesh)
+
+    def step_all(self, now: int) -> None:
+        for r in self.live:
+            for p in local_update(r, self.gen):
+                for other in self.everyone:
+                    if other is not r and self._reaches(other):
+                        at = now + self.delay[(r.peer, other.peer)]
+                        self.pending.append((at, other, r.peer, p))
+        due = [
+            x for x in self.pending if x[0] <= now and (x[1] is not self.joiner or self.restored)
+        ]
+        for item in due:
+            self.pending.remove(item)
+            item[1].receive(item[2], item[3])
+        for r in self.live:
+            r.settle()
 
 
 def test_a_joiner_and_a_membership_change_seen_at_different_steps_leave_no_drift() -> None:
@@ -250,53 +304,37 @@ def test_a_joiner_and_a_membership_change_seen_at_different_steps_leave_no_drift
             bucket.normal_(generator=gen)
     for r in (a, b):
         r.set_alive(["p0", "p1"])
-    a.receive("p1", encode_presence(Kind.JOIN, run))
-    b.receive("p0", encode_presence(Kind.JOIN, run))
+    a.receive("p1", encode_presence(PayloadKind.JOIN, run))
+    b.receive("p0", encode_presence(PayloadKind.JOIN, run))
     delay = {("p0", "p1"): 2, ("p1", "p0"): 3, ("p0", "p2"): 1, ("p1", "p2"): 4,
              ("p2", "p0"): 2, ("p2", "p1"): 5}  # fmt: skip
-    pending: list[tuple[int, Replica, str, bytes]] = []
-    live = [a, b]
-    restored = False
-
-    def step_all(now: int) -> None:
-        for r in live:
-            for p in local_update(r, gen):
-                for other in (a, b, c):
-                    if other is not r and (other in live or (other is c and joined_mesh)):
-                        pending.append((now + delay[(r.peer, other.peer)], other, r.peer, p))
-        for item in [x for x in pending if x[0] <= now and (x[1] is not c or restored)]:
-            pending.remove(item)
-            item[1].receive(item[2], item[3])
-        for r in live:
-            r.settle()
-
-    joined_mesh = False
+    mesh = _DelayedMesh(a, b, c, delay, gen)
     for now in range(30):
-        step_all(now)
-    joined_mesh = True  # its daemon is in: chunks reach it from now on
+        mesh.step_all(now)
+    mesh.joiner_in_mesh = True  # its daemon is in: chunks reach it from now on
     for r in (a, b, c):
         r.set_alive(["p0", "p1", "p2"])
-    pending.append((32, a, "p2", encode_presence(Kind.JOIN, run)))
-    pending.append((35, b, "p2", encode_presence(Kind.JOIN, run)))  # b counts it later
+    mesh.pending.append((32, a, "p2", encode_presence(PayloadKind.JOIN, run)))
+    mesh.pending.append((35, b, "p2", encode_presence(PayloadKind.JOIN, run)))  # b: later
     for now in range(30, 34):
-        step_all(now)
+        mesh.step_all(now)
     # The state a hands over (with the encoder idle, as the hook does).
     for mine, donors in zip(c.buckets, a.shared_params(), strict=True):
         mine.copy_(donors)
     c.start_at(a.step, a.applied_steps())
     for origin in ("p0", "p1"):
-        c.receive(origin, encode_presence(Kind.JOIN, run))
-    restored = True
-    live.append(c)
+        c.receive(origin, encode_presence(PayloadKind.JOIN, run))
+    mesh.restored = True
+    mesh.live.append(c)
     for now in range(34, 70):
-        step_all(now)
+        mesh.step_all(now)
     assert a.replicas == b.replicas == c.replicas == 3
-    for _, to, origin, p in sorted(pending, key=lambda x: x[0]):
+    for _, to, origin, p in sorted(mesh.pending, key=lambda x: x[0]):
         to.receive(origin, p)
-    for r in live:
+    for r in mesh.live:
         r.settle(everything=True)
     assert c.stats.before_state > 0  # its state held chunks that reached it too
-    shared = [[t.clone() for t in r.shared_params()] for r in live]
+    shared = [[t.clone() for t in r.shared_params()] for r in mesh.live]
     assert consensus_distance(shared) < 1e-5, [
         consensus_distance([shared[i], shared[j]]) for i, j in ((0, 1), (0, 2), (1, 2))
     ]
@@ -354,7 +392,7 @@ def test_a_join_that_comes_before_the_member_is_known_alive_is_taken_when_it_is(
     (a three-way attach then waited out its timeout)."""
     r = replica(0)
     r.set_alive(["p0"])
-    r.receive("p1", encode_presence(Kind.JOIN, run_id_of("run"), 7, True))
+    r.receive("p1", encode_presence(PayloadKind.JOIN, run_id_of("run"), 7, True))
     assert r.replicas == 1 and "p1" not in r.peers
     r.set_alive(["p0", "p1"])
     assert r.replicas == 2

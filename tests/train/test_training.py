@@ -1,5 +1,5 @@
 """Training end to end, as in production: four `ciuic-node run` daemon processes on
-the emulated 11-city WAN, a trainer process beside each (train.worker, the hook), on
+the emulated 11-city WAN, a trainer process beside each (lab.worker, the hook), on
 loopback. Bounded: each run has a timeout; every process is ended by its PID."""
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from ciuic_p2p.train.cluster import LocalCluster, spread_nodes
-from ciuic_p2p.train.demo import DEMO_CONFIG
-from ciuic_p2p.train.report import final_consensus, summarize
+from ciuic_p2p.lab.cluster import LocalCluster, spread_nodes
+from ciuic_p2p.lab.demo import DEMO_CONFIG
+from ciuic_p2p.lab.report import final_consensus, summarize
 
 CONFIG = DEMO_CONFIG.format(density=0.01, send_interval=2, max_interval=16, bound=64)
 
@@ -146,7 +146,7 @@ def test_a_trainer_refuses_a_model_of_another_shape_and_goes_on(tmp_path: Path) 
         procs = []
         for rank, name in enumerate(c.names):
             cmd = [
-                sys.executable, "-m", "ciuic_p2p.train.worker", "--mode", "async",
+                sys.executable, "-m", "ciuic_p2p.lab.worker", "--mode", "async",
                 "--steps", "40", "--rank", str(rank), "--world", "2", "--run", "shapes",
                 "--config", str(c.config_path), "--out", str(tmp_path / "out"),
                 "--socket", str(c.trainer_socket(name)), "--hidden", "128" if rank else "256",

@@ -7,16 +7,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ciuic_p2p.core.trainwire import (
-    MAX_FRAME_BYTES,
-    FrameReader,
-    FrameType,
-    Kind,
+from ciuic_p2p.core.replica.messages import (
+    PayloadKind,
     TrainWireError,
     decode_done,
-    decode_message,
+    decode_payload,
     encode_done,
     envelope,
+)
+from ciuic_p2p.core.replica.trainersocket import (
+    MAX_FRAME_BYTES,
+    TrainerFrame,
+    TrainerFrameReader,
     frame_header,
     json_frame,
     parse_json,
@@ -26,11 +28,11 @@ from ciuic_p2p.core.trainwire import (
 
 
 def test_done_round_trips_and_messages_keep_their_kind() -> None:
-    msg = decode_message(encode_done(b"r" * 16, 42, 7))
-    assert msg.kind is Kind.DONE
+    msg = decode_payload(encode_done(b"r" * 16, 42, 7))
+    assert msg.kind is PayloadKind.DONE
     assert decode_done(msg.body) == (b"r" * 16, 42, 7)
-    update = decode_message(envelope(Kind.UPDATE) + b"chunk")
-    assert update.kind is Kind.UPDATE and bytes(update.body) == b"chunk"
+    update = decode_payload(envelope(PayloadKind.UPDATE) + b"chunk")
+    assert update.kind is PayloadKind.UPDATE and bytes(update.body) == b"chunk"
 
 
 @pytest.mark.parametrize(
@@ -44,19 +46,19 @@ def test_done_round_trips_and_messages_keep_their_kind() -> None:
 )
 def test_bad_messages_get_typed_errors(data: bytes, why: str) -> None:
     with pytest.raises(TrainWireError, match=why):
-        decode_message(data)
+        decode_payload(data)
 
 
 def test_frames_split_across_reads_and_peers_round_trip() -> None:
     body = peer_prefix("ciuicabc") + b"payload"
     stream = (
-        json_frame(FrameType.HELLO, {"run": "x"})
-        + frame_header(FrameType.DELIVER, len(body))
+        json_frame(TrainerFrame.HELLO, {"run": "x"})
+        + frame_header(TrainerFrame.DELIVER, len(body))
         + body
     )
-    reader = FrameReader()
+    reader = TrainerFrameReader()
     frames = [f for i in range(len(stream)) for f in reader.feed(stream[i : i + 1])]
-    assert [t for t, _ in frames] == [FrameType.HELLO, FrameType.DELIVER]
+    assert [t for t, _ in frames] == [TrainerFrame.HELLO, TrainerFrame.DELIVER]
     assert parse_json(frames[0][1]) == {"run": "x"}
     peer, payload = split_peer(frames[1][1])
     assert (peer, bytes(payload)) == ("ciuicabc", b"payload")
@@ -64,13 +66,13 @@ def test_frames_split_across_reads_and_peers_round_trip() -> None:
 
 def test_an_oversize_length_is_refused_before_the_body_arrives() -> None:
     with pytest.raises(TrainWireError, match="length"):
-        FrameReader().feed(struct.pack("<IB", MAX_FRAME_BYTES + 1, 4))
+        TrainerFrameReader().feed(struct.pack("<IB", MAX_FRAME_BYTES + 1, 4))
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.binary(max_size=300))
 def test_any_bytes_decode_or_fail_typed(data: bytes) -> None:
-    for decode in (decode_message, lambda d: FrameReader().feed(d)):
+    for decode in (decode_payload, lambda d: TrainerFrameReader().feed(d)):
         with contextlib.suppress(TrainWireError):
             decode(data)
     for body_decoder in (split_peer, parse_json, decode_done):

@@ -11,8 +11,8 @@ from cryptography.x509.oid import NameOID
 from structlog.testing import capture_logs
 
 from ciuic_p2p.admission import ClusterCA, Trust
-from ciuic_p2p.core.auth import build_auth
-from ciuic_p2p.core.frames import FrameType, encode_frame
+from ciuic_p2p.core.link.auth import build_auth
+from ciuic_p2p.core.link.frames import FrameType, encode_frame
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.transport.quic import BULK_STREAM, CONTROL_STREAM, TransportError
 from tests.conftest import eventually

@@ -8,7 +8,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from ciuic_p2p.admission import ClusterCA, Trust
-from ciuic_p2p.core.frames import FrameType
+from ciuic_p2p.core.link.frames import FrameType
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.transport.base import FrameReceived, PeerDisconnected, Transport
 from ciuic_p2p.transport.memory import MemoryNetwork, MemoryTransport

@@ -10,11 +10,11 @@ import pytest
 import torch
 from cryptography.hazmat.primitives import serialization
 
-from ciuic_p2p.core.auth import build_auth
-from ciuic_p2p.core.codec import BucketEncoder, BucketSpec, ChunkSource
-from ciuic_p2p.core.frames import FRAME_HEADER, FrameType, encode_frame
-from ciuic_p2p.core.origin import ChunkFilter, sign_chunk
-from ciuic_p2p.core.wire import Codec
+from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource
+from ciuic_p2p.core.codec.chunk import Codec
+from ciuic_p2p.core.codec.origin import ChunkFilter, sign_chunk
+from ciuic_p2p.core.link.auth import build_auth
+from ciuic_p2p.core.link.frames import FRAME_HEADER, FrameType, encode_frame
 from ciuic_p2p.transport.base import FrameReceived, PeerDisconnected
 from ciuic_p2p.transport.quic import BULK_STREAM, CONTROL_STREAM, TransportError
 from tests.transport.conftest import Cluster, NodeFactory

@@ -7,9 +7,9 @@ import os
 import pytest
 import torch
 
-from ciuic_p2p.core.codec import BucketEncoder, BucketSpec, ChunkSource
-from ciuic_p2p.core.origin import sign_chunk
-from ciuic_p2p.core.wire import Codec, parse_chunk
+from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource
+from ciuic_p2p.core.codec.chunk import Codec, parse_chunk
+from ciuic_p2p.core.codec.origin import sign_chunk
 from ciuic_p2p.transport.lanes import LanePool, lane_of
 from tests.transport.conftest import FAST, Cluster
 

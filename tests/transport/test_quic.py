@@ -8,7 +8,7 @@ import pytest
 
 from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import TransportSection
-from ciuic_p2p.core.frames import FrameType
+from ciuic_p2p.core.link.frames import FrameType
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.transport.base import FrameReceived, PeerConnected, PeerDisconnected, TransportEvent
 from ciuic_p2p.transport.quic import QuicTransport, TransportError

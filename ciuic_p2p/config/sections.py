@@ -1,0 +1,416 @@
+"""The sections of :class:`~ciuic_p2p.config.Config`: every setting a node has, its
+default and what it does (``ciuic-node config example`` prints these docstrings).
+Import them from ``ciuic_p2p.config``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+MAX_CHUNK_PAYLOAD_BYTES = 1 << 20
+"""Hard limit of the wire format on one chunk's payload (core.codec.chunk)."""
+
+ValueMode = Literal["int8", "fp16"]
+DenseDtype = Literal["fp32", "fp16", "bf16"]
+Selection = Literal["approx", "exact"]
+LogFormat = Literal["auto", "json", "console"]
+LogLevel = Literal["debug", "info", "warning", "error"]
+CongestionControl = Literal["cubic", "reno"]
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSection:
+    """Who this node is and where it listens."""
+
+    name: str = "node"
+    """Human-readable node name, unique within the mesh; shown in logs and status."""
+    region: str = ""
+    """Free-form region label (e.g. ``aws:eu-central-1``); routing may use it as a hint."""
+    listen_host: str = "127.0.0.1"
+    """Address the QUIC endpoint binds to. Loopback by default: opening up is explicit."""
+    listen_port: int = 7946
+    """UDP port of the QUIC endpoint."""
+    advertise_host: str = ""
+    """Address other members dial to reach this node (``--advertise``); default: the
+    listen host. Required when listening on a wildcard (0.0.0.0 or ::)."""
+    state_dir: str = "/var/lib/ciuic"
+    """Directory for the key, checkpoints and the audit log (systemd StateDirectory)."""
+    join: tuple[str, ...] = ()
+    """Members (``HOST:PORT``) to join the mesh through at start, tried in turn
+    (``--join`` adds one in front)."""
+    first_join_timeout_s: float = 30.0
+    """How long the first join attempt may take before the daemon reports ready
+    anyway and keeps trying in the background (a node whose seeds are down at boot is
+    not restarted in a loop by systemd)."""
+    join_retry_s: float = 10.0
+    """Pause between background join attempts."""
+    stop_timeout_s: float = 4.0
+    """SIGTERM/Ctrl+C: the announced leave, the trainers' last checkpoint and the
+    audit log's flush get this long before the daemon exits anyway (out within 5 s;
+    the unit's TimeoutStopSec is 10 s)."""
+    runtime_dir: str = ""
+    """Directory for the control and trainer sockets (systemd RuntimeDirectory);
+    default: ``state_dir``."""
+
+
+@dataclass(frozen=True, slots=True)
+class CodecSection:
+    """How updates are compressed before they leave the node (see core.codec)."""
+
+    density: float = 0.01
+    """Fraction of a sparse bucket's entries sent each step (top-k by magnitude).
+    At 1% the INT8 payload costs about 16.3 bits per sent value, about 190x less than
+    dense fp32."""
+    value_mode: ValueMode = "int8"
+    """Encoding of the selected values: INT8 with one fp32 scale per block, or fp16."""
+    block_size: int = 64
+    """Selected values per INT8 scale. 64 costs 0.5 bit per value for the fp32 scale
+    and keeps a block's largest value, which sets the step size, from flattening the
+    rest of a heavy-tailed block; see bench/codec.py's block-size rows."""
+    selection: Selection = "approx"
+    """``approx``: estimate the k-th magnitude from a random sample, select by mask and
+    trim to k (fast); ``exact``: ``torch.topk`` (slow on large tensors, for tests)."""
+    exact_below_numel: int = 65_536
+    """Buckets smaller than this use exact selection: sampling buys nothing there."""
+    dense_below_numel: int = 16_384
+    """Tensors smaller than this (biases, norms) go to a dense bucket: the index costs
+    more than it saves."""
+    dense_dtype: DenseDtype = "fp16"
+    """Wire type of dense buckets."""
+    sample_size: int = 32_768
+    """Random entries inspected to estimate the threshold of approximate selection."""
+    chunk_payload_bytes: int = MAX_CHUNK_PAYLOAD_BYTES
+    """Upper bound on one chunk's payload; chunks travel, relay and get lost
+    independently. At most the wire limit of 1 MiB."""
+    residual_max_ratio: float = 0.0
+    """When > 0, the error-feedback residual's L2 norm is kept at most this many times
+    the running mean norm of recent updates (scaled down when it grows past). 0
+    disables the bound: the residual is then exactly what has not been sent."""
+
+
+@dataclass(frozen=True, slots=True)
+class TransportSection:
+    """The QUIC transport (see ciuic_p2p.transport)."""
+
+    auth_timeout_s: float = 2.0
+    """A connection that has not proven its identity within this time is closed."""
+    idle_timeout_s: float = 30.0
+    """QUIC idle timeout: a link with no packets for this long is closed."""
+    ping_interval_s: float = 5.0
+    """Application-level ping on every link: keep-alive and RTT samples."""
+    stall_timeout_s: float = 10.0
+    """A peer that grants no credit (does not read) for this long while we have bulk
+    data for it is dropped."""
+    receive_window_bytes: int = 4 * 1024 * 1024
+    """Bulk bytes a peer may send us before our application consumed them: the
+    receive quota per peer, and the bound on what a sender buffers for one peer."""
+    max_datagram_size: int = 1452
+    """Largest UDP payload. 1452 fits a 1500-byte path MTU over IPv6 (1500 - 40 - 8)
+    and IPv4; aioquic's default of 1200 costs about 20% of goodput."""
+    socket_buffer_bytes: int = 4 * 1024 * 1024
+    """Receive and send buffer asked of the kernel for the UDP socket. Linux's default
+    (about 208 KiB, some 90 full datagrams) overflows when several peers send at once
+    while the loop is busy, and each overflow reads as a congestion loss. The kernel
+    grants at most ``net.core.rmem_max`` / ``wmem_max``; the daemon logs what it got
+    when that is less (raise those sysctls, as for quic-go)."""
+    congestion_control: CongestionControl = "cubic"
+    """QUIC congestion control (aioquic's). After a loss CUBIC (RFC 9438) regrows its
+    window with time rather than per round trip, so a long path recovers in seconds
+    where Reno (aioquic's default) adds one datagram per round trip: at 0.05% loss on
+    a 330 ms path one link carries about 1.5 times as much (bench/wanlink.py)."""
+    connect_timeout_s: float = 5.0
+    """Handshake plus authentication time allowed for an outgoing connection."""
+    reconnect_base_s: float = 0.5
+    """First reconnect delay bound; doubles per failed attempt (full jitter)."""
+    reconnect_max_s: float = 30.0
+    """Cap on the reconnect delay bound."""
+    max_pending_connections: int = 256
+    """Connections not yet authenticated that this node holds at once (each about
+    25 KB until ``auth_timeout_s``); past it, new ones are dropped (transport.gate)."""
+    max_pending_per_prefix: int = 32
+    """The same, per source network (/24 for IPv4, /56 for IPv6)."""
+    retry_above_pending: int = 16
+    """With this many connections pending, a new source must first return a QUIC Retry
+    token (one round trip) before it costs any state: forged source addresses cannot."""
+    handshakes_per_s: float = 200.0
+    """New connections admitted per second at most (a TLS handshake is about 1.5 ms of
+    CPU): strangers cannot take the loop from the members."""
+    max_control_send_bytes: int = 4 * 1024 * 1024
+    """Control-stream bytes sent to a peer and not acknowledged, at most; a peer that
+    lets more pile up (it withholds QUIC's window, or never acknowledges) is dropped."""
+    max_credit_bytes: int = 1 << 32
+    """A peer that grants more bulk credit than this in all, outstanding, is dropped:
+    no honest receiver grants more than a few windows ahead."""
+
+
+Dissemination = Literal["tree", "direct", "gossip"]
+
+
+@dataclass(frozen=True, slots=True)
+class MeshSection:
+    """Membership (SWIM with Lifeguard), the RTT map, routing and dissemination.
+
+    Derived values, with N the number of live members and A the local health score
+    (core.mesh.suspicion, 0 when healthy):
+
+    - probe period = ``probe_interval_s * (A + 1)``; each member is probed about once
+      every ``(N - 1) * probe_interval_s`` by each other member, so some member probes
+      a crashed node after ``probe_interval_s`` on average.
+    - direct probe deadline = ``clamp(srtt + 4 * rttvar + probe_margin_s,
+      probe_timeout_min_s, probe_timeout_max_s) * (A + 1)`` from that peer's measured
+      RTT (``probe_timeout_initial_s`` before the first sample): far peers get longer,
+      near ones shorter deadlines.
+    - indirect deadline = direct deadline + the helper's deadline + the helper→target
+      RTT from the map.
+    - suspicion timeout: from ``max = suspicion_max_mult * min`` down to
+      ``min = suspicion_mult * max(1, log10(N)) * probe_interval_s`` as up to
+      ``suspicion_confirmations`` other members confirm.
+    - each update is piggybacked ``retransmit_mult * ceil(log10(N + 1))`` times.
+    """
+
+    probe_interval_s: float = 0.4
+    """Time between this node's probes (one member per probe, round robin)."""
+    probe_timeout_min_s: float = 0.02
+    probe_timeout_max_s: float = 1.5
+    probe_timeout_initial_s: float = 1.0
+    """Direct probe deadline for a peer we have no RTT sample for yet."""
+    probe_margin_s: float = 0.01
+    """Added to srtt + 4 rttvar: scheduling noise at both ends."""
+    indirect_probes: int = 3
+    """Members asked to probe a target that missed its direct deadline (SWIM's k)."""
+    suspicion_mult: float = 2.0
+    suspicion_max_mult: float = 3.0
+    suspicion_confirmations: int = 3
+    """Lifeguard's K: independent suspicions that shrink the timeout to its minimum."""
+    awareness_max: int = 8
+    """Local health multiplier cap: deadlines stretch at most this many times."""
+    gossip_interval_s: float = 0.05
+    """How often queued updates are pushed to ``gossip_fanout`` members."""
+    gossip_fanout: int = 3
+    retransmit_mult: int = 4
+    piggyback_bytes: int = 1024
+    """Updates carried by one probe or ack, at most (keeps them in one QUIC packet)."""
+    sync_interval_s: float = 30.0
+    """Full state exchange with one random member (push-pull anti-entropy)."""
+    reconnect_interval_s: float = 2.0
+    """How often a node tries one member it believes dead (partition healing)."""
+    gossip_to_dead_s: float = 60.0
+    """For this long after a death, the dead member still gets gossip (so that a
+    healed partition hears the refutations)."""
+    dead_reap_s: float = 6 * 3600.0
+    """Dead and departed members are forgotten after this long."""
+    address_change_min_s: float = 10.0
+    """A member's new address (in its signed Alive) is taken at most this often: a
+    member can sign any address as its own, and each new one makes every node dial
+    it."""
+    max_members: int = 4096
+    """Members the table holds at most (each enters only with a credential checked
+    here, so this bounds memory, not trust); past it the oldest dead or departed one
+    is forgotten, and with none, a new member is refused (counted)."""
+    join_retry_s: float = 1.0
+    leave_propagate_s: float = 2.0
+    """``leave`` waits at most this long for its departure to spread."""
+    link_publish_min_s: float = 0.5
+    """A node republishes its measured links at most this often..."""
+    link_refresh_s: float = 30.0
+    """...and at least this often."""
+    link_change_ratio: float = 0.1
+    """A measured RTT is republished when it moves by more than this fraction..."""
+    link_sync_interval_s: float = 1.0
+    """At most this often a node pushes its whole link state to a peer whose link-state
+    digest (carried by every probe and ack) differs from its own."""
+    link_sync_max_members: int = 64
+    """Digest-driven link-state pushes run in meshes up to this size, where every
+    node routes over the full map; past it a push would be most of a large map each
+    second, and the map converges by piggyback and the periodic sync alone."""
+    link_state_max_peers: int = 32
+    """A node publishes its nearest measured links, at most this many: enough for
+    routes and trees in meshes of tens of nodes, bounded for large ones."""
+    link_change_min_s: float = 0.005
+    """...and by more than this (measurement noise must not reshape trees)."""
+    route_hysteresis: float = 0.1
+    """A new route replaces the current one only if it is faster by this fraction."""
+    relay_penalty_s: float = 0.002
+    """Cost of one relay hop (receive, check, forward), added to each path."""
+    default_rate_bps: float = 1e9
+    """Link rate assumed where none is known (trees count serialization time)."""
+    tree_max_fanout: int = 4
+    """Children per node in a dissemination tree: the uplink is shared by them."""
+    tree_relay_margin: float = 0.1
+    """A node takes a chunk through a relay only when that arrives sooner by this
+    fraction (each relay hop's arrival counts ``1 + margin`` times). Near-ties go
+    direct: a relay costs more than ``relay_penalty_s`` on a busy node, and which
+    side of a near-tie the measured RTTs fall on changes from run to run."""
+    dissemination: Dissemination = "tree"
+    """``tree`` (routed), ``direct`` (origin to every node) or ``gossip`` (random push)."""
+    tree_chunk_bytes: int = 4096
+    """Chunk size the trees are optimised for (serialization per hop)."""
+    heads_interval_s: float = 0.25
+    """How often a node tells ``heads_fanout`` members what chunks it holds."""
+    heads_fanout: int = 2
+    repair_after_s: float = 0.3
+    """A chunk known to exist but missing this long is requested from a holder."""
+    chunk_retain_s: float = 30.0
+    """Delivered chunks are kept this long for peers that missed them."""
+    chunk_retain_bytes: int = 256 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class TrainSection:
+    """The training hook and the daemon's trainer socket (ciuic_p2p.train).
+
+    The update rule (docs/architecture.md, "The update rule"): each local step's
+    optimizer delta goes through the error-feedback codec (``codec`` section); every
+    replica, its own included, adds ``1/N`` of each chunk it applies, N being the
+    number of training replicas it knows alive. Derived values:
+
+    - a step waits while some live replica's newest applied step is more than
+      ``staleness_bound_steps`` behind this one (the wait is counted);
+    - a chunk is sent every ``send_interval_steps`` steps; while the daemon holds more
+      than ``backlog_high_bytes`` unsent, the interval doubles (up to
+      ``max_send_interval_steps``, merged steps: the residual carries them) and the
+      density halves (down to ``min_density``); below ``backlog_low_bytes`` both
+      recover one notch per send;
+    - every ``consensus_interval_steps`` a replica sends its parameters (INT8, dense)
+      and every receiver moves ``consensus_mix`` of the way toward them.
+    """
+
+    socket_path: str = ""
+    """The daemon's trainer socket; empty: ``trainer.sock`` in ``node.runtime_dir``."""
+    staleness_bound_steps: int = 64
+    send_interval_steps: int = 1
+    max_send_interval_steps: int = 16
+    min_density: float = 0.0005
+    backlog_high_bytes: int = 1 << 20
+    backlog_low_bytes: int = 256 * 1024
+    consensus_interval_steps: int = 200
+    consensus_mix: float = 0.5
+    update_norm_max_ratio: float = 50.0
+    """A peer chunk whose RMS exceeds this times the running RMS of this replica's own
+    chunks (of the same bucket) is refused: a faulty node cannot blow up the model."""
+    norm_warmup_chunks: int = 10
+    """Own chunks seen before the norm bound applies."""
+    finish_timeout_s: float = 60.0
+    """How long :meth:`finish` waits for the other replicas' last chunks."""
+    stall_grace_s: float = 0.5
+    """A step waits at most this long for replicas past the staleness bound; then it
+    goes on without them (counted as ``excused``) until their chunks catch up, so a
+    node that dies stalls the others this long, not until the mesh declares it dead."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoreSection:
+    """The shared store and state sync (core.store, daemon.store)."""
+
+    piece_bytes: int = 256 * 1024
+    """Objects travel in pieces of this size, each verified by its BLAKE2b digest."""
+    window_pieces: int = 8
+    """Piece requests in flight per donor."""
+    max_inflight_bytes: int = 3 * 1024 * 1024
+    """Piece bytes one fetch has asked for and not yet received, over all its donors
+    (each gets an equal share: at least one piece, at most ``window_pieces``). What is
+    in flight lands in this node's UDP receive buffer whenever its event loop falls
+    behind, and a datagram that finds the buffer full is lost, which QUIC answers by
+    slowing down for round trips: in bench/fetchload.py, 8 pieces from each of 3
+    donors lost 3,753 datagrams during training and took 35.6 s for 81 MB; capped at
+    3 MiB, none and 26.7 s. Keep it under the receive buffer's payload capacity (the
+    kernel charges about twice each datagram's size)."""
+    max_donors: int = 4
+    """Donors one fetch stripes over (those holding the exact same content)."""
+    upload_slots: int = 1
+    """Fetchers a holder serves at once; the others are told BUSY and go elsewhere."""
+    upload_idle_s: float = 5.0
+    upload_rate_bps: float = 0.0
+    """Pace each upload to at most this many bits per second, so that a donor's own
+    training traffic keeps flowing (0: as fast as the link and credit allow)."""
+    query_timeout_s: float = 2.0
+    """How long a fetch waits for members to say what they hold."""
+    piece_timeout_s: float = 10.0
+    """A donor that sends nothing for this long while asked is replaced."""
+    retry_s: float = 0.5
+    fetch_timeout_s: float = 120.0
+    unknown_rtt_s: float = 0.5
+    """RTT assumed for a donor the RTT map does not know yet."""
+    max_corrupt_per_donor: int = 3
+    """Pieces with a wrong digest after which a donor is no longer asked."""
+    replicas: int = 2
+    """Other members a ``put`` has hold a copy before it returns."""
+    max_object_bytes: int = 4 << 30
+    """The largest object this node fetches or takes from its trainer: an offer whose
+    manifest claims more is not taken (and nothing is allocated for it; a fetch holds
+    only the pieces that arrived)."""
+    max_held_bytes: int = 16 << 30
+    """What this node holds for others at most: a member's HOLD past it is refused."""
+    max_upload_queue_bytes: int = 16 << 20
+    """Pieces queued for one fetcher and not yet sent, at most; a GET beyond it is
+    answered BUSY. Honest fetchers ask for ``max_inflight_bytes`` at a time."""
+    state_version_slack_steps: int = 1000
+    """State sync takes any replica's state at most this many steps behind the newest
+    offered (the nearest of those, by RTT and load)."""
+    prefetch_state: bool = True
+    """A daemon that served a run's trainer before (``STATE_DIR/run``) fetches the
+    run's state as soon as it has rejoined after a restart, while its trainer starts
+    (imports, model, CUDA); the trainer then takes that state and the chunks held
+    since, instead of asking the mesh once it is up."""
+    sync_optimizer_state: bool = True
+    """State sync and checkpoints carry the optimizer's state (momentum, Adam moments)
+    besides the parameters."""
+    checkpoint_dir: str = ""
+    """Where the hook writes checkpoints (the trainer's account must be able to write
+    there); empty: no checkpoints unless ``attach(checkpoint_dir=...)`` names one."""
+    checkpoint_interval_s: float = 300.0
+    """0: only on SIGTERM and at the end."""
+
+
+@dataclass(frozen=True, slots=True)
+class LogSection:
+    """Logging (see ciuic_p2p.logsetup)."""
+
+    format: LogFormat = "auto"
+    """``auto``: JSON lines under systemd/journald or when stderr is not a terminal,
+    readable console output in a terminal."""
+    level: LogLevel = "info"
+    """Lowest level that is emitted."""
+    rate_limit_burst: int = 5
+    """A repeated warning (same event and peer) is written at most this many times per
+    ``rate_limit_window_s``; then one line says how many were suppressed."""
+    rate_limit_window_s: float = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class WebSection:
+    """The daemon's HTTP endpoint: the live status page (``/``), its JSON
+    (``/api/status``) and Prometheus metrics (``/metrics``); see daemon.web."""
+
+    enabled: bool = True
+    listen_host: str = "127.0.0.1"
+    """Loopback by default: the page shows the mesh's addresses; opening it is explicit."""
+    port: int = 7947
+    """TCP port; 0 picks a free one (logged, and shown by ``ciuic-node status``)."""
+    refresh_s: float = 1.0
+    """How often the page refreshes itself."""
+    header_timeout_s: float = 10.0
+    """A request's headers must arrive within this, and an idle connection closes
+    after it (a local user's half-open requests cannot pile up)."""
+    max_connections: int = 64
+    """Connections open at once; past it, a new one is closed at once."""
+
+
+@dataclass(frozen=True, slots=True)
+class AuditSection:
+    """The tamper-evident audit log (see core.audit): hash-chained entries signed with
+    the node key, in JSON-lines files that rotate without breaking the chain."""
+
+    enabled: bool = True
+    dir: str = ""
+    """Where the files go; default: ``audit`` in ``node.state_dir``."""
+    interval_s: float = 60.0
+    """Traffic (chunks received and forwarded per origin) is summed over this long and
+    written as one entry per interval, not per chunk."""
+    rotate_bytes: int = 16 * 1024 * 1024
+    """A file past this size is closed and a new one continues the chain."""
+    max_dir_bytes: int = 256 * 1024 * 1024
+    """The directory's bound: past it the oldest files are deleted at a rotation and a
+    ``pruned`` entry says so (``audit verify`` then checks the chain from there). 0
+    keeps every file (the disk is then the bound: a full disk stops the log, never the
+    daemon)."""

@@ -1,0 +1,488 @@
+"""Dissemination of chunks: along trees, exactly once, with repair.
+
+Each origin numbers its chunks 1, 2, 3, ... A chunk travels in a ``CHUNK`` message:
+
+- ``tree`` mode: the origin sends to its children in its dissemination tree
+  (core.mesh.routing); every node that receives a chunk for the first time delivers it
+  and forwards it to its own children in that origin's tree.
+- ``direct`` mode: the origin sends to every live node; nobody forwards.
+- ``gossip`` mode: the origin and every first receiver push to ``gossip_fanout``
+  random live nodes (the baseline the benchmarks compare against).
+
+Exactly once: per origin a node keeps the highest sequence number below which it has
+every chunk, plus the set above it; a chunk already seen is dropped, never delivered
+or forwarded again. A sequence number is the origin's *session* (the incarnation its
+daemon started with) times 2^40 plus its count in that session, so a restarted
+origin's chunks are new to the nodes that hold its previous life's: a higher session
+starts the origin's log afresh (what its previous life left missing is given up), and
+a chunk of a lower one is a straggler of a life that ended, dropped (``stale``).
+
+Repair: every ``heads_interval_s`` a node tells ``heads_fanout`` random members the
+highest sequence number it holds per origin (``HEADS``). A node that learns of a
+chunk it lacks, and still lacks it ``repair_after_s`` later (the tree had its chance),
+asks an announcer for it (``WANT``), and asks again every 2 x ``repair_after_s``, of
+its last four announcers in turn (the adapter queues no second copy of a chunk already
+queued for that peer). Holders keep delivered chunks for
+``chunk_retain_s`` (and at most ``chunk_retain_bytes``), so a chunk whose relay died
+still reaches everyone while anyone holds it: in particular while its origin lives.
+A repaired chunk is forwarded down the tree like any other first arrival, so the
+subtree under a dead relay is repaired through its root. A gap no holder can fill
+within ``chunk_retain_s`` is given up and counted (``lost``).
+
+Bounds (members are admitted, but a faulty one must not hang the others): per origin
+at most ``MAX_GAP`` missing numbers are tracked at a time (the window moves as the gap
+fills) and ``MAX_ABOVE`` chunks held above a gap (past it the oldest gap is given
+up); at most ``MAX_ORIGINS`` origin logs.
+
+What a member cannot do (core.mesh.identities): every chunk carries its origin's signature
+over (origin, seq) and the payload, checked before this node delivers it, forwards it
+or counts its number as held, so nobody can publish as another origin, take its next
+numbers, or have its real chunks dropped as duplicates of forged ones; a replayed
+chunk is a duplicate of itself. Only a signed chunk opens an origin's log or moves it
+to a new session. An announcement (HEADS) is a claim: it makes this node ask for
+what it lacks, never hold a number, and a gap no holder fills is forgotten, not
+counted as held, so a real chunk that comes later is still delivered once. The head
+claimed of an origin (or a session) that no signed chunk has shown yet is asked for
+alone, on the repair timetable (``repair_after_s``, then every 2 x that), until a
+signed chunk of it arrives and opens the log (whose window then fetches the rest) or
+``chunk_retain_s`` passes: a liar's claim costs one small request now and then.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import random
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ciuic_p2p.config.sections import MeshSection
+from ciuic_p2p.core.mesh.identities import Identities
+from ciuic_p2p.core.mesh.messages import (
+    MAX_HEADS,
+    MAX_MESSAGE_BYTES,
+    MAX_WANT,
+    Chunk,
+    Heads,
+    Message,
+    Want,
+)
+
+REORDER_WINDOW = 64
+"""On first hearing of an origin at sequence s, chunks from s - 64 on are expected."""
+SESSION_SHIFT = 40
+"""A session numbers up to 2^40 chunks (35 years at 1,000 a second)."""
+CLAIM_AHEAD = REORDER_WINDOW
+"""Numbers past the highest chunk held here that are tracked as missing on an
+announcer's word: a claim far ahead (a member's HEADS of 2^40 - 1, true or not) costs
+this many entries, and the window moves up as signed chunks arrive."""
+MAX_GAP = 4096
+"""Missing sequence numbers tracked per origin at a time: an announcement (or a chunk)
+far ahead is tracked this far past the contiguous prefix and further as the gap
+fills, so that one message (a faulty member's HEADS of 2^40, say) costs bounded work
+and memory, and a node far behind repairs in windows."""
+MAX_ABOVE = 4 * MAX_GAP
+"""Chunks held per origin above a gap that does not fill; past it the oldest gap is
+given up (``lost``), as it would be after ``chunk_retain_s``."""
+MAX_ORIGINS = 8192
+"""Origins with a log; a new origin past this (announced by a faulty member, say) is
+ignored and counted unless it is live."""
+MAX_SESSION = (1 << 24) - 1
+"""Sessions past this share it (a node restarted 16 million times): a restart then
+goes unnoticed until its count passes the previous life's, as before sessions."""
+
+
+class Holders:
+    """The last few members that announced an origin's chunks, asked in turn: a member
+    that re-announces every head right after the honest ones cannot draw every repair
+    request to itself and answer none."""
+
+    def __init__(self, size: int = 4) -> None:
+        self._recent: collections.deque[str] = collections.deque(maxlen=size)
+        self._turn = 0
+
+    def note(self, node: str) -> None:
+        if node not in self._recent:
+            self._recent.append(node)
+
+    def merge(self, other: Holders) -> None:
+        for node in other._recent:
+            self.note(node)
+
+    def next(self) -> str | None:
+        if not self._recent:
+            return None
+        self._turn += 1
+        return self._recent[self._turn % len(self._recent)]
+
+
+@dataclass(slots=True)
+class _OriginLog:
+    contiguous: int
+    """Every chunk up to and including this one was delivered (or given up)."""
+    session: int = 0
+    above: set[int] = field(default_factory=set)
+    high: int = 0
+    """Highest sequence number announced (a claim until a signed chunk shows it)."""
+    held_high: int = 0
+    """Highest sequence number held here (every number below it exists: the origin
+    numbers its chunks one by one)."""
+    tracked: int = 0
+    """Highest sequence number entered in ``missing_since`` (or known held)."""
+    missing_since: dict[int, float] = field(default_factory=dict)
+    requested_at: dict[int, float] = field(default_factory=dict)
+    holders: Holders = field(default_factory=Holders)
+
+    def has(self, seq: int) -> bool:
+        return seq <= self.contiguous or seq in self.above
+
+    def add(self, seq: int) -> None:
+        self.above.add(seq)
+        while self.contiguous + 1 in self.above:
+            self.contiguous += 1
+            self.above.discard(self.contiguous)
+        self.missing_since.pop(seq, None)
+        self.requested_at.pop(seq, None)
+        self.high = max(self.high, seq)
+        self.held_high = max(self.held_high, seq)
+
+    def give_up_oldest_gap(self) -> int:
+        """Skip to the lowest chunk held above the gap; how many were given up."""
+        first = min(self.above)
+        skipped = first - 1 - self.contiguous
+        self.contiguous = first - 1
+        for table in (self.missing_since, self.requested_at):
+            for q in [q for q in table if q <= first]:
+                del table[q]
+        self.add(first)
+        return skipped
+
+    def track(self, now: float) -> bool:
+        """Enter the unknown sequence numbers up to ``high`` as missing, at most
+        ``CLAIM_AHEAD`` past the highest held and ``MAX_GAP`` past the contiguous
+        prefix; True if any is missing."""
+        held = max(self.held_high, self.contiguous)
+        end = min(self.high, held + CLAIM_AHEAD, self.contiguous + MAX_GAP)
+        for seq in range(max(self.contiguous, self.tracked) + 1, end + 1):
+            if seq not in self.above:
+                self.missing_since.setdefault(seq, now)
+        self.tracked = max(self.tracked, end)
+        return bool(self.missing_since)
+
+
+@dataclass(slots=True)
+class _Claim:
+    high: int
+    holders: Holders
+    since: float
+    asked_at: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    origin: str
+    seq: int
+    payload: bytes
+    at: float
+    hops: int
+
+
+class Disseminator:
+    def __init__(
+        self,
+        node: str,
+        settings: MeshSection,
+        *,
+        children: Callable[[str], list[str]],
+        live: Callable[[], list[str]],
+        identities: Identities,
+        seed: int = 0,
+        session: int = 0,
+    ) -> None:
+        self.node = node
+        self.settings = settings
+        self.children = children
+        self.live = live
+        self.identities = identities
+        self.rng = random.Random(seed ^ 0x5EED)
+        self.logs: dict[str, _OriginLog] = {}
+        self._base = min(max(0, session), MAX_SESSION) << SESSION_SHIFT
+        self.next_seq = self._base + 1
+        self.store: OrderedDict[tuple[str, int], tuple[bytes, bytes, float]] = OrderedDict()
+        """(origin, seq) -> (payload, its origin's signature, when kept)."""
+        self.store_bytes = 0
+        self.deliveries: list[Delivery] = []
+        self.duplicates = 0
+        self.repaired = 0
+        self.lost = 0
+        self.stale = 0
+        """Chunks (and announcements) of an origin's previous life, dropped."""
+        self.unknown_origins = 0
+        """Chunks and announcements of an origin not live, past ``MAX_ORIGINS`` logs."""
+        self.restarts_seen = 0
+        """Origins heard from in a new session (restarted)."""
+        self.bad_signatures = 0
+        """Chunks whose origin signature did not verify (or whose origin has no
+        credential here): dropped, never delivered, forwarded or held."""
+        self._heads_turn = 0
+        self._claims: dict[str, _Claim] = {}
+        """Heads announced in a session no signed chunk has shown yet, by origin."""
+        self._out: list[tuple[str, Message]] = []
+        self._next_heads: float | None = None
+
+    # -- sending ----------------------------------------------------------------------------
+
+    def publish(self, payload: bytes, now: float) -> int:
+        """Send a chunk from this node to every live node; returns its sequence number."""
+        seq = self.next_seq
+        self.next_seq += 1
+        unsigned = Chunk(self.node, seq, 0, payload)
+        signature = self.identities.sign(unsigned)
+        self._keep(self.node, seq, payload, signature, now)
+        mode = self.settings.dissemination
+        if mode == "direct":
+            targets = list(self.live())
+        elif mode == "gossip":
+            targets = self._random_peers(self.settings.gossip_fanout, exclude=())
+        else:
+            targets = self.children(self.node)
+        for t in targets:
+            self._send(t, Chunk(self.node, seq, 0, payload, signature))
+        self._arm_heads(now)
+        return seq
+
+    def _random_peers(self, k: int, exclude: tuple[str, ...]) -> list[str]:
+        pool = [n for n in self.live() if n not in exclude]
+        return self.rng.sample(pool, min(k, len(pool)))
+
+    # -- receiving --------------------------------------------------------------------------
+
+    def handle(self, msg: Message, now: float) -> None:
+        b = msg.body
+        if isinstance(b, Chunk):
+            self._on_chunk(msg.sender, b, now)
+        elif isinstance(b, Heads):
+            for origin, high in b.heads:
+                if origin != self.node:
+                    self._claim(origin, high, msg.sender, now)
+        elif isinstance(b, Want):
+            for seq in b.seqs:
+                kept = self.store.get((b.origin, seq))
+                if kept is not None:
+                    self._send(msg.sender, Chunk(b.origin, seq, 255, kept[0], kept[1]))
+
+    def _claim(self, origin: str, high: int, holder: str, now: float) -> None:
+        """A HEADS entry: tracked in the origin's signed session, else asked for once
+        (see the module docstring)."""
+        log = self.logs.get(origin)
+        session = high >> SESSION_SHIFT
+        if log is not None and session == log.session:
+            self._learn(log, high, holder, now)
+        elif log is not None and session < log.session:
+            self.stale += 1
+        elif not self.identities.knows(origin) or (
+            origin not in self._claims and len(self._claims) >= MAX_ORIGINS
+        ):
+            self.unknown_origins += 1
+        else:
+            claim = self._claims.get(origin)
+            if claim is None:
+                claim = self._claims[origin] = _Claim(high, Holders(), now)
+            claim.high = max(claim.high, high)
+            claim.holders.note(holder)
+            self._arm_heads(now)
+
+    def _log(self, origin: str, seq: int) -> _OriginLog | None:
+        """The origin's log for the session of ``seq``, a signed chunk's number (a new
+        log for a newer session); None for a session older than the one known."""
+        session = seq >> SESSION_SHIFT
+        log = self.logs.get(origin)
+        if log is not None and session < log.session:
+            self.stale += 1
+            return None
+        if log is None and len(self.logs) >= MAX_ORIGINS and origin not in self.live():
+            self.unknown_origins += 1
+            return None
+        if log is None or session > log.session:
+            if log is not None:  # restarted: its previous life's gaps will never fill
+                self.restarts_seen += 1
+                self.lost += sum(1 for q in log.missing_since if not log.has(q))
+            base = session << SESSION_SHIFT
+            log = _OriginLog(contiguous=max(base, seq - 1 - REORDER_WINDOW), session=session)
+            self.logs[origin] = log
+        return log
+
+    def _learn(self, log: _OriginLog, high: int, holder: str, now: float) -> None:
+        log.high = max(log.high, high)
+        log.holders.note(holder)
+        while len(log.above) > MAX_ABOVE:
+            self.lost += log.give_up_oldest_gap()
+        if log.track(now):
+            self._arm_heads(now)
+
+    def _on_chunk(self, sender: str, chunk: Chunk, now: float) -> None:
+        if chunk.origin == self.node:
+            self.duplicates += 1
+            return
+        known = self.logs.get(chunk.origin)
+        if known is not None:
+            if chunk.seq >> SESSION_SHIFT < known.session:
+                self.stale += 1
+                return
+            if known.has(chunk.seq):
+                self.duplicates += 1  # no signature to check: nothing changes
+                return
+        if not self.identities.verify_chunk(chunk):
+            self.bad_signatures += 1
+            return
+        log = self._log(chunk.origin, chunk.seq)
+        if log is None:
+            return
+        if chunk.hops == 255:
+            self.repaired += 1
+        log.add(chunk.seq)
+        self._learn(log, chunk.seq, sender, now)
+        claim = self._claims.get(chunk.origin)
+        if claim is not None and claim.high >> SESSION_SHIFT <= log.session:
+            del self._claims[chunk.origin]  # its session is shown: tracked in the log now
+            if claim.high >> SESSION_SHIFT == log.session:
+                log.holders.merge(claim.holders)
+                self._learn(log, claim.high, sender, now)
+        self._keep(chunk.origin, chunk.seq, chunk.payload, chunk.signature, now)
+        self.deliveries.append(Delivery(chunk.origin, chunk.seq, chunk.payload, now, chunk.hops))
+        mode = self.settings.dissemination
+        hops = min(chunk.hops + 1, 254)
+        if mode == "tree":
+            targets = [c for c in self.children(chunk.origin) if c != sender]
+        elif mode == "gossip":
+            targets = self._random_peers(
+                self.settings.gossip_fanout, exclude=(sender, chunk.origin)
+            )
+        else:
+            targets = []
+        forwarded = dataclasses.replace(chunk, hops=hops)
+        for t in targets:
+            self._send(t, forwarded)
+        self._arm_heads(now)
+
+    def _keep(self, origin: str, seq: int, payload: bytes, signature: bytes, now: float) -> None:
+        self.store[(origin, seq)] = (payload, signature, now)
+        self.store_bytes += len(payload)
+        self._evict(now)
+
+    def _evict(self, now: float) -> None:
+        s = self.settings
+        while self.store:
+            key, (payload, _, at) = next(iter(self.store.items()))
+            if now - at <= s.chunk_retain_s and self.store_bytes <= s.chunk_retain_bytes:
+                break
+            del self.store[key]
+            self.store_bytes -= len(payload)
+
+    # -- repair -----------------------------------------------------------------------------
+
+    def _arm_heads(self, now: float) -> None:
+        if self._next_heads is None:
+            self._next_heads = now + self.settings.heads_interval_s
+
+    def get_timer(self) -> float | None:
+        return self._next_heads
+
+    def handle_timer(self, now: float) -> None:
+        s = self.settings
+        if self._next_heads is None or now < self._next_heads:
+            return
+        self._next_heads = now + s.heads_interval_s
+        heads = self._heads()
+        if heads:
+            for peer in self._random_peers(s.heads_fanout, exclude=()):
+                self._send(peer, Heads(tuple(heads)))
+        self._ask_claims(now)
+        for origin, log in self.logs.items():
+            wanted = []
+            for seq, since in sorted(log.missing_since.items()):
+                if log.has(seq):
+                    continue
+                if now - since > s.chunk_retain_s:
+                    # Given up: counted and no longer asked for, but not held: the
+                    # number was only claimed, and a real chunk that comes later is
+                    # still delivered (once).
+                    self.lost += 1
+                    del log.missing_since[seq]
+                    log.requested_at.pop(seq, None)
+                    continue
+                asked = log.requested_at.get(seq)
+                # No back-off: a longer one (tried, up to 16-32 x) delayed real repairs
+                # by seconds and pushed replicas past the staleness bound; what fed the
+                # backlogs, a second copy queued behind the first, the adapter's outbox
+                # now refuses (daemon.outbox).
+                if now - since >= s.repair_after_s and (
+                    asked is None or now - asked >= 2 * s.repair_after_s
+                ):
+                    wanted.append(seq)
+                    log.requested_at[seq] = now
+                if len(wanted) >= MAX_WANT:
+                    break
+            log.track(now)  # the window moves on as the gap fills
+            holder = log.holders.next() if wanted else None
+            if holder is not None:
+                self._send(holder, Want(origin, tuple(wanted)))
+        self._evict(now)
+
+    def _ask_claims(self, now: float) -> None:
+        """Ask for each claimed head alone (see the module docstring)."""
+        s = self.settings
+        for origin, claim in list(self._claims.items()):
+            if now - claim.since > s.chunk_retain_s:
+                del self._claims[origin]
+                continue
+            if now - claim.since >= s.repair_after_s and (
+                claim.asked_at is None or now - claim.asked_at >= 2 * s.repair_after_s
+            ):
+                claim.asked_at = now
+                holder = claim.holders.next()
+                if holder is not None:
+                    self._send(holder, Want(origin, (claim.high,)))
+
+    def _heads(self) -> list[tuple[str, int]]:
+        """This node's own head first, then the others' from a place that moves on
+        every round, as many as one message holds (about 1,400): a mesh of more
+        origins is announced over several rounds, never in a message too large to
+        send."""
+        own = [(self.node, self.next_seq - 1)] if self.next_seq - 1 > self._base else []
+        others = [(o, max(log.held_high, log.contiguous)) for o, log in self.logs.items()]
+        if others:
+            start = self._heads_turn % len(others)
+            others = others[start:] + others[:start]
+        budget = MAX_MESSAGE_BYTES - 256
+        out: list[tuple[str, int]] = []
+        taken = 0
+        for origin, high in own + others:
+            size = 10 + len(origin.encode())  # str8 and u64
+            if size > budget or len(out) >= MAX_HEADS:
+                break
+            taken += 1
+            if high > 0:
+                budget -= size
+                out.append((origin, high))
+        self._heads_turn += max(0, taken - len(own))  # the next round starts after these
+        return out
+
+    def forget(self, origin: str) -> None:
+        """An origin left for good: stop expecting its chunks."""
+        self.logs.pop(origin, None)
+        self._claims.pop(origin, None)
+
+    # -- output -----------------------------------------------------------------------------
+
+    def _send(self, node: str, body: Chunk | Heads | Want) -> None:
+        self._out.append((node, Message(self.node, body)))
+
+    def messages_to_send(self) -> list[tuple[str, Message]]:
+        out, self._out = self._out, []
+        return out
+
+    def take_deliveries(self) -> list[Delivery]:
+        out, self.deliveries = self.deliveries, []
+        return out

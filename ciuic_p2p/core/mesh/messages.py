@@ -1,0 +1,581 @@
+"""Wire format of mesh messages: membership, link state and chunk dissemination.
+
+One message per GOSSIP frame (or per datagram on the simulator). Layout::
+
+    version u8 (2) | kind u8 | sender id (str8) | body
+
+``str8`` is a u8 length and UTF-8 bytes; ``bytes16``/``bytes32`` a u16/u32 length and
+bytes; ``sig`` 64 bytes (Ed25519); all integers little-endian. Bodies by kind:
+
+- ``PING``: seq u32, target str8, coordinate, links digest u32, updates
+- ``ACK``: seq u32, coordinate, links digest u32, updates
+- ``PING_REQ``: seq u32, target str8, target address str8 (ignored since version 2:
+  the helper probes the address the target itself signed)
+- ``NACK``: seq u32
+- ``GOSSIP``: updates
+- ``SYNC``: reply u8, updates (the sender's whole member table, as ALIVE/SUSPECT/DEAD/
+  LEFT updates with each member's CREDENTIAL, plus link state)
+- ``CHUNK``: origin str8, seq u64, hops u8, payload bytes32, sig
+- ``HEADS``: count u16, then per origin: origin str8, high u64 (highest seq held)
+- ``WANT``: origin str8, count u16, seqs u64 each
+
+``updates`` is a u16 count, then per update a u8 type and its fields:
+ALIVE (id, incarnation u64, address str8, region str8, sig), SUSPECT / DEAD (id,
+incarnation u64, by str8), LEFT (id, incarnation u64, sig), LINKS (origin str8, version
+u32, u16 count, then peer str8, rtt_us u32, loss_permille u16 each, sig), CREDENTIAL
+(id, credential bytes16: the member's node certificate, DER). A coordinate is eight
+f32 components, height f32 and error f32.
+
+What each signature covers (:func:`signed_bytes`; domain-separated, so that no
+signature of one kind is valid as another, nor as any other message the node key
+signs): an ALIVE, a LEFT and a LINKS by the node they are about (only a node may say
+where it is, that it left, or what its links measure); a CHUNK by its origin, over the
+origin, the sequence number (and so its session) and the payload's BLAKE2b-256. The
+accusations SUSPECT and DEAD are any member's word and are signed by nobody: a node
+takes them only at the incarnation its subject signed (core.mesh.membership).
+
+Version 2 added the signatures, CREDENTIAL and the incarnation bound; a version-1
+message is refused with the version named. Kinds and update types are append-only.
+Decoding trusts nothing: every length is checked against what remains and against the
+hard limits before use, every value is range-checked (an incarnation above
+``MAX_INCARNATION``, a loss above 1000 permille, a non-finite coordinate), and every
+failure is a :class:`MeshDecodeError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import math
+import struct
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ciuic_p2p.core.codec.chunk import MAX_CHUNK_BYTES
+from ciuic_p2p.errors import CiuicError
+
+VERSION = 2
+MAX_MESSAGE_BYTES = 64 * 1024 - 16
+"""Control messages fit one GOSSIP frame (core.link.frames)."""
+MAX_CHUNK_MESSAGE_BYTES = MAX_CHUNK_BYTES + 512
+MAX_ID_BYTES = 128
+MAX_UPDATES = 4096
+MAX_LINKS = 1024
+MAX_HEADS = 4096
+MAX_WANT = 256
+MAX_CREDENTIAL_BYTES = 2048
+COORD_DIMENSIONS = 8
+SIGNATURE_BYTES = 64
+MAX_INCARNATION = (1 << 40) - 1
+"""A node raises its incarnation by one per refutation and per restart: 2^40 is more
+than it can use, and whatever carries it (the dissemination session, the trainer's
+incarnation times 2^20) has room. A larger number on the wire is an error."""
+
+
+class MeshDecodeError(CiuicError):
+    """Bytes that are not a valid mesh message; the message says what was wrong."""
+
+
+class MeshKind(enum.IntEnum):
+    PING = 1
+    ACK = 2
+    PING_REQ = 3
+    NACK = 4
+    GOSSIP = 5
+    SYNC = 6
+    CHUNK = 7
+    HEADS = 8
+    WANT = 9
+
+
+class UpdateType(enum.IntEnum):
+    ALIVE = 1
+    SUSPECT = 2
+    DEAD = 3
+    LEFT = 4
+    LINKS = 5
+    CREDENTIAL = 6
+
+
+@dataclass(frozen=True, slots=True)
+class Coordinate:
+    """A Vivaldi network coordinate (core.mesh.vivaldi); seconds."""
+
+    vec: tuple[float, ...] = (0.0,) * COORD_DIMENSIONS
+    height_s: float = 1e-5
+    error: float = 1.5
+
+
+@dataclass(frozen=True, slots=True)
+class Alive:
+    """A node's own word that it lives at ``address`` with ``incarnation``, signed by
+    it (``signature``, over :func:`signed_bytes`)."""
+
+    node: str
+    incarnation: int
+    address: str
+    region: str = ""
+    signature: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Suspect:
+    node: str
+    incarnation: int
+    by: str
+
+
+@dataclass(frozen=True, slots=True)
+class Dead:
+    node: str
+    incarnation: int
+    by: str
+
+
+@dataclass(frozen=True, slots=True)
+class Left:
+    """A node's own word that it left for good, signed by it."""
+
+    node: str
+    incarnation: int
+    signature: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Credential:
+    """The node certificate (DER) that binds ``node`` to its public key; carried with
+    a member's first signed Alive, so that a node that never linked to it can check
+    what it signs."""
+
+    node: str
+    credential: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LinkEntry:
+    peer: str
+    rtt_us: int
+    loss_permille: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Links:
+    """One node's measured links (link state), newest ``version`` wins."""
+
+    origin: str
+    version: int
+    entries: tuple[LinkEntry, ...]
+    signature: bytes = b""
+
+
+Update = Alive | Suspect | Dead | Left | Links | Credential
+
+
+@dataclass(frozen=True, slots=True)
+class Ping:
+    seq: int
+    target: str
+    coordinate: Coordinate
+    links_digest: int = 0
+    """CRC-32 of the sender's link-state versions: a mismatch makes the two exchange
+    their link state (core.mesh.membership), so that every node's map converges."""
+    updates: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    seq: int
+    coordinate: Coordinate
+    links_digest: int = 0
+    updates: tuple[Update, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class PingReq:
+    seq: int
+    target: str
+    target_address: str
+
+
+@dataclass(frozen=True, slots=True)
+class Nack:
+    seq: int
+
+
+@dataclass(frozen=True, slots=True)
+class Gossip:
+    updates: tuple[Update, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Sync:
+    reply: bool
+    updates: tuple[Update, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """One disseminated payload; ``signature`` is its origin's (:func:`signed_bytes`),
+    checked by every node before it delivers, forwards or counts the chunk as held."""
+
+    origin: str
+    seq: int
+    hops: int
+    payload: bytes
+    signature: bytes = b""
+
+
+@dataclass(frozen=True, slots=True)
+class Heads:
+    heads: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    origin: str
+    seqs: tuple[int, ...]
+
+
+Body = Ping | Ack | PingReq | Nack | Gossip | Sync | Chunk | Heads | Want
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    sender: str
+    body: Body
+    kind: MeshKind = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "kind", _KIND_OF[type(self.body)])
+
+
+_KIND_OF: dict[type, MeshKind] = {
+    Ping: MeshKind.PING,
+    Ack: MeshKind.ACK,
+    PingReq: MeshKind.PING_REQ,
+    Nack: MeshKind.NACK,
+    Gossip: MeshKind.GOSSIP,
+    Sync: MeshKind.SYNC,
+    Chunk: MeshKind.CHUNK,
+    Heads: MeshKind.HEADS,
+    Want: MeshKind.WANT,
+}
+_U16, _U32, _U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
+_COORD = struct.Struct(f"<{COORD_DIMENSIONS + 2}f")
+
+
+# -- encoding ---------------------------------------------------------------------------
+
+
+class _Writer:
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+
+    def u8(self, v: int) -> None:
+        self.parts.append(bytes((v,)))
+
+    def u16(self, v: int) -> None:
+        self.parts.append(_U16.pack(v))
+
+    def u32(self, v: int) -> None:
+        self.parts.append(_U32.pack(v))
+
+    def u64(self, v: int) -> None:
+        self.parts.append(_U64.pack(v))
+
+    def str8(self, s: str) -> None:
+        raw = s.encode()
+        if len(raw) > MAX_ID_BYTES:
+            raise ValueError(f"identifier of {len(raw)} bytes exceeds {MAX_ID_BYTES}")
+        self.parts.append(bytes((len(raw),)) + raw)
+
+    def coord(self, c: Coordinate) -> None:
+        self.parts.append(_COORD.pack(*c.vec, c.height_s, c.error))
+
+    def sig(self, signature: bytes) -> None:
+        if len(signature) != SIGNATURE_BYTES:
+            raise ValueError(f"a signature is {SIGNATURE_BYTES} bytes, not {len(signature)}")
+        self.parts.append(bytes(signature))
+
+    def bytes16(self, data: bytes, limit: int) -> None:
+        if len(data) > limit:
+            raise ValueError(f"{len(data)} bytes exceed the limit of {limit}")
+        self.parts.append(_U16.pack(len(data)) + bytes(data))
+
+    def updates(self, updates: tuple[Update, ...]) -> None:
+        self.u16(len(updates))
+        for u in updates:
+            self.parts.append(encode_update(u))
+
+
+def _signed_part(u: Alive | Left | Links) -> _Writer:
+    """An update's fields without its signature (what the signature covers)."""
+    w = _Writer()
+    if isinstance(u, Alive):
+        w.str8(u.node)
+        w.u64(u.incarnation)
+        w.str8(u.address)
+        w.str8(u.region)
+    elif isinstance(u, Left):
+        w.str8(u.node)
+        w.u64(u.incarnation)
+    else:
+        w.str8(u.origin)
+        w.u32(u.version)
+        w.u16(len(u.entries))
+        for e in u.entries:
+            w.str8(e.peer)
+            w.u32(min(e.rtt_us, 0xFFFFFFFF))
+            w.u16(min(e.loss_permille, 1000))
+    return w
+
+
+_DOMAINS = {
+    Alive: b"ciuic-mesh-alive-v2\0",
+    Left: b"ciuic-mesh-left-v2\0",
+    Links: b"ciuic-mesh-links-v2\0",
+    Chunk: b"ciuic-mesh-chunk-v2\0",
+}
+
+
+def payload_digest(payload: bytes | bytearray | memoryview) -> bytes:
+    return hashlib.blake2b(payload, digest_size=32).digest()
+
+
+def signed_bytes(u: Alive | Left | Links | Chunk, digest: bytes | None = None) -> bytes:
+    """What the signature of ``u`` covers (see the module docstring). For a chunk,
+    ``digest`` may pass the payload's BLAKE2b-256 when it is known already."""
+    if isinstance(u, Chunk):
+        w = _Writer()
+        w.str8(u.origin)
+        w.u64(u.seq)
+        return _DOMAINS[Chunk] + b"".join(w.parts) + (digest or payload_digest(u.payload))
+    return _DOMAINS[type(u)] + b"".join(_signed_part(u).parts)
+
+
+def encode_update(u: Update) -> bytes:
+    w = _Writer()
+    if isinstance(u, Alive | Left | Links):
+        kind = {Alive: UpdateType.ALIVE, Left: UpdateType.LEFT, Links: UpdateType.LINKS}[type(u)]
+        w.u8(kind)
+        w.parts += _signed_part(u).parts
+        w.sig(u.signature)
+    elif isinstance(u, Suspect | Dead):
+        w.u8(UpdateType.SUSPECT if isinstance(u, Suspect) else UpdateType.DEAD)
+        w.str8(u.node)
+        w.u64(u.incarnation)
+        w.str8(u.by)
+    else:
+        w.u8(UpdateType.CREDENTIAL)
+        w.str8(u.node)
+        w.bytes16(u.credential, MAX_CREDENTIAL_BYTES)
+    return b"".join(w.parts)
+
+
+def encode_message(msg: Message) -> bytes:
+    w = _Writer()
+    w.u8(VERSION)
+    w.u8(msg.kind)
+    w.str8(msg.sender)
+    b = msg.body
+    if isinstance(b, Ping):
+        w.u32(b.seq)
+        w.str8(b.target)
+        w.coord(b.coordinate)
+        w.u32(b.links_digest)
+        w.updates(b.updates)
+    elif isinstance(b, Ack):
+        w.u32(b.seq)
+        w.coord(b.coordinate)
+        w.u32(b.links_digest)
+        w.updates(b.updates)
+    elif isinstance(b, PingReq):
+        w.u32(b.seq)
+        w.str8(b.target)
+        w.str8(b.target_address)
+    elif isinstance(b, Nack):
+        w.u32(b.seq)
+    elif isinstance(b, Gossip):
+        w.updates(b.updates)
+    elif isinstance(b, Sync):
+        w.u8(1 if b.reply else 0)
+        w.updates(b.updates)
+    elif isinstance(b, Chunk):
+        w.str8(b.origin)
+        w.u64(b.seq)
+        w.u8(min(b.hops, 255))
+        w.u32(len(b.payload))
+        w.parts.append(bytes(b.payload))
+        w.sig(b.signature)
+    elif isinstance(b, Heads):
+        w.u16(len(b.heads))
+        for origin, high in b.heads:
+            w.str8(origin)
+            w.u64(high)
+    else:
+        w.str8(b.origin)
+        w.u16(len(b.seqs))
+        for s in b.seqs:
+            w.u64(s)
+    data = b"".join(w.parts)
+    limit = MAX_CHUNK_MESSAGE_BYTES if isinstance(b, Chunk) else MAX_MESSAGE_BYTES
+    if len(data) > limit:
+        raise ValueError(f"{msg.kind.name} message of {len(data)} bytes exceeds {limit}")
+    return data
+
+
+def update_size(u: Update) -> int:
+    return len(encode_update(u))
+
+
+# -- decoding ---------------------------------------------------------------------------
+
+
+class _Reader:
+    def __init__(self, data: bytes) -> None:
+        self.data = memoryview(data)
+        self.pos = 0
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.data):
+            raise MeshDecodeError(f"truncated at byte {self.pos} (wanted {n} more)")
+        out = self.data[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def u8(self) -> int:
+        return self.take(1)[0]
+
+    def u16(self) -> int:
+        return int(_U16.unpack(self.take(2))[0])
+
+    def u32(self) -> int:
+        return int(_U32.unpack(self.take(4))[0])
+
+    def u64(self) -> int:
+        return int(_U64.unpack(self.take(8))[0])
+
+    def str8(self) -> str:
+        n = self.u8()
+        if n > MAX_ID_BYTES:
+            raise MeshDecodeError(f"identifier of {n} bytes exceeds {MAX_ID_BYTES}")
+        try:
+            return bytes(self.take(n)).decode()
+        except UnicodeDecodeError:
+            raise MeshDecodeError("identifier is not UTF-8") from None
+
+    def coord(self) -> Coordinate:
+        values = _COORD.unpack(self.take(_COORD.size))
+        if not all(math.isfinite(v) and abs(v) < 1e6 for v in values):
+            raise MeshDecodeError("coordinate out of range")
+        height, error = values[-2], values[-1]
+        if height < 0 or error < 0:
+            raise MeshDecodeError("coordinate height or error negative")
+        return Coordinate(tuple(values[:-2]), height, error)
+
+    def incarnation(self) -> int:
+        value = self.u64()
+        if value > MAX_INCARNATION:
+            raise MeshDecodeError(f"incarnation {value} exceeds {MAX_INCARNATION}")
+        return value
+
+    def sig(self) -> bytes:
+        return bytes(self.take(SIGNATURE_BYTES))
+
+    def count(self, limit: int, what: str) -> int:
+        n = self.u16()
+        if n > limit:
+            raise MeshDecodeError(f"{n} {what} exceed the limit of {limit}")
+        return n
+
+    def updates(self) -> tuple[Update, ...]:
+        return tuple(self.update() for _ in range(self.count(MAX_UPDATES, "updates")))
+
+    def update(self) -> Update:
+        t = self.u8()
+        if t == UpdateType.ALIVE:
+            return Alive(self.str8(), self.incarnation(), self.str8(), self.str8(), self.sig())
+        if t == UpdateType.SUSPECT:
+            return Suspect(self.str8(), self.incarnation(), self.str8())
+        if t == UpdateType.DEAD:
+            return Dead(self.str8(), self.incarnation(), self.str8())
+        if t == UpdateType.LEFT:
+            return Left(self.str8(), self.incarnation(), self.sig())
+        if t == UpdateType.LINKS:
+            origin, version = self.str8(), self.u32()
+            n = self.count(MAX_LINKS, "link entries")
+            entries = []
+            for _ in range(n):
+                peer, rtt_us, loss = self.str8(), self.u32(), self.u16()
+                if loss > 1000:
+                    raise MeshDecodeError("loss above 1000 permille")
+                entries.append(LinkEntry(peer, rtt_us, loss))
+            return Links(origin, version, tuple(entries), self.sig())
+        if t == UpdateType.CREDENTIAL:
+            node, n = self.str8(), self.u16()
+            if n > MAX_CREDENTIAL_BYTES:
+                raise MeshDecodeError(f"credential of {n} bytes exceeds {MAX_CREDENTIAL_BYTES}")
+            return Credential(node, bytes(self.take(n)))
+        raise MeshDecodeError(f"unknown update type {t}")
+
+
+def _read_sync(r: _Reader) -> Sync:
+    flag = r.u8()
+    if flag > 1:
+        raise MeshDecodeError("SYNC reply flag is not 0 or 1")
+    return Sync(flag == 1, r.updates())
+
+
+def _read_chunk(r: _Reader) -> Chunk:
+    origin, seq, hops = r.str8(), r.u64(), r.u8()
+    n = r.u32()
+    if n > MAX_CHUNK_BYTES:
+        raise MeshDecodeError(f"chunk payload of {n} bytes exceeds {MAX_CHUNK_BYTES}")
+    return Chunk(origin, seq, hops, bytes(r.take(n)), r.sig())
+
+
+def _read_heads(r: _Reader) -> Heads:
+    n = r.count(MAX_HEADS, "heads")
+    return Heads(tuple((r.str8(), r.u64()) for _ in range(n)))
+
+
+def _read_want(r: _Reader) -> Want:
+    origin = r.str8()
+    n = r.count(MAX_WANT, "wanted seqs")
+    return Want(origin, tuple(r.u64() for _ in range(n)))
+
+
+# Fields are read left to right, so each tuple below is in wire order.
+_BODY_READERS: dict[MeshKind, Callable[[_Reader], Body]] = {
+    MeshKind.PING: lambda r: Ping(r.u32(), r.str8(), r.coord(), r.u32(), r.updates()),
+    MeshKind.ACK: lambda r: Ack(r.u32(), r.coord(), r.u32(), r.updates()),
+    MeshKind.PING_REQ: lambda r: PingReq(r.u32(), r.str8(), r.str8()),
+    MeshKind.NACK: lambda r: Nack(r.u32()),
+    MeshKind.GOSSIP: lambda r: Gossip(r.updates()),
+    MeshKind.SYNC: _read_sync,
+    MeshKind.CHUNK: _read_chunk,
+    MeshKind.HEADS: _read_heads,
+    MeshKind.WANT: _read_want,
+}
+
+
+def decode_message(data: bytes) -> Message:
+    """Parse one message or raise :class:`MeshDecodeError`; never anything else."""
+    if len(data) > MAX_CHUNK_MESSAGE_BYTES:
+        raise MeshDecodeError(f"message of {len(data)} bytes exceeds every limit")
+    r = _Reader(data)
+    version = r.u8()
+    if version != VERSION:
+        raise MeshDecodeError(f"unsupported mesh message version {version}")
+    raw_kind = r.u8()
+    try:
+        kind = MeshKind(raw_kind)
+    except ValueError:
+        raise MeshDecodeError(f"unknown message kind {raw_kind}") from None
+    if kind is not MeshKind.CHUNK and len(data) > MAX_MESSAGE_BYTES:
+        raise MeshDecodeError(f"{kind.name} message of {len(data)} bytes exceeds its limit")
+    sender = r.str8()
+    body = _BODY_READERS[kind](r)
+    if r.pos != len(data):
+        raise MeshDecodeError(f"{len(data) - r.pos} trailing bytes after {kind.name}")
+    return Message(sender, body)

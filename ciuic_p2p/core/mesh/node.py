@@ -1,0 +1,213 @@
+"""One node of the mesh as a pure state machine: membership, the RTT map, routing and
+dissemination together, behind the interface the simulator and the daemon drive.
+
+    node = MeshNode("tokyo", "127.0.0.1:7946", settings, now=0.0)
+    node.join("10.0.0.2:7946", now)
+    node.receive_datagram(src_address, data, now)   # every mesh message that arrives
+    for address, data in node.datagrams_to_send(now): ...
+    node.get_timer(); node.handle_timer(now)
+    node.broadcast(payload, now); node.take_deliveries()
+
+Messages are addressed by the member's address string (``host:port`` in the daemon,
+the node's name in the simulator); the daemon checks that a message's sender name is
+the authenticated peer of the link it came on. Bytes that do not decode are counted
+and dropped (core.mesh.messages raises a typed error for each). Every part checks what
+another node signed against the credentials in one :class:`Identities`
+(core.mesh.identities): the daemon adds each link's certificate there
+(:meth:`MeshNode.learn_identity`), gossip carries the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ciuic_p2p.config.sections import MeshSection
+from ciuic_p2p.core.mesh.broadcast import Delivery, Disseminator
+from ciuic_p2p.core.mesh.identities import Identities
+from ciuic_p2p.core.mesh.members import Member, MemberEvent, State
+from ciuic_p2p.core.mesh.membership import Membership
+from ciuic_p2p.core.mesh.messages import (
+    Chunk,
+    Heads,
+    Links,
+    MeshDecodeError,
+    MeshKind,
+    Message,
+    Ping,
+    Want,
+    decode_message,
+    encode_message,
+)
+from ciuic_p2p.core.mesh.routing import Router
+from ciuic_p2p.core.mesh.rttmap import RttMap
+
+DISSEMINATION_KINDS = frozenset({MeshKind.CHUNK, MeshKind.HEADS, MeshKind.WANT})
+
+
+class MeshNode:
+    def __init__(
+        self,
+        node: str,
+        address: str,
+        settings: MeshSection,
+        now: float,
+        *,
+        identities: Identities,
+        region: str = "",
+        incarnation: int = 0,
+        seed: int = 0,
+    ) -> None:
+        self.node = node
+        self.settings = settings
+        self.identities = identities
+        self.rttmap = RttMap(node, settings, seed, sign=self._sign_links)
+        self.membership = Membership(
+            node,
+            address,
+            settings,
+            now,
+            identities=identities,
+            region=region,
+            incarnation=incarnation,
+            seed=seed,
+            coordinate=lambda: self.rttmap.vivaldi.coordinate,
+            estimate_rtt_s=self.rttmap.rtt_s,
+        )
+        self.membership.links_for_sync = self.rttmap.all_links
+        self.membership.links_digest = self.rttmap.digest
+        self.router = Router(node, settings)
+        self.dissemination = Disseminator(
+            node,
+            settings,
+            children=self._children,
+            live=self.membership.live,
+            identities=identities,
+            seed=seed,
+            session=incarnation,
+        )
+        self.events: list[MemberEvent] = []
+        self.decode_errors = 0
+        self.messages_sent = 0
+        self._routing_key: tuple[int, int] | None = None
+        self._view_version = 0
+
+    # -- the Endpoint interface (emulator.model.simulator) --------------------------------
+
+    def receive_datagram(self, src: str, data: bytes, now: float) -> None:
+        try:
+            msg = decode_message(data)
+        except MeshDecodeError:
+            self.decode_errors += 1
+            return
+        self.receive_message(src, msg, now)
+
+    def receive_message(self, src: str, msg: Message, now: float) -> None:
+        if msg.sender == self.node:
+            return
+        if msg.kind in DISSEMINATION_KINDS:
+            self.dissemination.handle(msg, now)
+        else:
+            if isinstance(msg.body, Ping):
+                self.rttmap.coords[msg.sender] = msg.body.coordinate
+            self.membership.handle(msg, src, now)
+        self._settle(now)
+
+    def datagrams_to_send(self, now: float) -> list[tuple[str, bytes]]:
+        return [(addr, encode_message(msg)) for addr, msg in self.messages_to_send()]
+
+    def messages_to_send(self) -> list[tuple[str, Message]]:
+        out = self.membership.messages_to_send()
+        for node, msg in self.dissemination.messages_to_send():
+            address = self.address_of(node)
+            if address is not None:
+                out.append((address, msg))
+        self.messages_sent += len(out)
+        return out
+
+    def get_timer(self) -> float | None:
+        times = [t for t in (self.membership.get_timer(), self.dissemination.get_timer()) if t]
+        return min(times) if times else None
+
+    def handle_timer(self, now: float) -> None:
+        self.membership.handle_timer(now)
+        self.dissemination.handle_timer(now)
+        self._settle(now)
+
+    # -- the application's side -----------------------------------------------------------------
+
+    def join(self, address: str, now: float) -> None:
+        self.membership.join(address, now)
+
+    def learn_identity(self, node: str, credential: bytes) -> bool:
+        """A credential checked elsewhere too (an authenticated link's certificate);
+        False when it does not make ``node`` a member."""
+        return self.identities.learn(node, credential, keep=self.membership.members.__contains__)
+
+    def leave(self, now: float) -> None:
+        self.membership.leave(now)
+
+    def broadcast(self, payload: bytes, now: float) -> int:
+        self._route()
+        return self.dissemination.publish(payload, now)
+
+    def take_deliveries(self) -> list[Delivery]:
+        return self.dissemination.take_deliveries()
+
+    def address_of(self, node: str) -> str | None:
+        m: Member | None = self.membership.members.get(node)
+        return None if m is None else m.address
+
+    def routes(self) -> dict[str, tuple[str, ...]]:
+        """Destination -> path (this node first), current with the map."""
+        self._route()
+        return dict(self.router.routes)
+
+    def tree(self, origin: str) -> dict[str, list[str]]:
+        self._route()
+        return self.router.tree(origin)
+
+    def view(self) -> list[str]:
+        """Live nodes (this one included), sorted."""
+        return sorted(self.membership.alive_view())
+
+    # -- gluing the parts -------------------------------------------------------------------------
+
+    def _settle(self, now: float) -> None:
+        m = self.membership
+        for peer, coord, rtt_s in m.rtt_samples:
+            self.rttmap.observe(peer, coord, rtt_s)
+            member = m.members.get(peer)
+            if member is not None:
+                self.rttmap.observe_loss(peer, member.probes, member.acks)
+        m.rtt_samples.clear()
+        for links in m.links_received:
+            self.rttmap.apply_links(links)
+        m.links_received.clear()
+        if m.events:
+            for event in m.events:
+                if event.state >= State.DEAD:
+                    self.rttmap.forget(event.node)
+                if event.state == State.LEFT:
+                    self.dissemination.forget(event.node)
+            self.events += m.events
+            m.events.clear()
+            self._view_version += 1
+        published = self.rttmap.publish(now)
+        if published is not None:
+            m.queue.put(published)
+
+    def _route(self) -> None:
+        key = (self._view_version, self.rttmap.changes)
+        if key != self._routing_key:
+            self._routing_key = key
+            self.router.update(self.view(), self.rttmap.rtt_s)
+
+    def _sign_links(self, links: Links) -> Links:
+        return dataclasses.replace(links, signature=self.identities.sign(links))
+
+    def _children(self, origin: str) -> list[str]:
+        self._route()
+        return self.router.children(origin)
+
+
+__all__ = ["Chunk", "Delivery", "Heads", "MeshNode", "Want"]

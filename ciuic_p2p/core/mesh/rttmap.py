@@ -1,0 +1,192 @@
+"""The RTT map: the round-trip time between every pair of live nodes.
+
+- A node's own links are measured by its membership probes (core.mesh.membership).
+- Every node publishes its measured links as link state (``Links`` updates with a
+  version, newest wins), gossiped like membership updates, so every node learns every
+  other node's measurements. A link's RTT is republished only when it moves by more
+  than ``link_change_ratio`` and ``link_change_min_s``: measurement noise neither
+  floods the mesh nor reshapes the trees built from the map.
+- Where no one has measured a pair yet, Vivaldi coordinates (core.mesh.vivaldi) estimate it.
+
+Every node computes routes from the *published* values, its own included, so nodes
+that hold the same link state compute the same trees. The RTT of a pair is the mean
+of what its two ends published (one end's value if only one did).
+
+Link state is signed by the node it describes (core.mesh.messages; checked by
+core.mesh.membership before it gets here): the map keeps each node's newest ``Links`` as
+signed, to pass on unchanged in syncs, and signs its own with ``sign``.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import deque
+from collections.abc import Callable
+
+from ciuic_p2p.config.sections import MeshSection
+from ciuic_p2p.core.mesh.messages import MAX_LINKS, Coordinate, LinkEntry, Links
+from ciuic_p2p.core.mesh.vivaldi import VivaldiClient, distance_s
+
+Measured = dict[str, tuple[float, float]]  # peer -> (rtt_s, loss)
+RECENT_SAMPLES = 16
+"""A link's published RTT is the least of its last 16 samples: the path's propagation
+delay, which routes should follow, without the queueing and scheduling noise that a
+busy node adds to single samples (a smoothed mean moved with every burst of load and
+made the trees of different nodes disagree while the news spread)."""
+
+
+class RttMap:
+    def __init__(
+        self,
+        node: str,
+        settings: MeshSection,
+        seed: int = 0,
+        sign: Callable[[Links], Links] = lambda links: links,
+    ) -> None:
+        self.node = node
+        self.settings = settings
+        self.sign = sign
+        self.signed: dict[str, Links] = {}
+        """Each node's newest link state as its node signed it."""
+        self.vivaldi = VivaldiClient(seed)
+        self.coords: dict[str, Coordinate] = {}
+        self.recent: dict[str, deque[float]] = {}
+        self.loss: dict[str, float] = {}
+        self.published: dict[str, Measured] = {}
+        self.versions: dict[str, int] = {}
+        self._version = 0
+        self._last_publish = float("-inf")
+        self.changes = 0
+        self._digest: int | None = None
+        """Bumped whenever the published view changes (routes recompute on it)."""
+
+    # -- inputs -------------------------------------------------------------------------
+
+    def observe(self, peer: str, coordinate: Coordinate, rtt_s: float) -> None:
+        self.vivaldi.update(peer, coordinate, rtt_s)
+        self.coords[peer] = coordinate
+        self.recent.setdefault(peer, deque(maxlen=RECENT_SAMPLES)).append(rtt_s)
+
+    def observe_loss(self, peer: str, probes: int, acks: int) -> None:
+        if probes >= 5:
+            self.loss[peer] = max(0.0, 1.0 - acks / probes)
+
+    def apply_links(self, links: Links) -> bool:
+        """Take a node's published links; False if not newer than what we hold."""
+        if links.origin == self.node or links.version <= self.versions.get(links.origin, -1):
+            return False
+        self.versions[links.origin] = links.version
+        self.signed[links.origin] = links
+        self.published[links.origin] = {
+            e.peer: (e.rtt_us / 1e6, e.loss_permille / 1000) for e in links.entries
+        }
+        self.changes += 1
+        self._digest = None
+        return True
+
+    def forget(self, node: str) -> None:
+        self.recent.pop(node, None)
+        self.coords.pop(node, None)
+        self.vivaldi.forget(node)
+        self.signed.pop(node, None)
+        if self.published.pop(node, None) is not None:
+            self.changes += 1
+            self._digest = None
+        mine = self.published.get(self.node)
+        if mine is not None and node in mine:
+            del mine[node]
+            self.changes += 1
+            self._digest = None
+
+    # -- publishing ---------------------------------------------------------------------
+
+    def publish(self, now: float) -> Links | None:
+        """Our links as a new version, when they changed enough or are due a refresh."""
+        s = self.settings
+        if now - self._last_publish < s.link_publish_min_s:
+            return None
+        mine = self.published.get(self.node, {})
+        current: Measured = {}
+        changed = False
+        for peer, samples in self.recent.items():
+            if not samples:
+                continue
+            rtt, loss = min(samples), self.loss.get(peer, 0.0)
+            old = mine.get(peer)
+            if old is None or (
+                abs(rtt - old[0]) > max(s.link_change_min_s, s.link_change_ratio * old[0])
+            ):
+                changed = True
+                current[peer] = (rtt, loss)
+            else:
+                current[peer] = old
+        if len(current) > s.link_state_max_peers:
+            nearest = sorted(current, key=lambda p: (current[p][0], p))[: s.link_state_max_peers]
+            current = {p: current[p] for p in nearest}
+        changed = changed or set(current) != set(mine)
+        if not changed and now - self._last_publish < s.link_refresh_s:
+            return None
+        self._last_publish = now
+        self._version += 1
+        self.published[self.node] = current
+        self.changes += 1
+        self._digest = None
+        own = self.sign(self._links_of(self.node, current, self._version))
+        self.signed[self.node] = own
+        return own
+
+    def _links_of(self, origin: str, measured: Measured, version: int) -> Links:
+        entries = tuple(
+            LinkEntry(p, int(r * 1e6), int(loss * 1000))
+            for p, (r, loss) in sorted(measured.items())[:MAX_LINKS]
+        )
+        return Links(origin, version, entries)
+
+    def all_links(self) -> list[Links]:
+        """Every node's latest link state as signed (for a full sync)."""
+        return [self.signed[origin] for origin in sorted(self.signed)]
+
+    def digest(self) -> int:
+        """CRC-32 of every origin's link-state version (never 0: 0 means "none")."""
+        if self._digest is None:
+            versions = sorted(self.versions.items())
+            if self.node in self.published:
+                versions.append((self.node, self._version))
+                versions.sort()
+            text = ";".join(f"{o}={v}" for o, v in versions)
+            self._digest = zlib.crc32(text.encode()) or 1
+        return self._digest
+
+    # -- queries -------------------------------------------------------------------------
+
+    def measured_s(self, a: str, b: str) -> float | None:
+        values = []
+        ab = self.published.get(a, {}).get(b)
+        ba = self.published.get(b, {}).get(a)
+        for v in (ab, ba):
+            if v is not None:
+                values.append(v[0])
+        return sum(values) / len(values) if values else None
+
+    def loss_of(self, a: str, b: str) -> float | None:
+        values = [
+            v[1] for v in (self.published.get(a, {}).get(b), self.published.get(b, {}).get(a)) if v
+        ]
+        return max(values) if values else None
+
+    def estimate_s(self, a: str, b: str) -> float | None:
+        ca = self.vivaldi.coordinate if a == self.node else self.coords.get(a)
+        cb = self.vivaldi.coordinate if b == self.node else self.coords.get(b)
+        if ca is None or cb is None:
+            return None
+        return distance_s(ca, cb)
+
+    def rtt_s(self, a: str, b: str) -> float | None:
+        """Measured where anyone measured the pair, else the Vivaldi estimate."""
+        measured = self.measured_s(a, b)
+        return measured if measured is not None else self.estimate_s(a, b)
+
+    def source(self, a: str, b: str) -> str:
+        if self.measured_s(a, b) is not None:
+            return "measured"
+        return "vivaldi" if self.estimate_s(a, b) is not None else "unknown"

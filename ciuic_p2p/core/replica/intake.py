@@ -1,0 +1,439 @@
+"""A replica's intake of its peers' payloads (the receiving half of core.replica.rule).
+
+``prepare`` decodes and checks what needs no replica state, on any thread (the
+trainer's channel decodes on its reader thread while the model computes); ``apply``
+then, between two steps, checks what does (the RMS bound against this replica's own
+updates, exactly once per origin, incarnation, step, bucket and range start), queues
+the values, and ``flush`` adds every queued chunk with two ``index_add_`` per bucket.
+Every refusal names its reason (``other_run``, ``layout``, ``range``, ``malformed``,
+``duplicate``, ``norm``) and is counted; nothing changes before a payload is accepted.
+JOIN, GONE and DONE of another run sharing the mesh are ignored and counted apart.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ciuic_p2p.config.sections import TrainSection
+from ciuic_p2p.core.codec.bucket import ChunkSource, decode_chunk
+from ciuic_p2p.core.codec.chunk import ChunkHeader, parse_chunk
+from ciuic_p2p.core.codec.layout import BucketLayout
+from ciuic_p2p.core.codec.origin import ReplayWindow
+from ciuic_p2p.core.replica.messages import (
+    PayloadKind,
+    TrainWireError,
+    decode_done,
+    decode_payload,
+    decode_presence,
+)
+from ciuic_p2p.errors import CiuicError, CodecError, ReplayedChunkError
+
+STALENESS_BINS = 4096
+
+
+class RefusedChunk(CiuicError):
+    """A peer's chunk that this replica will not apply (reason in ``reason``)."""
+
+    def __init__(
+        self, reason: str, message: str, origin: str = "", kind: PayloadKind | None = None
+    ) -> None:
+        super().__init__(message)
+        self.reason = reason
+        self.origin = origin
+        self.kind = kind
+        """What was refused, when known (only refused updates count toward the
+        origin's total at the end of a run)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """The part of a chunk header that says where its values go."""
+
+    bucket: int
+    range_start: int
+    range_len: int
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A decoded, checked payload waiting to be applied."""
+
+    origin: str
+    kind: PayloadKind
+    header: ChunkHeader | None
+    positions: torch.Tensor | None
+    values: torch.Tensor | None
+    rms: float
+    step: int
+    chunks: int
+    """DONE: update chunks the origin sent in all."""
+    ask: bool = False
+    """JOIN: the origin wants this replica's JOIN in answer."""
+
+
+@dataclass(slots=True)
+class PeerState:
+    step: int = 0
+    """Newest step of this origin applied here (all replicas start at step 0)."""
+    done_at: int | None = None
+    chunks_sent: int = 0
+    """Update chunks the origin says it sent (from its DONE)."""
+    applied: int = 0
+    """Update chunks of this origin applied here."""
+    refused: int = 0
+    """Chunks of this origin refused here (duplicates not counted)."""
+    held_by_state: int = 0
+    """Chunks of this origin dropped because the state restored here already held them:
+    accounted for like applied ones (a late joiner waited for them forever at finish)."""
+    reported: bool = False
+    """It told its step (a JOIN) since it was registered here."""
+    lagging: bool = False
+    """Excused: past the staleness bound for longer than the grace; not waited for,
+    and not waited for by settlement, until its chunks are back within the bound."""
+
+
+@dataclass(slots=True)
+class ReplicaStats:
+    steps: int = 0
+    sends: int = 0
+    chunks_sent: int = 0
+    bytes_published: int = 0
+    applied: int = 0
+    params_mixed: int = 0
+    params_unmatched: int = 0
+    """Peer parameters of a step this replica kept none of its own for: not mixed."""
+    before_state: int = 0
+    """Peer chunks dropped because the state this replica restored holds them."""
+    excused: int = 0
+    """Times a replica was excused from the staleness bound (see Replica.excuse)."""
+    other_runs: int = 0
+    """JOIN, GONE and DONE of other runs on the same mesh, ignored."""
+    refused: collections.Counter[str] = field(default_factory=collections.Counter)
+    last_refusal: str = ""
+    residual_norm: float = 0.0
+    residual_norm_max: float = 0.0
+    staleness: np.ndarray = field(default_factory=lambda: np.zeros(STALENESS_BINS, np.int64))
+
+    def staleness_quantile(self, q: float) -> int:
+        total = int(self.staleness.sum())
+        if total == 0:
+            return 0
+        idx = int(np.searchsorted(np.cumsum(self.staleness), math.ceil(q * total)))
+        return min(idx, STALENESS_BINS - 1)
+
+
+class Intake:
+    """The receiving half of :class:`~ciuic_p2p.core.replica.rule.Replica` (state is set
+    up there)."""
+
+    layout: BucketLayout
+    buckets: list[torch.Tensor]
+    anchor: list[torch.Tensor]
+    source: ChunkSource
+    train: TrainSection
+    step: int
+    replicas: int
+    peers: dict[str, PeerState]
+    stats: ReplicaStats
+    _gone: set[str]
+    _updates: ReplayWindow
+    _params: ReplayWindow
+    _own_rms: list[float]
+    _own_count: list[int]
+    floors: dict[str, int]
+    own_params: dict[int, list[torch.Tensor]]
+    joined: list[str]
+    early_joins: dict[str, Prepared]
+    mesh_alive: set[str]
+    _queued: dict[tuple[int, float], list[tuple[torch.Tensor, torch.Tensor]]]
+
+    @property
+    def weight(self) -> float:
+        return 1.0 / max(1, self.replicas)
+
+    def chunk_weight(self, h: ChunkHeader) -> float:
+        """The weight an update chunk gets here: the one its origin gave it (the same
+        in every replica, whoever counted a joiner or a death first), or this
+        replica's own when the chunk does not say."""
+        return 1.0 / h.replicas if h.replicas else self.weight
+
+    def _replica(self, origin: str) -> PeerState | None:
+        raise NotImplementedError
+
+    def receive(self, origin: str, payload: bytes | memoryview) -> None:
+        """Prepare and apply one mesh payload from ``origin``; raises
+        :class:`RefusedChunk` (and counts it) when refused, with nothing changed."""
+        try:
+            self.apply(self.prepare(origin, payload))
+        finally:
+            self.flush()
+
+    def register(self, origin: str, payload: bytes | memoryview | None, step: int = 0) -> None:
+        """A chunk of ``origin`` arrived and is kept for later (raw ``payload``, or
+        prepared, of ``step``): it is a replica, that far on at least."""
+        state = self._replica(origin)
+        if payload is not None:
+            with contextlib.suppress(TrainWireError, CodecError):
+                step = parse_chunk(decode_payload(payload).body)[0].step
+        if state is not None:
+            state.step = max(state.step, step)
+
+    def held_by_state(self, origin: str, payload: bytes | memoryview) -> bool:
+        """True, and counted as held by the restored state, for an update of this run
+        that the restored state already holds, read from its header alone (the updates
+        that arrive while a joiner fetches its state are mostly these: decoding each
+        cost the joiner seconds). False for anything else: prepare and apply it."""
+        try:
+            msg = decode_payload(payload)
+            if msg.kind is not PayloadKind.UPDATE:
+                return False
+            h, _ = parse_chunk(msg.body)
+        except (TrainWireError, CodecError):
+            return False  # prepare refuses it, with the reason
+        if h.run_id != self.source.run_id or h.step > self.floors.get(origin, -1):
+            return False
+        self.stats.before_state += 1
+        state = self._replica(origin)
+        if state is not None:
+            state.held_by_state += 1
+        return True
+
+    def prepare(self, origin: str, payload: bytes | memoryview) -> Prepared | RefusedChunk:
+        """Decode and check what needs no replica state (any thread: the channel's
+        reader decodes while the trainer computes)."""
+        try:
+            return self._prepare(origin, payload)
+        except RefusedChunk as exc:
+            exc.origin = origin
+            return exc
+
+    def _prepare(self, origin: str, payload: bytes | memoryview) -> Prepared:
+        try:
+            msg = decode_payload(payload)
+        except TrainWireError as exc:
+            raise RefusedChunk("malformed", f"from {origin}: {exc}") from None
+        if msg.kind is PayloadKind.DONE:
+            try:
+                run_id, step, chunks = decode_done(msg.body)
+            except TrainWireError as exc:
+                raise RefusedChunk("malformed", f"from {origin}: {exc}") from None
+            if run_id != self.source.run_id:
+                raise RefusedChunk(
+                    "other_run", f"{origin} finished another run", origin, PayloadKind.DONE
+                )
+            return Prepared(origin, PayloadKind.DONE, None, None, None, 0.0, step, chunks)
+        if msg.kind in (PayloadKind.JOIN, PayloadKind.GONE):
+            try:
+                run_id, step, ask = decode_presence(msg.body)
+            except TrainWireError as exc:
+                raise RefusedChunk("malformed", f"from {origin}: {exc}") from None
+            if run_id != self.source.run_id:
+                raise RefusedChunk("other_run", f"{origin} trains another run", origin, msg.kind)
+            return Prepared(origin, msg.kind, None, None, None, 0.0, step, 0, ask)
+        try:
+            decoded = decode_chunk(msg.body, self.buckets[0].device)
+        except CodecError as exc:
+            raise RefusedChunk("malformed", f"chunk from {origin}: {exc}") from None
+        h = decoded.header
+        try:
+            self._check(origin, h)
+        except RefusedChunk as exc:
+            exc.kind = msg.kind
+            raise
+        if msg.kind is PayloadKind.PARAMS and h.codec.is_sparse:
+            raise RefusedChunk("malformed", f"parameters from {origin} are not dense")
+        rms = float(torch.linalg.vector_norm(decoded.values)) / math.sqrt(max(1, h.count))
+        return Prepared(origin, msg.kind, h, decoded.positions, decoded.values, rms, h.step, 0)
+
+    def apply(self, item: Prepared | RefusedChunk) -> None:
+        """Apply a prepared payload (training thread), exactly once; a refusal is
+        counted and raised."""
+        if (
+            isinstance(item, RefusedChunk)
+            and item.reason == "other_run"
+            and item.kind
+            in (
+                PayloadKind.JOIN,
+                PayloadKind.GONE,
+                PayloadKind.DONE,
+            )
+        ):
+            self.stats.other_runs += 1  # runs share a mesh: their presence is not an error
+            return
+        try:
+            self._apply(item)
+        except RefusedChunk as exc:
+            self.stats.refused[exc.reason] += 1
+            self.stats.last_refusal = str(exc)
+            if (
+                exc.kind is PayloadKind.UPDATE
+                and exc.reason != "duplicate"
+                and exc.origin in self.peers
+            ):
+                self.peers[exc.origin].refused += 1
+            raise
+
+    def _take_join(self, joined: PeerState, item: Prepared) -> None:
+        """Where a replica stands; one still syncing is not waited for."""
+        joined.step = max(joined.step, item.step)
+        joined.lagging = joined.step <= self.step - self.train.staleness_bound_steps
+        joined.reported = True
+        if item.ask and item.origin not in self.joined:
+            self.joined.append(item.origin)
+
+    def _apply(self, item: Prepared | RefusedChunk) -> None:
+        if isinstance(item, RefusedChunk):
+            raise item
+        origin = item.origin
+        if item.kind is PayloadKind.GONE:
+            self._gone.add(origin)
+            if self.peers.pop(origin, None) is not None:
+                self.replicas = 1 + len(self.peers)
+            return
+        if item.kind is PayloadKind.JOIN:
+            self._gone.discard(origin)  # a restarted trainer joins again
+            joined = self._replica(origin)
+            if joined is not None:
+                self._take_join(joined, item)
+            elif origin not in self.mesh_alive:
+                # The daemon's word that it is alive can come after its JOIN (a replica
+                # that has attached may not say JOIN again for a long while).
+                self.early_joins[origin] = item
+            return
+        state = self._replica(origin)
+        if item.kind is PayloadKind.DONE:
+            if state is not None:
+                state.done_at, state.chunks_sent = item.step, item.chunks
+            return
+        h = item.header
+        assert h is not None and item.values is not None
+        if item.kind is PayloadKind.PARAMS:
+            self._check_params(origin, h, item.values)
+            self._check_once(self._params, origin, h)
+            self._mix(h, item.values)
+            return
+        ref = self._own_rms[h.bucket]
+        if (
+            self._own_count[h.bucket] >= self.train.norm_warmup_chunks
+            and item.rms > self.train.update_norm_max_ratio * ref
+        ):
+            raise RefusedChunk(
+                "norm",
+                f"chunk from {origin} (step {h.step}) has RMS {item.rms:.3g}, over "
+                f"{self.train.update_norm_max_ratio:g} x this replica's own {ref:.3g}",
+                origin,
+                PayloadKind.UPDATE,
+            )
+        self._check_once(self._updates, origin, h)
+        if h.step <= self.floors.get(origin, -1):  # the restored state holds it already
+            self.stats.before_state += 1
+            if state is not None:
+                state.held_by_state += 1
+            return
+        self._add(h, item.positions, item.values, self.chunk_weight(h))
+        if state is not None:
+            state.step = max(state.step, h.step)
+            state.applied += 1
+            if state.lagging and state.step > self.step - self.train.staleness_bound_steps:
+                state.lagging = False
+        self.stats.applied += 1
+        self.stats.staleness[min(STALENESS_BINS - 1, max(0, self.step - h.step))] += 1
+
+    def _check(self, origin: str, h: ChunkHeader) -> None:
+        if h.run_id != self.source.run_id:
+            raise RefusedChunk(
+                "other_run", f"chunk from {origin} is of run {h.run_id.hex()}, not this one"
+            )
+        if h.layout_id != self.layout.layout_id:
+            raise RefusedChunk(
+                "layout",
+                f"chunk from {origin} is for parameter layout {h.layout_id:016x}; this "
+                f"model's is {self.layout.layout_id:016x} (another model shape?)",
+            )
+        if h.bucket >= len(self.buckets) or (
+            h.range_start + h.range_len > self.buckets[h.bucket].numel()
+        ):
+            raise RefusedChunk(
+                "range",
+                f"chunk from {origin} addresses bucket {h.bucket} "
+                f"[{h.range_start}, {h.range_start + h.range_len}) outside the model",
+            )
+
+    def _check_once(self, window: ReplayWindow, origin: str, h: ChunkHeader) -> None:
+        try:
+            window.check_and_record(h)
+        except ReplayedChunkError as exc:
+            raise RefusedChunk(
+                "duplicate", f"chunk from {origin}: {exc}", origin, PayloadKind.UPDATE
+            ) from None
+
+    def _add(
+        self,
+        h: ChunkHeader | Range,
+        positions: torch.Tensor | None,
+        values: torch.Tensor,
+        w: float,
+    ) -> None:
+        """Queue ``w * values`` for the bucket and the anchor; :meth:`flush` adds all
+        queued chunks with two ``index_add_`` per bucket, however many arrived."""
+        if positions is None:
+            with torch.no_grad():
+                for t in (self.buckets[h.bucket], self.anchor[h.bucket]):
+                    t[h.range_start : h.range_start + h.range_len].add_(values, alpha=w)
+            return
+        if h.range_start:
+            positions = positions + h.range_start
+        self._queued.setdefault((h.bucket, w), []).append((positions, values))
+
+    def flush(self) -> None:
+        """Add every queued chunk (call before the parameters are read)."""
+        if not self._queued:
+            return
+        with torch.no_grad():
+            for (bucket, w), parts in self._queued.items():
+                if len(parts) == 1:
+                    positions, values = parts[0]
+                else:
+                    positions = torch.cat([p for p, _ in parts])
+                    values = torch.cat([v for _, v in parts])
+                self.buckets[bucket].index_add_(0, positions, values, alpha=w)
+                self.anchor[bucket].index_add_(0, positions, values, alpha=w)
+        self._queued.clear()
+
+    def _check_params(self, origin: str, h: ChunkHeader, values: torch.Tensor) -> None:
+        """Parameters far from ours (RMS distance over the bound times our own
+        updates' RMS) come from a faulty node, not from drift: refused."""
+        ref = self._own_rms[h.bucket]
+        if self._own_count[h.bucket] < self.train.norm_warmup_chunks:
+            return
+        mine = self.own_params.get(h.step, self.buckets)
+        own = mine[h.bucket][h.range_start : h.range_start + h.range_len]
+        dist = float(torch.linalg.vector_norm(values - own)) / math.sqrt(max(1, h.range_len))
+        if dist > self.train.update_norm_max_ratio * ref:
+            raise RefusedChunk(
+                "norm",
+                f"parameters from {origin} (step {h.step}) are {dist:.3g} RMS away, over "
+                f"{self.train.update_norm_max_ratio:g} x this replica's own updates {ref:.3g}",
+                origin,
+                PayloadKind.PARAMS,
+            )
+
+    def _mix(self, h: ChunkHeader, values: torch.Tensor) -> None:
+        mine = self.own_params.get(h.step)
+        if mine is None:  # we sent none at that step (joined since, or skipped)
+            self.stats.params_unmatched += 1
+            return
+        self.flush()
+        mix = self.train.consensus_mix / max(1, self.replicas - 1)
+        with torch.no_grad():
+            s = slice(h.range_start, h.range_start + h.range_len)
+            diff = values.sub(mine[h.bucket][s]).mul_(mix)
+            self.buckets[h.bucket][s].add_(diff)
+            self.anchor[h.bucket][s].add_(diff)
+        self.stats.params_mixed += 1

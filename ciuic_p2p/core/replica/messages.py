@@ -1,0 +1,123 @@
+"""What a replica broadcasts over the mesh (the trainer socket's frames are
+core.replica.trainersocket).
+
+Mesh payload (version 1), carried as the payload of a mesh ``CHUNK``::
+
+    off size field
+      0    2 magic      b"CT"
+      2    1 version    1
+      3    1 kind       UPDATE 1 | PARAMS 2 | DONE 3 | JOIN 4 | GONE 5
+      4    .  body      UPDATE, PARAMS: one chunk (core.codec.chunk, signed by its origin)
+                        DONE: run_id (16) + last step (u64 LE) + update
+                        chunks sent in all (u64 LE)
+                        JOIN, GONE: run_id (16) [+ JOIN: the sender's
+                        current step (u64 LE) and flags (u8; 1: answer
+                        with your JOIN): a replica that joins mid-run
+                        asks where the others are, and says where it is]
+
+``UPDATE`` is one chunk of a step's compressed update; ``PARAMS`` one chunk of a
+replica's parameters (dense, for the consensus mix); ``DONE`` says the origin took its
+last step, so that nobody waits for it any more; ``JOIN`` says a trainer of the run is
+attached to the origin (the replicas of a run are the members that sent it, not every
+member of the mesh); ``GONE``, sent by a daemon whose trainer went away without
+``DONE``, says it no longer is.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from dataclasses import dataclass
+
+from ciuic_p2p.core.codec.chunk import MAX_CHUNK_BYTES, RUN_ID_LEN
+from ciuic_p2p.errors import CiuicError
+
+MAGIC = b"CT"
+VERSION = 1
+ENVELOPE_LEN = 4
+MAX_PAYLOAD_BYTES = ENVELOPE_LEN + MAX_CHUNK_BYTES
+_DONE = struct.Struct(f"<{RUN_ID_LEN}sQQ")
+_STEP_FLAGS = struct.Struct("<QB")
+
+
+class TrainWireError(CiuicError):
+    """A training message or trainer-socket frame that cannot be decoded."""
+
+
+class PayloadKind(enum.IntEnum):
+    UPDATE = 1
+    PARAMS = 2
+    DONE = 3
+    JOIN = 4
+    GONE = 5
+
+
+@dataclass(frozen=True, slots=True)
+class TrainMessage:
+    kind: PayloadKind
+    body: memoryview
+
+
+def envelope(kind: PayloadKind) -> bytes:
+    """The 4 bytes that precede a body (sent as a separate buffer: no copy)."""
+    return MAGIC + bytes((VERSION, kind))
+
+
+def encode_done(run_id: bytes, step: int, chunks: int) -> bytes:
+    if len(run_id) != RUN_ID_LEN or not 0 <= step < 1 << 64 or not 0 <= chunks < 1 << 64:
+        raise ValueError("run_id is 16 bytes, step and chunks u64")
+    return envelope(PayloadKind.DONE) + _DONE.pack(run_id, step, chunks)
+
+
+def decode_done(body: memoryview) -> tuple[bytes, int, int]:
+    """(run_id, last step, update chunks sent)."""
+    if len(body) != _DONE.size:
+        raise TrainWireError(f"DONE body of {len(body)} bytes, expected {_DONE.size}")
+    run_id, step, chunks = _DONE.unpack(body)
+    return bytes(run_id), int(step), int(chunks)
+
+
+def run_id_of(run: str) -> bytes:
+    """The 16-byte run ID every chunk of a run carries (two runs never mix)."""
+    return hashlib.blake2b(run.encode(), digest_size=16).digest()
+
+
+def encode_presence(
+    kind: PayloadKind, run_id: bytes, step: int | None = None, ask: bool = False
+) -> bytes:
+    """A JOIN (with the sender's step; ``ask``: answer with yours) or GONE message."""
+    if kind not in (PayloadKind.JOIN, PayloadKind.GONE) or len(run_id) != RUN_ID_LEN:
+        raise ValueError("JOIN or GONE, with a 16-byte run_id")
+    tail = b"" if step is None or kind is PayloadKind.GONE else _STEP_FLAGS.pack(step, int(ask))
+    return envelope(kind) + run_id + tail
+
+
+def decode_presence(body: memoryview) -> tuple[bytes, int, bool]:
+    """(run_id, step: 0 when not said, whether an answer is asked for)."""
+    if len(body) not in (RUN_ID_LEN, RUN_ID_LEN + _STEP_FLAGS.size):
+        raise TrainWireError(f"JOIN/GONE body of {len(body)} bytes")
+    if len(body) == RUN_ID_LEN:
+        return bytes(body), 0, False
+    step, flags = _STEP_FLAGS.unpack_from(body, RUN_ID_LEN)
+    return bytes(body[:RUN_ID_LEN]), int(step), bool(flags & 1)
+
+
+def decode_payload(data: bytes | bytearray | memoryview) -> TrainMessage:
+    view = memoryview(data)
+    if len(view) < ENVELOPE_LEN:
+        raise TrainWireError(f"training message of {len(view)} bytes is truncated")
+    if len(view) > MAX_PAYLOAD_BYTES:
+        raise TrainWireError(f"training message of {len(view)} bytes exceeds the limit")
+    if bytes(view[:2]) != MAGIC:
+        raise TrainWireError("not a training message (bad magic)")
+    if view[2] != VERSION:
+        raise TrainWireError(f"training message version {view[2]} is not supported")
+    try:
+        kind = PayloadKind(view[3])
+    except ValueError:
+        raise TrainWireError(f"unknown training message kind {view[3]}") from None
+    return TrainMessage(kind, view[ENVELOPE_LEN:])
+
+
+# -- trainer socket frames ------------------------------------------------------------

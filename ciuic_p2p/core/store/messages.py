@@ -1,0 +1,346 @@
+"""Wire format of the shared store: named, versioned objects that members fetch from
+each other in pieces (core.store.fetch), between daemons.
+
+Control messages and offers that fit travel in ``STORE_CONTROL`` frames (the control
+stream), pieces and large offers in ``STORE_DATA`` frames (bulk, credit flow
+control). Layout (version 1)::
+
+    magic b"CS" | version u8 (1) | kind u8 | body
+
+``str8`` is a u8 length and UTF-8; integers little-endian. Bodies by kind:
+
+- ``QUERY``:  name str8, min_version u64, token u32
+- ``NONE``:   name str8, token u32                    (no version >= min held here)
+- ``OFFER``:  token u32, load u16, manifest (below)
+- ``GET``:    name str8, version u64, root (32), count u16, piece index u32 each
+- ``PIECE``:  name str8, version u64, root (32), index u32, data (rest)
+- ``BUSY``:   name str8, version u64, root (32)       (every upload slot is taken)
+- ``HOLD``:   name str8, version u64, root (32)       (please fetch and hold it)
+- ``HELD``:   name str8, version u64, root (32)       (holding it now)
+- ``FINISHED``: name str8, version u64, root (32)     (fetched: free the upload slot)
+- ``GONE``:   name str8, version u64, root (32)       (not held here any more)
+
+A manifest is: name str8, version u64, total_bytes u64, piece_bytes u32, compat (32),
+count u32, then a 32-byte BLAKE2b digest per piece. The root (BLAKE2b-256 of the
+encoded manifest) names one exact content; ``compat`` says which other contents a
+piece may be mixed with (see core.store.fetch).
+
+Kinds are append-only. Decoding trusts nothing: every length is checked against what
+remains and the hard limits, and every failure is a :class:`StoreWireError`.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from dataclasses import dataclass
+
+from ciuic_p2p.errors import CiuicError
+
+MAGIC = b"CS"
+VERSION = 1
+DIGEST_LEN = 32
+MAX_NAME_BYTES = 200
+MAX_PIECE_BYTES = 1 << 20
+MIN_PIECE_BYTES = 4096
+MAX_PIECES = 32768
+MAX_OBJECT_BYTES = 8 << 30
+MAX_GET_PIECES = 256
+MAX_CONTROL_BYTES = 64 * 1024 - 16
+"""Any message may travel in a STORE_CONTROL frame when it fits this."""
+MAX_DATA_BYTES = MAX_PIECE_BYTES + 512 + MAX_NAME_BYTES
+"""An OFFER's manifest (at most MAX_PIECES digests) and a PIECE both fit this."""
+
+_U8 = struct.Struct("<B")
+_U16 = struct.Struct("<H")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+class StoreWireError(CiuicError):
+    """Bytes that are not a valid store message; the message says what was wrong."""
+
+
+class StoreKind(enum.IntEnum):
+    QUERY = 1
+    NONE = 2
+    OFFER = 3
+    GET = 4
+    PIECE = 5
+    BUSY = 6
+    HOLD = 7
+    HELD = 8
+    FINISHED = 9
+    GONE = 10
+
+
+DATA_KINDS = frozenset({StoreKind.OFFER, StoreKind.PIECE})
+
+
+def digest(data: bytes | bytearray | memoryview) -> bytes:
+    return hashlib.blake2b(data, digest_size=DIGEST_LEN).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    name: str
+    version: int
+    total_bytes: int
+    piece_bytes: int
+    compat: bytes
+    hashes: tuple[bytes, ...]
+
+    def __post_init__(self) -> None:
+        _check_name(self.name)
+        _check(0 <= self.version < 1 << 64, "version out of range")
+        _check(0 <= self.total_bytes <= MAX_OBJECT_BYTES, "object too large")
+        _check(MIN_PIECE_BYTES <= self.piece_bytes <= MAX_PIECE_BYTES, "bad piece size")
+        _check(len(self.compat) == DIGEST_LEN, "bad compat digest")
+        pieces = -(-self.total_bytes // self.piece_bytes)
+        _check(len(self.hashes) == pieces, "piece count does not match the size")
+        _check(all(len(h) == DIGEST_LEN for h in self.hashes), "bad piece digest")
+
+    @property
+    def pieces(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def root(self) -> bytes:
+        return digest(encode_manifest(self))
+
+    def piece_span(self, index: int) -> tuple[int, int]:
+        start = index * self.piece_bytes
+        return start, min(self.total_bytes, start + self.piece_bytes)
+
+    def check_piece(self, index: int, data: bytes | bytearray | memoryview) -> bool:
+        start, end = self.piece_span(index)
+        return len(data) == end - start and digest(data) == self.hashes[index]
+
+    @classmethod
+    def build(
+        cls,
+        name: str,
+        version: int,
+        data: bytes | bytearray | memoryview,
+        piece_bytes: int,
+        compat: bytes | None = None,
+    ) -> Manifest:
+        """The manifest of ``data``; ``compat`` None: only this exact content (the
+        digest of the piece digests) mixes with it."""
+        view = memoryview(data)
+        hashes = tuple(digest(view[i : i + piece_bytes]) for i in range(0, len(view), piece_bytes))
+        if compat is None:
+            compat = digest(b"".join(hashes) + _U64.pack(len(view)))
+        return cls(name, version, len(view), piece_bytes, compat, hashes)
+
+
+@dataclass(frozen=True, slots=True)
+class Query:
+    name: str
+    min_version: int
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class NoneHeld:
+    name: str
+    token: int
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    token: int
+    load: int
+    manifest: Manifest
+
+
+@dataclass(frozen=True, slots=True)
+class Get:
+    name: str
+    version: int
+    root: bytes
+    indices: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Piece:
+    name: str
+    version: int
+    root: bytes
+    index: int
+    data: bytes | memoryview
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """BUSY, HOLD, HELD, FINISHED and GONE: one exact object."""
+
+    kind: StoreKind
+    name: str
+    version: int
+    root: bytes
+
+
+Message = Query | NoneHeld | Offer | Get | Piece | Ref
+
+
+def is_data(msg: Message) -> bool:
+    return isinstance(msg, Offer | Piece)
+
+
+def encode(msg: Message) -> bytes:
+    head = MAGIC + bytes([VERSION])
+    if isinstance(msg, Query):
+        body = _U8.pack(StoreKind.QUERY) + _str8(msg.name) + _U64.pack(msg.min_version)
+        body += _U32.pack(msg.token)
+    elif isinstance(msg, NoneHeld):
+        body = _U8.pack(StoreKind.NONE) + _str8(msg.name) + _U32.pack(msg.token)
+    elif isinstance(msg, Offer):
+        body = _U8.pack(StoreKind.OFFER) + _U32.pack(msg.token) + _U16.pack(min(msg.load, 0xFFFF))
+        body += encode_manifest(msg.manifest)
+    elif isinstance(msg, Get):
+        _check(len(msg.indices) <= MAX_GET_PIECES, "too many pieces in one GET")
+        body = _U8.pack(StoreKind.GET) + _ref(msg.name, msg.version, msg.root)
+        body += _U16.pack(len(msg.indices)) + b"".join(_U32.pack(i) for i in msg.indices)
+    elif isinstance(msg, Piece):
+        _check(len(msg.data) <= MAX_PIECE_BYTES, "piece too large")
+        body = _U8.pack(StoreKind.PIECE) + _ref(msg.name, msg.version, msg.root)
+        body += _U32.pack(msg.index) + bytes(msg.data)
+    else:
+        body = _U8.pack(msg.kind) + _ref(msg.name, msg.version, msg.root)
+    return head + body
+
+
+def encode_manifest(m: Manifest) -> bytes:
+    return (
+        _str8(m.name)
+        + _U64.pack(m.version)
+        + _U64.pack(m.total_bytes)
+        + _U32.pack(m.piece_bytes)
+        + m.compat
+        + _U32.pack(len(m.hashes))
+        + b"".join(m.hashes)
+    )
+
+
+class _Reader:
+    def __init__(self, data: bytes | memoryview) -> None:
+        self.view = memoryview(data)
+        self.pos = 0
+
+    def take(self, n: int) -> memoryview:
+        if n < 0 or self.pos + n > len(self.view):
+            raise StoreWireError("truncated store message")
+        out = self.view[self.pos : self.pos + n]
+        self.pos += n
+        return out
+
+    def u8(self) -> int:
+        return int(_U8.unpack(self.take(1))[0])
+
+    def u16(self) -> int:
+        return int(_U16.unpack(self.take(2))[0])
+
+    def u32(self) -> int:
+        return int(_U32.unpack(self.take(4))[0])
+
+    def u64(self) -> int:
+        return int(_U64.unpack(self.take(8))[0])
+
+    def str8(self) -> str:
+        raw = self.take(self.u8())
+        try:
+            text = bytes(raw).decode("utf-8")
+        except UnicodeDecodeError:
+            raise StoreWireError("name is not UTF-8") from None
+        _check_name(text)
+        return text
+
+    def rest(self) -> memoryview:
+        return self.take(len(self.view) - self.pos)
+
+    def end(self) -> None:
+        if self.pos != len(self.view):
+            raise StoreWireError("trailing bytes after store message")
+
+
+def decode(data: bytes | memoryview) -> Message:
+    """One store message; :class:`StoreWireError` for anything else."""
+    try:
+        return _decode(data)
+    except ValueError as exc:  # a field out of range (names, sizes)
+        raise StoreWireError(f"bad store message: {exc}") from None
+
+
+def _decode(data: bytes | memoryview) -> Message:
+    if len(data) > MAX_DATA_BYTES:
+        raise StoreWireError(f"store message of {len(data)} bytes is over the limit")
+    r = _Reader(data)
+    if bytes(r.take(2)) != MAGIC:
+        raise StoreWireError("not a store message (magic)")
+    if (version := r.u8()) != VERSION:
+        raise StoreWireError(f"store message version {version} is not supported")
+    try:
+        kind = StoreKind(r.u8())
+    except ValueError:
+        raise StoreWireError("unknown store message kind") from None
+    msg: Message
+    if kind is StoreKind.QUERY:
+        msg = Query(r.str8(), r.u64(), r.u32())
+    elif kind is StoreKind.NONE:
+        msg = NoneHeld(r.str8(), r.u32())
+    elif kind is StoreKind.OFFER:
+        token, load = r.u32(), r.u16()
+        msg = Offer(token, load, _manifest(r))
+    elif kind is StoreKind.GET:
+        name, version, root = r.str8(), r.u64(), bytes(r.take(DIGEST_LEN))
+        count = r.u16()
+        if count > MAX_GET_PIECES:
+            raise StoreWireError("too many pieces in one GET")
+        msg = Get(name, version, root, tuple(r.u32() for _ in range(count)))
+    elif kind is StoreKind.PIECE:
+        name, version, root = r.str8(), r.u64(), bytes(r.take(DIGEST_LEN))
+        index = r.u32()
+        piece = r.rest()
+        if len(piece) > MAX_PIECE_BYTES:
+            raise StoreWireError("piece too large")
+        msg = Piece(name, version, root, index, piece)
+    else:
+        msg = Ref(kind, r.str8(), r.u64(), bytes(r.take(DIGEST_LEN)))
+    r.end()
+    return msg
+
+
+def _manifest(r: _Reader) -> Manifest:
+    name, version, total, piece_bytes = r.str8(), r.u64(), r.u64(), r.u32()
+    compat = bytes(r.take(DIGEST_LEN))
+    count = r.u32()
+    if count > MAX_PIECES:
+        raise StoreWireError("too many pieces in a manifest")
+    hashes = tuple(bytes(r.take(DIGEST_LEN)) for _ in range(count))
+    try:
+        return Manifest(name, version, total, piece_bytes, compat, hashes)
+    except ValueError as exc:
+        raise StoreWireError(f"bad manifest: {exc}") from None
+
+
+def _str8(text: str) -> bytes:
+    raw = text.encode("utf-8")
+    _check(len(raw) <= MAX_NAME_BYTES, "name too long")
+    return _U8.pack(len(raw)) + raw
+
+
+def _ref(name: str, version: int, root: bytes) -> bytes:
+    _check(len(root) == DIGEST_LEN, "bad root digest")
+    return _str8(name) + _U64.pack(version) + root
+
+
+def _check_name(name: str) -> None:
+    _check(0 < len(name.encode("utf-8")) <= MAX_NAME_BYTES, "bad object name")
+    _check(name.isprintable(), "object names are printable")
+
+
+def _check(ok: bool, why: str) -> None:
+    if not ok:
+        raise ValueError(why)
