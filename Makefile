@@ -8,7 +8,7 @@ TORCH_SPEC ?= torch==2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck unit bench clean browser
+.PHONY: demo test check lint typecheck unit bench clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -41,6 +41,11 @@ unit: $(STAMP) browser
 
 # The whole test suite: lint, types, then the tests.
 test: lint typecheck unit
+
+# The fast tier, about a minute: every test that starts no process, opens no real
+# socket and drives no browser (pure machines, in-memory daemons on virtual time).
+check: $(STAMP)
+	$(VENV)/bin/pytest -q -m "not processes and not network and not browser"
 
 bench: $(STAMP)
 	$(PY) bench/codec.py --json

@@ -35,6 +35,7 @@ from typing import Any
 
 from ciuic_p2p.config import Config, Dissemination, LogSection
 from ciuic_p2p.core.mesh.broadcast import Delivery
+from ciuic_p2p.daemon.node import ChunkRecorder
 from ciuic_p2p.emulator.model.scenario import Scenario, scenario_from_matrix
 from ciuic_p2p.lab.daemons import DaemonMesh
 from ciuic_p2p.logsetup import configure_logging
@@ -79,15 +80,16 @@ async def run_mode(
     names = scenario.node_names()
     arrivals: dict[tuple[str, int], dict[str, float]] = {}
     ratios: dict[str, list[float]] = {"small": [], "large": [], "missing": []}
-    async with DaemonMesh(scenario, names, config) as mesh:
+
+    def recorder(who: str) -> ChunkRecorder:
+        def record(d: Delivery) -> None:
+            arrivals.setdefault((d.origin, d.seq), {})[who] = time.monotonic()
+
+        return ChunkRecorder(record)
+
+    async with DaemonMesh(scenario, names, config, observer=recorder, trainers=False) as mesh:
         await mesh.form()
         await asyncio.sleep(settle_s)  # every link measured and published: trees agree
-        for name, daemon in mesh.daemons.items():
-
-            def record(d: Delivery, who: str = name) -> None:
-                arrivals.setdefault((d.origin, d.seq), {})[who] = time.monotonic()
-
-            daemon.on_delivery = record
         for label, size, count in (("small", SMALL, small), ("large", LARGE, large)):
             for _ in range(count):
                 for origin in names:

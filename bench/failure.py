@@ -87,14 +87,14 @@ def false_positives(hours: float) -> dict[str, float]:
     wall = time.perf_counter() - t0
     declared = sum(
         1
-        for node in sim.nodes.values()
-        for e in node.events
+        for events in sim.member_events.values()
+        for e in events
         if e.state >= State.DEAD and e.at >= start
     )
     suspected = sum(
         1
-        for node in sim.nodes.values()
-        for e in node.events
+        for events in sim.member_events.values()
+        for e in events
         if e.state == State.SUSPECT and e.at >= start
     )
     node_hours = len(sim.nodes) * hours

@@ -65,9 +65,9 @@ def run(n: int, reps: int, warmup_s: float, seed: int) -> dict[str, float]:
         victim = rng.choice(sorted(sim.nodes))
         sim.kill(victim)
         detect.append(sim.run_until_true(lambda v=victim: sim.all_mark(v), 120, step_s=0.05))
-    for node in sim.nodes.values():
+    for name in sim.nodes:
         false_declarations += sum(
-            1 for e in node.events if e.state.name == "DEAD" and e.node in sim.nodes
+            1 for e in sim.member_events[name] if e.state.name == "DEAD" and e.node in sim.nodes
         )
     return {
         "members": n,

@@ -85,7 +85,8 @@ async def one_link(
         while True:
             await src.send(peer, FrameType.CHUNK, payload)
 
-    link = src._links[peer]
+    link = src.connection(peer)
+    assert link is not None
     cc = link.quic._loss._cc
     shrinks, last_window = 0, cc.congestion_window
     tasks = [asyncio.create_task(receive()), asyncio.create_task(send())]

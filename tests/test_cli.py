@@ -10,6 +10,8 @@ import pytest
 from ciuic_p2p import __version__
 from ciuic_p2p.cli import main
 
+pytestmark = pytest.mark.processes
+
 
 def ciuic_node() -> str:
     """The installed console script, next to this interpreter or on PATH."""

@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import ciuic_p2p
 
 PACKAGE = Path(ciuic_p2p.__file__).parent
@@ -94,6 +96,7 @@ def test_the_check_sees_a_circle_through_a_package_init() -> None:
     assert cycles(edges) == [["p", "p.a", "p.b"]]
 
 
+@pytest.mark.processes
 def test_the_training_hook_loads_no_transport_no_daemon() -> None:
     code = (
         "import sys, ciuic_p2p.train.hook, ciuic_p2p.train.attach\n"

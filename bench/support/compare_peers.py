@@ -144,6 +144,7 @@ async def _ciuic_rounds(elements: int, density: float, rounds: int, asyncio: Any
     )
     from ciuic_p2p.core.codec.chunk import Codec  # noqa: PLC0415
     from ciuic_p2p.core.mesh.broadcast import Delivery  # noqa: PLC0415
+    from ciuic_p2p.daemon.node import ChunkRecorder  # noqa: PLC0415
     from ciuic_p2p.emulator.model.scenario import scenario_from_mapping  # noqa: PLC0415
     from ciuic_p2p.lab.daemons import DaemonMesh  # noqa: PLC0415
     from ciuic_p2p.logsetup import configure_logging  # noqa: PLC0415
@@ -159,16 +160,17 @@ async def _ciuic_rounds(elements: int, density: float, rounds: int, asyncio: Any
     )
     acc = {n: torch.zeros(elements) for n in names}
     applied = dict.fromkeys(names, 0)
-    async with DaemonMesh(scenario, names, config) as mesh:
+
+    def recorder(who: str) -> ChunkRecorder:
+        def deliver(d: Delivery) -> None:
+            apply_chunk(d.payload, acc[who])
+            applied[who] += 1
+
+        return ChunkRecorder(deliver)
+
+    async with DaemonMesh(scenario, names, config, observer=recorder, trainers=False) as mesh:
         await mesh.form()
         await asyncio.sleep(2.0)  # links probed, routes published
-        for name, daemon in mesh.daemons.items():
-
-            def deliver(d: Delivery, who: str = name) -> None:
-                apply_chunk(d.payload, acc[who])
-                applied[who] += 1
-
-            daemon.on_delivery = deliver
 
         def counters() -> dict[str, int]:
             total: dict[str, int] = {}

@@ -39,12 +39,12 @@ class ControlError(CiuicError):
 
 
 class ControlServer:
-    def __init__(self, daemon: MeshDaemon, path: Path) -> None:
+    def __init__(self, daemon: MeshDaemon, path: Path, store: StoreService | None = None) -> None:
         self.daemon = daemon
         self.path = path
         self.server: asyncio.AbstractServer | None = None
         self.leave_requested = asyncio.Event()
-        self.store: StoreService | None = None
+        self.store = store
 
     async def start(self) -> None:
         self.server = await serve_unix(self.path, self._client, 0o600, MAX_REQUEST_BYTES)

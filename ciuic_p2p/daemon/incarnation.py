@@ -3,8 +3,8 @@ restarted node comes back with a higher one, which the mesh takes over its old d
 notice, and one raised by a refutation is saved at once.
 
 The file is ours but the disk is not: a value that is not a number in the range the
-wire format allows (``core.mesh.messages.MAX_INCARNATION``; an older release could write
-one past it after a forged accusation) is ignored as if the file were missing, and a
+wire format allows (``core.mesh.messages.MAX_INCARNATION``) is ignored as if the
+file were missing, and a
 write that fails (a full disk) is logged, not raised. Either way the node starts:
 should the mesh know it by a higher incarnation than it starts with, its own signed
 announcement of that incarnation comes back to it and it refutes above it

@@ -337,11 +337,6 @@ class DaemonCollector(Collector):
             if stats is not None:
                 buffered.add_metric([peer_id_of(key)], stats.bulk_buffered_bytes)
         yield buffered
-        yield GaugeMetricFamily(
-            "ciuic_deliveries_queued",
-            "Delivered chunks waiting for a reader (when no trainer server takes them).",
-            d.deliveries.qsize(),
-        )
 
     def _membership(self) -> Iterator[Metric]:
         d = self.daemon
@@ -359,24 +354,24 @@ class DaemonCollector(Collector):
             "Members in the table by state (this node not included).",
             labels=["state"],
         )
-        by_state = collections.Counter(m.state for m in node.membership.members.values())
+        by_state = collections.Counter(m.state for m in node.members().values())
         for state in State:
             members.add_metric([state.name.lower()], by_state[state])
         yield members
         yield GaugeMetricFamily(
             "ciuic_health_score",
             "Lifeguard local health: 0 is healthy; higher stretches this node's timeouts.",
-            node.membership.awareness.score,
+            node.health_score,
         )
         rtt = GaugeMetricFamily(
             "ciuic_peer_rtt_seconds",
             "RTT to each member as routing uses it, by source (measured, vivaldi).",
             labels=["peer", "source"],
         )
-        for peer in node.membership.members:
-            value = node.rttmap.rtt_s(d.peer_id, peer)
+        for peer in node.members():
+            value = node.rtt_s(d.peer_id, peer)
             if value is not None:
-                rtt.add_metric([peer, node.rttmap.source(d.peer_id, peer)], value)
+                rtt.add_metric([peer, node.rtt_source(d.peer_id, peer)], value)
         yield rtt
 
     def _routing(self) -> Iterator[Metric]:
@@ -447,7 +442,7 @@ class DaemonCollector(Collector):
             for where, count in sorted(guard.counts.items()):
                 errors.add_metric([guard.component, where], count)
         yield errors
-        gate = d.transport.gate
+        gate = d.transport.strangers()
         dropped = CounterMetricFamily(
             "ciuic_strangers_dropped",
             "Datagrams from unknown sources dropped before any state, by reason.",
@@ -459,7 +454,7 @@ class DaemonCollector(Collector):
         yield GaugeMetricFamily(
             "ciuic_pending_connections",
             "Accepted connections not yet authenticated.",
-            gate.pending,
+            gate.pending_connections,
         )
         yield CounterMetricFamily(
             "ciuic_retries_sent", "QUIC Retry packets sent (address validation).", gate.retries_sent
@@ -467,7 +462,7 @@ class DaemonCollector(Collector):
         yield CounterMetricFamily(
             "ciuic_links_refused",
             "Connections refused before authentication (bad credential, timeout, framing).",
-            d.transport.refused,
+            gate.refused,
         )
 
     def _counters(self) -> Iterator[Metric]:

@@ -1,7 +1,13 @@
-"""The daemon's mesh layer: a MeshNode (pure) driven over the QUIC transport.
+"""The daemon's mesh layer: a MeshNode (pure) driven over a transport (QUIC in
+production, the in-memory one in tests: the daemon is given one and never knows which).
 
-The adapter owns the clock, the timer and the sockets; the MeshNode owns every
-decision. Messages leave as GOSSIP frames (control stream) or MESH_CHUNK frames (bulk
+The adapter owns the timer and the outboxes; the MeshNode owns every decision, and
+tells the adapter what happened through one event stream (core.mesh.node). The parts
+above (the trainer socket, the store, the audit log) hear from the daemon through one
+:class:`MeshListener` passed at construction, never by setting each other's callbacks.
+One clock, given at construction, reaches the transport, the mesh and every part.
+
+Messages leave as GOSSIP frames (control stream) or MESH_CHUNK frames (bulk
 stream, credit flow control) to the link whose peer listens at the message's
 address, dialling it first when there is none. Each destination has its own outbox
 and sender task, so a slow or dead peer never holds up the others; an outbox that
@@ -13,11 +19,8 @@ Every message that arrives is checked: its sender name must be the peer ID of th
 authenticated key of the link it came on, or it is dropped and counted, so that no
 member can speak for another.
 
-Dialling is where a member could make this node send datagrams anywhere: a member
-signs its own address, and could sign a third party's. An address counts as *proven*
-once an authenticated link to its member has existed there (it dialled us from it:
-one socket per node; or we reached it). A dial to an unproven address that fails is
-not repeated for ``5 s x 2^failures`` (at most 10 minutes), dials run at most
+Dialling is where a member could make this node send datagrams anywhere: which
+addresses may be dialled, and how often, is daemon.addressbook's; dials run at most
 ``MAX_DIALS`` at once, and a destination's queue and task go when it is unreachable,
 so that a lying address costs a few datagrams an hour, not a flood.
 
@@ -30,23 +33,19 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import socket
 import time
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-from cryptography import x509
+from typing import Any, Literal, Protocol
 
 from ciuic_p2p.addresses import format_address, parse_address
-from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.link.frames import BULK_TYPES, FrameType
 from ciuic_p2p.core.mesh.broadcast import Delivery
 from ciuic_p2p.core.mesh.identities import Identities
-from ciuic_p2p.core.mesh.members import State
+from ciuic_p2p.core.mesh.members import MemberEvent, State
 from ciuic_p2p.core.mesh.messages import (
     Chunk,
     MeshDecodeError,
@@ -54,8 +53,16 @@ from ciuic_p2p.core.mesh.messages import (
     decode_message,
     encode_message,
 )
-from ciuic_p2p.core.mesh.node import MeshNode
+from ciuic_p2p.core.mesh.node import (
+    Delivered,
+    IncarnationRaised,
+    Joined,
+    LeaveSpread,
+    MeshEvent,
+    MeshNode,
+)
 from ciuic_p2p.daemon import nodestatus
+from ciuic_p2p.daemon.addressbook import AddressBook
 from ciuic_p2p.daemon.incarnation import next_incarnation, save_incarnation
 from ciuic_p2p.daemon.outbox import ChunkKey, Outbox
 from ciuic_p2p.guard import Guard
@@ -65,24 +72,80 @@ from ciuic_p2p.transport.base import (
     FrameReceived,
     PeerConnected,
     PeerDisconnected,
+    Transport,
     TransportEvent,
 )
-from ciuic_p2p.transport.quic import QuicTransport, TransportError
+from ciuic_p2p.transport.errors import TransportError
 
 MAX_STORE_CONTROL_BYTES = 60 * 1024
 """A store offer this small travels on the control stream (a joiner's query is not
 answered behind the bulk backlog)."""
-MAX_UNREAD_DELIVERIES = 1024
 MAX_DIALS = 64
 """Outgoing connections being set up at once."""
-UNPROVEN_BACKOFF_S = (5.0, 600.0)
-"""First and largest pause after a failed dial to an address never proven."""
-MAX_ADDRESSES = 8192
-"""Proven addresses and backoffs remembered (the oldest forgotten first)."""
 REPAIR_QUEUE_BYTES = 8 * 1024 * 1024
 """Chunks queued for one destination past which a repair answer (a WANT's) is not
 queued: a member that asks for everything and reads nothing gets this much."""
 log = get_logger("ciuic.mesh")
+
+Direction = Literal["received", "forwarded"]
+
+
+class MeshListener(Protocol):
+    """What the daemon tells the parts above it (memberlist's delegates), given to it
+    at construction. The node's composition root (daemon.assembly) is the one
+    listener in production and routes each call to the part it concerns."""
+
+    def chunk_delivered(self, delivery: Delivery) -> None:
+        """A chunk the mesh verified, seen here for the first time."""
+
+    def direct_received(self, peer: str, payload: bytes) -> None:
+        """A DIRECT frame: a member's trainer to this node's (not forwarded)."""
+
+    def store_message(self, peer: str, payload: bytes) -> None:
+        """A STORE_* frame (daemon.store)."""
+
+    def member_down(self, peer: str) -> None:
+        """The mesh declared a member dead or left."""
+
+    def chunk_traffic(self, direction: Direction, origin: str, nbytes: int) -> None:
+        """A chunk of ``origin`` received or forwarded (the audit log sums these)."""
+
+    def status_sections(self) -> dict[str, Any]:
+        """Extra sections of :meth:`MeshDaemon.status` (the store's fetches, ...)."""
+
+
+class NoListener:
+    """The listener of a daemon with nothing above it: what it hears goes nowhere
+    (the daemon's counters still count it)."""
+
+    def chunk_delivered(self, delivery: Delivery) -> None:
+        return None
+
+    def direct_received(self, peer: str, payload: bytes) -> None:
+        return None
+
+    def store_message(self, peer: str, payload: bytes) -> None:
+        return None
+
+    def member_down(self, peer: str) -> None:
+        return None
+
+    def chunk_traffic(self, direction: Direction, origin: str, nbytes: int) -> None:
+        return None
+
+    def status_sections(self) -> dict[str, Any]:
+        return {}
+
+
+class ChunkRecorder(NoListener):
+    """Hands each delivered chunk to ``record`` and ignores the rest (benchmarks and
+    tests of a daemon with nothing above it)."""
+
+    def __init__(self, record: Callable[[Delivery], None]) -> None:
+        self.record = record
+
+    def chunk_delivered(self, delivery: Delivery) -> None:
+        self.record(delivery)
 
 
 @dataclass
@@ -111,29 +174,23 @@ class MeshDaemon:
         self,
         config: Config,
         key: NodeKey,
-        certificate: x509.Certificate,
-        trust: Trust,
+        transport: Transport,
         *,
+        addresses: AddressBook | None = None,
+        listener: MeshListener | None = None,
         state_dir: Path | None = None,
-        wrap_udp: Callable[[asyncio.DatagramTransport], asyncio.DatagramTransport] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        """``transport``: built with the same ``clock`` and, for QUIC, asking
+        ``addresses`` which sources it knows (daemon.assembly builds both)."""
         self.config = config
         self.key = key
         self.peer_id = peer_id_of(key.public_key)
         self.state_dir = Path(state_dir or config.node.state_dir)
         self.clock = clock
-        self.transport = QuicTransport(
-            key,
-            certificate,
-            trust,
-            host=config.node.listen_host,
-            port=config.node.listen_port,
-            settings=config.transport,
-            clock=clock,
-            wrap_udp=wrap_udp,
-            known_source=lambda addr: format_address(*addr) in self._proven,
-        )
+        self.transport = transport
+        self.addresses = addresses or AddressBook()
+        self.listener: MeshListener = listener or NoListener()
         self.node: MeshNode | None = None
         self.address = ""
         self.started_at = clock()
@@ -141,31 +198,11 @@ class MeshDaemon:
         self._address_of: dict[bytes, str] = {}
         self._outboxes: dict[tuple[str, int], _Destination] = {}
         self._dialing: dict[str, asyncio.Future[bytes]] = {}
-        self._proven: dict[str, None] = {}
-        """Addresses where an authenticated link to their member existed (ordered)."""
-        self._backoff: dict[str, tuple[int, float]] = {}
-        """Unproven address -> (failed dials, not before)."""
         self._timer: asyncio.TimerHandle | None = None
-        self._saved_incarnation = 0
         self._timer_at: float | None = None
         self._tasks: list[asyncio.Task[None]] = []
-        self.deliveries: asyncio.Queue[Delivery] = asyncio.Queue(MAX_UNREAD_DELIVERIES)
-        """Delivered chunks for a consumer that reads them (unless ``on_delivery`` is
-        set); bounded: past the bound new deliveries are dropped and counted."""
-        self.on_delivery: Callable[[Delivery], None] | None = None
-        self.on_direct: Callable[[str, bytes], None] | None = None
-        """Called with (sender peer, payload) for each DIRECT frame (trainer to trainer)."""
-        self.on_store: Callable[[str, bytes], None] | None = None
-        """Called with (sender peer, payload) for each STORE_* frame (daemon.store)."""
-        self.status_parts: dict[str, Callable[[], Any]] = {}
-        """Extra sections of :meth:`status` (the store's fetches, ...)."""
         self.banned: set[str] = set()
         """Peers dropped by a revocation list reloaded while they were linked."""
-        self.on_chunk_traffic: Callable[[str, str, int], None] | None = None
-        """Called with ("received" | "forwarded", origin, payload bytes) per chunk (the
-        audit log sums these per interval)."""
-        self.on_member_down: list[Callable[[str], None]] = []
-        """Called with each member the mesh declares dead or left."""
         self.counters: collections.Counter[str] = collections.Counter()
         self.traffic: collections.defaultdict[str, PeerTraffic] = collections.defaultdict(
             PeerTraffic
@@ -192,7 +229,6 @@ class MeshDaemon:
             )
         self.address = format_address(advertised, port)
         incarnation = next_incarnation(self.state_dir)
-        self._saved_incarnation = incarnation
         t = self.transport
         identities = Identities(
             self.peer_id,
@@ -232,17 +268,7 @@ class MeshDaemon:
         """Join the mesh through the member at ``address``; the view once joined.
         Raises TransportError when that member refuses us (wrong credential) or cannot
         be reached, TimeoutError when it never answers."""
-        host, port = parse_address(address)
-        try:  # an address of our own socket's family: one socket serves every link
-            infos = await asyncio.get_running_loop().getaddrinfo(
-                host,
-                port,
-                family=socket.AF_INET6 if self.address.startswith("[") else socket.AF_INET,
-                type=socket.SOCK_DGRAM,
-            )
-        except OSError as exc:
-            raise TransportError(f"cannot resolve {host}: {exc.strerror or exc}") from None
-        ip = str(infos[0][4][0])
+        ip, port = await self.transport.resolve(*parse_address(address))
         target = format_address(ip, port)
         if target == self.address:
             raise ValueError(f"{address} is this node itself: join through another member")
@@ -270,7 +296,7 @@ class MeshDaemon:
         and announcements fail), and are banned."""
         if self.node is None:
             return []
-        refused = self.node.identities.recheck()
+        refused = self.node.recheck_identities()
         for peer in refused:
             self.banned.add(peer)
             log.warning("peer_banned", peer=peer)
@@ -323,13 +349,21 @@ class MeshDaemon:
         if node is None or self.closed.is_set():
             return
         self._send_messages(node)
-        self._hand_deliveries(node)
-        self._log_events(node)
-        if node.membership.joined:
-            self._joined.set()
-        if node.membership.left_spread():
-            self._left.set()
+        while (event := node.next_event()) is not None:
+            self._on_mesh_event(event)
         self._arm_timer(node.get_timer())
+
+    def _on_mesh_event(self, event: MeshEvent) -> None:
+        if isinstance(event, Delivered):
+            self._hand_up(event.delivery)
+        elif isinstance(event, MemberEvent):
+            self._member_changed(event)
+        elif isinstance(event, Joined):
+            self._joined.set()
+        elif isinstance(event, LeaveSpread):
+            self._left.set()
+        elif isinstance(event, IncarnationRaised):
+            save_incarnation(self.state_dir, event.incarnation)
 
     def _send_messages(self, node: MeshNode) -> None:
         for address, msg in node.messages_to_send():
@@ -343,26 +377,19 @@ class MeshDaemon:
                 if body.hops == 255 and self._bulk_queued(address) > REPAIR_QUEUE_BYTES:
                     self.counters["repairs_deferred"] += 1  # asked again when it has read
                     continue
-                if body.origin != self.peer_id and self.on_chunk_traffic is not None:
-                    self.on_chunk_traffic("forwarded", body.origin, len(body.payload))
+                if body.origin != self.peer_id:
+                    self.listener.chunk_traffic("forwarded", body.origin, len(body.payload))
                 self._enqueue(address, FrameType.MESH_CHUNK, data, (body.origin, body.seq))
             else:
                 self._enqueue(address, FrameType.GOSSIP, data)
 
-    def _hand_deliveries(self, node: MeshNode) -> None:
-        for delivery in node.take_deliveries():
-            if delivery.origin in self.banned:
-                self.counters["chunks_from_banned"] += 1
-                continue
-            self.counters["chunks_delivered"] += 1
-            if self.on_chunk_traffic is not None:
-                self.on_chunk_traffic("received", delivery.origin, len(delivery.payload))
-            if self.on_delivery is not None:
-                self.on_delivery(delivery)
-            elif self.deliveries.full():
-                self.counters["deliveries_dropped"] += 1
-            else:
-                self.deliveries.put_nowait(delivery)
+    def _hand_up(self, delivery: Delivery) -> None:
+        if delivery.origin in self.banned:
+            self.counters["chunks_from_banned"] += 1
+            return
+        self.counters["chunks_delivered"] += 1
+        self.listener.chunk_traffic("received", delivery.origin, len(delivery.payload))
+        self.listener.chunk_delivered(delivery)
 
     def _arm_timer(self, when: float | None) -> None:
         if when != self._timer_at:
@@ -385,24 +412,12 @@ class MeshDaemon:
         finally:
             self._pump()  # re-arms the timer whatever happened
 
-    def _log_events(self, node: MeshNode) -> None:
-        if node.membership.incarnation > self._saved_incarnation:
-            # A refutation raised it: a restart must come back above this one, or the
-            # mesh would take the restarted node for its suspected past.
-            self._saved_incarnation = node.membership.incarnation
-            save_incarnation(self.state_dir, self._saved_incarnation)
-        for event in node.events:
-            self.member_events[event.state.name.lower()] += 1
-            if event.state in (State.DEAD, State.LEFT):
-                for callback in self.on_member_down:
-                    callback(event.node)
-            level = log.warning if event.state in (State.SUSPECT, State.DEAD) else log.info
-            level(
-                "member_" + event.state.name.lower(),
-                peer=event.node,
-                incarnation=event.incarnation,
-            )
-        node.events.clear()
+    def _member_changed(self, event: MemberEvent) -> None:
+        self.member_events[event.state.name.lower()] += 1
+        if event.state in (State.DEAD, State.LEFT):
+            self.listener.member_down(event.node)
+        level = log.warning if event.state in (State.SUSPECT, State.DEAD) else log.info
+        level("member_" + event.state.name.lower(), peer=event.node, incarnation=event.incarnation)
 
     async def _receive_loop(self) -> None:
         while True:
@@ -428,14 +443,12 @@ class MeshDaemon:
             self._on_frame(event)
         elif isinstance(event, FrameReceived) and event.type is FrameType.DIRECT:
             self.counters["direct_received"] += 1
-            if self.on_direct is not None:
-                self.on_direct(peer_id_of(event.peer), event.payload)
-        elif (
-            isinstance(event, FrameReceived)
-            and event.type in (FrameType.STORE_CONTROL, FrameType.STORE_DATA)
-            and self.on_store is not None
+            self.listener.direct_received(peer_id_of(event.peer), event.payload)
+        elif isinstance(event, FrameReceived) and event.type in (
+            FrameType.STORE_CONTROL,
+            FrameType.STORE_DATA,
         ):
-            self.on_store(peer_id_of(event.peer), event.payload)
+            self.listener.store_message(peer_id_of(event.peer), event.payload)
 
     def _on_frame(self, event: FrameReceived) -> None:
         try:
@@ -459,10 +472,7 @@ class MeshDaemon:
     def _learn_peer(self, key: bytes, address: str) -> None:
         self._peer_at[address] = key
         self._address_of[key] = address
-        self._proven[address] = None
-        self._backoff.pop(address, None)
-        while len(self._proven) > MAX_ADDRESSES:
-            del self._proven[next(iter(self._proven))]
+        self.addresses.prove(address)
 
     # -- sending -----------------------------------------------------------------------------
 
@@ -493,7 +503,7 @@ class MeshDaemon:
 
     def peers_by_address(self) -> dict[str, str]:
         """Address -> peer ID: the member table's, then each link's authenticated key."""
-        names = {m.address: p for p, m in self.mesh.membership.members.items()}
+        names = {m.address: p for p, m in self.mesh.members().items()}
         names.update({address: peer_id_of(key) for address, key in self._peer_at.items()})
         return names
 
@@ -573,8 +583,7 @@ class MeshDaemon:
             return key
         pending = self._dialing.get(address)
         if pending is None:
-            failures, not_before = self._backoff.get(address, (0, 0.0))
-            if address not in self._proven and self.clock() < not_before:
+            if not self.addresses.may_dial(address, self.clock()):
                 self.counters["dials_held_back"] += 1
                 raise TransportError(f"{address} has not answered as its member; backing off")
             if len(self._dialing) >= MAX_DIALS:
@@ -589,15 +598,7 @@ class MeshDaemon:
         try:
             key = await asyncio.shield(pending)
         except TransportError:
-            if address not in self._proven:
-                failures, _ = self._backoff.get(address, (0, 0.0))
-                first, most = UNPROVEN_BACKOFF_S
-                self._backoff[address] = (
-                    failures + 1,
-                    self.clock() + min(most, first * 2**failures),
-                )
-                while len(self._backoff) > MAX_ADDRESSES:
-                    del self._backoff[next(iter(self._backoff))]
+            self.addresses.dial_failed(address, self.clock())
             raise
         self._learn_peer(key, address)
         return key
@@ -608,9 +609,9 @@ class MeshDaemon:
         node = self.node
         if node is None:
             return None
-        for name, m in node.membership.members.items():
+        for name, m in node.members().items():
             if m.address == address:
-                return node.identities.public_key(name)
+                return node.public_key_of(name)
         return None
 
     def _dial_done(self, address: str, future: asyncio.Future[bytes]) -> None:

@@ -11,7 +11,11 @@ from typing import Any, Protocol
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.mesh.node import MeshNode
 from ciuic_p2p.guard import Guard
-from ciuic_p2p.transport.quic import QuicTransport
+from ciuic_p2p.transport.base import Transport
+
+
+class StatusSource(Protocol):
+    def status_sections(self) -> dict[str, Any]: ...
 
 
 class MeshDaemon(Protocol):
@@ -22,12 +26,14 @@ class MeshDaemon(Protocol):
     address: str
     started_at: float
     config: Config
-    transport: QuicTransport
+    transport: Transport
     guard: Guard
     banned: set[str]
     counters: collections.Counter[str]
-    status_parts: dict[str, Callable[[], Any]]
     clock: Callable[[], float]
+
+    @property
+    def listener(self) -> StatusSource: ...
 
     @property
     def mesh(self) -> MeshNode: ...
@@ -39,7 +45,7 @@ def route_table(d: MeshDaemon) -> list[dict[str, Any]]:
     """Each destination's current path (relayed when that beats the direct link),
     with the RTTs of the path and of the direct link as the map has them."""
     node = d.mesh
-    rtt = node.rttmap.rtt_s
+    rtt = node.rtt_s
     table = []
     for dest, path in sorted(node.routes().items()):
         legs = [rtt(a, b) for a, b in itertools.pairwise(path)]
@@ -59,8 +65,8 @@ def status(d: MeshDaemon) -> dict[str, Any]:
     node = d.mesh
     routes = node.routes()
     members = []
-    for name, m in sorted(node.membership.members.items()):
-        rtt = node.rttmap.rtt_s(d.peer_id, name)
+    for name, m in sorted(node.members().items()):
+        rtt = node.rtt_s(d.peer_id, name)
         members.append(
             {
                 "peer": name,
@@ -69,7 +75,7 @@ def status(d: MeshDaemon) -> dict[str, Any]:
                 "state": m.state.name.lower(),
                 "incarnation": m.incarnation,
                 "rtt_ms": None if rtt is None else round(rtt * 1000, 2),
-                "rtt_source": node.rttmap.source(d.peer_id, name),
+                "rtt_source": node.rtt_source(d.peer_id, name),
                 "route": list(routes.get(name, ())),
             }
         )
@@ -78,11 +84,11 @@ def status(d: MeshDaemon) -> dict[str, Any]:
         "name": d.config.node.name,
         "region": d.config.node.region,
         "address": d.address,
-        "incarnation": node.membership.incarnation,
-        "joined": node.membership.joined,
+        "incarnation": node.incarnation,
+        "joined": node.joined,
         "uptime_s": round(d.clock() - d.started_at, 1),
         "alive": len(node.view()),
-        "health_score": node.membership.awareness.score,
+        "health_score": node.health_score,
         "members": members,
         "banned": sorted(d.banned),
         "counters": dict(d.counters),
@@ -90,7 +96,7 @@ def status(d: MeshDaemon) -> dict[str, Any]:
         "backlog_bytes": d.backlog_bytes(),
         "internal_errors": internal_errors(d),
         "strangers": strangers(d),
-        **{name: part() for name, part in d.status_parts.items()},
+        **d.listener.status_sections(),
     }
 
 
@@ -106,11 +112,11 @@ def internal_errors(d: MeshDaemon) -> dict[str, int]:
 
 def strangers(d: MeshDaemon) -> dict[str, Any]:
     """What sources that are not members cost this node (transport.gate)."""
-    gate = d.transport.gate
+    st = d.transport.strangers()
     return {
-        "pending_connections": gate.pending,
-        "connections_opened": gate.opened_total,
-        "retries_sent": gate.retries_sent,
-        "refused": d.transport.refused,
-        "dropped": dict(gate.dropped),
+        "pending_connections": st.pending_connections,
+        "connections_opened": st.connections_opened,
+        "retries_sent": st.retries_sent,
+        "refused": st.refused,
+        "dropped": st.dropped,
     }

@@ -7,8 +7,7 @@ sender on the stream would not do: the one with a backlog takes all the credit.
 
 A chunk (origin, seq) is queued at most once per destination: a peer re-asks for a
 chunk still queued here whenever our backlog outlasts its repair timer, and a second
-copy would only lengthen the queue that made it ask (backlogs fed themselves to
-hundreds of MB before this).
+copy would only lengthen the queue that made it ask: a backlog would feed itself.
 """
 
 from __future__ import annotations

@@ -29,17 +29,11 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from ciuic_p2p.addresses import format_address, parse_address
 from ciuic_p2p.admission import Trust, load_certificate, load_crl
 from ciuic_p2p.config import Config, load_layered, runtime_dir, trainer_socket_path
-from ciuic_p2p.core.audit import AuditError
-from ciuic_p2p.daemon.auditlog import AuditLog
-from ciuic_p2p.daemon.control import ControlServer
-from ciuic_p2p.daemon.node import MeshDaemon
-from ciuic_p2p.daemon.service import NodeService, Parts
-from ciuic_p2p.daemon.store import StoreService
-from ciuic_p2p.daemon.trainer import TrainerServer
-from ciuic_p2p.daemon.web import WebServer
+from ciuic_p2p.daemon.assembly import NodeAssembly
+from ciuic_p2p.daemon.service import NodeService
 from ciuic_p2p.errors import CiuicError, ConfigError, TransientError
 from ciuic_p2p.guard import install_loop_handler
-from ciuic_p2p.identity import NodeKey, peer_id_of
+from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.logsetup import announce, configure_logging, get_logger
 from ciuic_p2p.transport.loop import new_event_loop
 
@@ -187,50 +181,6 @@ def _emulated_wrapper(args: argparse.Namespace) -> Any:
     return emulated.wrapper(args.emulate_node)
 
 
-def open_audit_log(
-    config: Config, key: NodeKey, daemon: MeshDaemon, store: StoreService
-) -> AuditLog:
-    """The audit log, fed by the transport (admissions), the mesh (chunk traffic) and
-    the store (state served)."""
-    directory = Path(config.audit.dir or Path(config.node.state_dir) / "audit")
-    try:
-        audit = AuditLog(
-            directory,
-            key,
-            peer_id=daemon.peer_id,
-            interval_s=config.audit.interval_s,
-            rotate_bytes=config.audit.rotate_bytes,
-            max_dir_bytes=config.audit.max_dir_bytes,
-        )
-    except AuditError as exc:
-        raise CiuicError(f"audit log {directory}: {exc}") from None
-    audit.started()
-
-    def admission(peer: bytes | None, address: tuple[str, int], reason: str) -> None:
-        if peer is None:
-            audit.refused(address, reason)
-        else:
-            audit.admitted(peer_id_of(peer), address)
-
-    def traffic(direction: str, origin: str, nbytes: int) -> None:
-        (audit.received if direction == "received" else audit.forwarded)(origin, nbytes)
-
-    daemon.transport.on_admission = admission
-    daemon.on_chunk_traffic = traffic
-    store.on_served = lambda peer, name, version, nbytes: audit.served_state(
-        name, version, peer, nbytes
-    )
-    daemon.status_parts["audit"] = lambda: {
-        "dir": str(directory),
-        "last_seq": audit.last_seq,
-        "head": audit.head,
-        "write_errors": audit.write_errors,
-        "error": audit.error,
-        "pruned_files": audit.pruned_files,
-    }
-    return audit
-
-
 async def serve(args: argparse.Namespace) -> int:
     config = build_config(args)
     state_dir = Path(config.node.state_dir)
@@ -239,74 +189,76 @@ async def serve(args: argparse.Namespace) -> int:
     sockets = runtime_dir(config)
     sockets.mkdir(parents=True, exist_ok=True)
     wrap = _emulated_wrapper(args) if args.emulate else None
-    daemon = MeshDaemon(config, key, cert, trust, state_dir=state_dir, wrap_udp=wrap)
+    serves_trainer = config.train.socket_path != "none"
+    trainer_path = trainer_socket_path(config) if serves_trainer else None
+    node = NodeAssembly(
+        config,
+        key,
+        cert,
+        trust,
+        state_dir=state_dir,
+        wrap_udp=wrap,
+        trainers=serves_trainer,
+        trainer_socket=trainer_path,
+    )
+    daemon = node.daemon
     # Whatever asyncio reports (an exception in a callback, a task's unretrieved one) is
     # counted and logged by the daemon's guard: the daemon exits only by decision.
     install_loop_handler(asyncio.get_running_loop(), daemon.guard)
     try:
-        address = await daemon.start()
+        address = await node.start()
     except OSError as exc:
         where = f"{config.node.listen_host}:{config.node.listen_port}"
         raise TransientError(f"cannot listen on {where}: {exc.strerror or exc}") from None
     except ValueError as exc:
         raise CiuicError(str(exc)) from None
-    control = ControlServer(
-        daemon, Path(args.control) if args.control else sockets / "control.sock"
-    )
-    await control.start()
-    store = StoreService(daemon)  # a node without a trainer still holds and serves objects
-    control.store = store
-    parts = Parts(daemon, control, store)
-    if config.train.socket_path != "none":
-        path = trainer_socket_path(config)
-        parts.trainers = TrainerServer(daemon, path, store)
+    await node.start_control(Path(args.control) if args.control else sockets / "control.sock")
+    if trainer_path is not None:
         try:
-            await parts.trainers.start()
+            await node.start_trainers()
         except (OSError, CiuicError) as exc:
-            await control.close()
-            await daemon.close()
-            raise CiuicError(f"trainer socket {path}: {exc}") from None
+            await node.close()
+            raise CiuicError(f"trainer socket {trainer_path}: {exc}") from None
     if config.audit.enabled:
-        parts.audit = open_audit_log(config, key, daemon, store)
-        if parts.trainers is not None:
-            parts.trainers.on_checkpoint = parts.audit.checkpoint
+        node.open_audit()
     if config.web.enabled:
-        token_path = sockets / "web.token"
-        web = WebServer(daemon, config.web, trainer=parts.trainers, token_path=token_path)
-        try:
-            port = await web.start()
-        except OSError as exc:
-            # Metrics are not worth refusing to train for: say so loudly, run on.
-            where = f"{config.web.listen_host}:{config.web.port}"
-            error = f"cannot listen on {where}: {exc.strerror or exc}"
-            log.error("web_unavailable", error=error)
-            daemon.status_parts["web"] = lambda: {"error": error}
-        else:
-            parts.closers.append(web.close)
-            url = f"http://{format_address(config.web.listen_host, port)}/"
-            page = f"{url}#token={web.token}"
-            # Over the control socket (0600): only the daemon's own user sees the token
-            # here; its group reads it from the file.
-            daemon.status_parts["web"] = lambda: {
-                "url": url,
-                "page": page,
-                "token_file": str(token_path),
-            }
-            announce(
-                log,
-                "web_started",
-                f"status page {url} (its token in {token_path}; metrics at {url}metrics)",
-                url=url,
-            )
+        await _start_web(node, sockets / "web.token")
     announce(
         log, "listening", f"{daemon.peer_id} listening on {address}", peer=daemon.peer_id,
         address=address,
     )  # fmt: skip
     crl_path = Path(args.crl) if args.crl else state_dir / "revoked.pem"
-    service = NodeService(
-        config, parts, reload_config=lambda: build_config(args), crl_path=crl_path
-    )
+    service = NodeService(config, node, reload_config=lambda: build_config(args), crl_path=crl_path)
+    node.service = service  # its section of the status
     return await service.run([args.join] if args.join else [])
+
+
+async def _start_web(node: NodeAssembly, token_path: Path) -> None:
+    web = node.config.web
+    try:
+        port = await node.start_web(token_path)
+    except OSError as exc:
+        # Metrics are not worth refusing to train for: say so loudly, run on.
+        where = f"{web.listen_host}:{web.port}"
+        error = f"cannot listen on {where}: {exc.strerror or exc}"
+        log.error("web_unavailable", error=error)
+        node.web_status = {"error": error}
+        return
+    assert node.web is not None
+    url = f"http://{format_address(web.listen_host, port)}/"
+    # Over the control socket (0600): only the daemon's own user sees the token here;
+    # its group reads it from the file.
+    node.web_status = {
+        "url": url,
+        "page": f"{url}#token={node.web.token}",
+        "token_file": str(token_path),
+    }
+    announce(
+        log,
+        "web_started",
+        f"status page {url} (its token in {token_path}; metrics at {url}metrics)",
+        url=url,
+    )
 
 
 def run(args: argparse.Namespace) -> int:

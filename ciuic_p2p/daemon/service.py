@@ -21,18 +21,15 @@ import contextlib
 import dataclasses
 import os
 import signal
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ciuic_p2p.admission import Trust, load_crl
 from ciuic_p2p.config import Config
+from ciuic_p2p.daemon.assembly import NodeAssembly
 from ciuic_p2p.daemon.auditlog import AuditLog
-from ciuic_p2p.daemon.control import ControlServer
-from ciuic_p2p.daemon.node import MeshDaemon
 from ciuic_p2p.daemon.sdnotify import Notifier
-from ciuic_p2p.daemon.store import StoreService
-from ciuic_p2p.daemon.trainer import TrainerServer
 from ciuic_p2p.errors import CiuicError
 from ciuic_p2p.logsetup import announce, configure_logging, get_logger
 from ciuic_p2p.transport.errors import RefusedError, TransportError
@@ -48,22 +45,11 @@ class JoinRefused(CiuicError):
     """A seed refused our credential: retrying cannot help."""
 
 
-@dataclasses.dataclass
-class Parts:
-    daemon: MeshDaemon
-    control: ControlServer
-    store: StoreService
-    trainers: TrainerServer | None = None
-    audit: AuditLog | None = None
-    closers: list[Callable[[], Awaitable[None]]] = dataclasses.field(default_factory=list)
-    """Extra parts (web endpoint, audit log), closed last-in first-out."""
-
-
 class NodeService:
     def __init__(
         self,
         config: Config,
-        parts: Parts,
+        parts: NodeAssembly,
         *,
         reload_config: Callable[[], Config],
         crl_path: Path | None,
@@ -79,12 +65,12 @@ class NodeService:
         self.join_attempts = 0
         self.needs_restart: list[str] = []
         self.reloads = 0
-        self._stop = asyncio.Event()
+        # `ciuic-node leave` on the control socket stops the service too.
+        self._stop = parts.control.leave_requested if parts.control else asyncio.Event()
         self._signals = 0
         self._join_task: asyncio.Task[None] | None = None
         self._flag_seeds: list[str] = []
         self._exit_code = 0
-        parts.daemon.status_parts["service"] = self.status
 
     def status(self) -> dict[str, Any]:
         return {
@@ -104,7 +90,6 @@ class NodeService:
         loop.add_signal_handler(signal.SIGTERM, self._on_stop_signal, signal.SIGTERM)
         loop.add_signal_handler(signal.SIGINT, self._on_stop_signal, signal.SIGINT)
         loop.add_signal_handler(signal.SIGHUP, self._on_reload_signal)
-        self.parts.control.leave_requested = self._stop  # `ciuic-node leave` stops us too
         self.notifier.start_watchdog(loop)
         if self.parts.audit is not None:
             self._tick_audit(loop, self.parts.audit)
@@ -136,7 +121,7 @@ class NodeService:
 
     def _joined(self) -> bool:
         node = self.parts.daemon.node
-        return node is not None and node.membership.joined and len(node.view()) > 1
+        return node is not None and node.joined and len(node.view()) > 1
 
     def _summary(self) -> str:
         d = self.parts.daemon
@@ -280,7 +265,8 @@ class NodeService:
         if parts.audit is not None:
             parts.audit.stopped(why)
             parts.audit.close()  # the pending traffic tally, then fsync
-        await parts.control.close()
+        if parts.control is not None:
+            await parts.control.close()
         self.notifier.close()
 
     async def _close_parts(self) -> None:

@@ -17,8 +17,8 @@ import collections
 import contextlib
 import itertools
 import time
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, Protocol
 
 from ciuic_p2p.core.store.fetch import Fetch, FetchState
 from ciuic_p2p.core.store.holder import Holder
@@ -55,8 +55,20 @@ class _Running:
         self.wake = asyncio.Event()
 
 
+class StoreListener(Protocol):
+    """What the store tells the parts beside it, given at construction."""
+
+    async def freshen(self, name: str) -> None:
+        """Called before a query for ``name`` is answered (the trainer server has its
+        trainer refresh the state snapshot, so that joiners get current parameters)."""
+
+    def served(self, peer: str, name: str, version: int, nbytes: int) -> None:
+        """A peer finished fetching from us, or left mid-fetch (the audit log records
+        what state went where)."""
+
+
 class StoreService:
-    def __init__(self, daemon: MeshDaemon) -> None:
+    def __init__(self, daemon: MeshDaemon, listener: StoreListener | None = None) -> None:
         self.daemon = daemon
         self.settings = daemon.config.store
         self.holder = Holder(self.settings)
@@ -69,24 +81,16 @@ class StoreService:
         """Members whose HOLD this node is fetching now."""
         self._held_for: collections.Counter[str] = collections.Counter()
         """Bytes held on each member's HOLDs (never decreases: a conservative share)."""
-        self.freshen: Callable[[str], Awaitable[None]] | None = None
-        """Called before answering a query for a name (the trainer server refreshes its
-        state snapshot so that joiners get current parameters)."""
+        self.listener = listener
         self.served: collections.Counter[tuple[str, str, int]] = collections.Counter()
         """Bytes of pieces sent per (peer, name, version), until that peer finishes."""
-        self.on_served: Callable[[str, str, int, int], None] | None = None
-        """Called with (peer, name, version, bytes) once a peer finished fetching from
-        us, or left mid-fetch (the audit log records what state went where)."""
-        daemon.on_store = self._on_message
-        daemon.on_member_down.append(self._member_down)
-        daemon.status_parts["store"] = self.status
 
     # -- API -------------------------------------------------------------------------------
 
     def put_local(
         self, name: str, version: int, data: bytes, compat: bytes | None = None
     ) -> Manifest:
-        now = asyncio.get_running_loop().time()
+        now = self.daemon.clock()
         return self.holder.put(name, version, data, compat, now)
 
     async def put(
@@ -111,9 +115,9 @@ class StoreService:
         try:
             for peer in members:
                 self._send(peer, Ref(StoreKind.HOLD, name, version, manifest.root))
-            deadline = asyncio.get_running_loop().time() + timeout_s
+            deadline = self.daemon.clock() + timeout_s
             while len(held) < len(members):
-                left = deadline - asyncio.get_running_loop().time()
+                left = deadline - self.daemon.clock()
                 try:
                     held.append(await asyncio.wait_for(queue.get(), max(0.0, left)))
                 except TimeoutError:
@@ -150,7 +154,7 @@ class StoreService:
             name,
             floor,
             peers,
-            asyncio.get_running_loop().time(),
+            self.daemon.clock(),
             settings=self.settings,
             rtt_s=self._rtt,
             token=next(self._tokens) & 0xFFFFFFFF,
@@ -203,7 +207,7 @@ class StoreService:
         running = _Running(fetch)
         token = id(running)
         self._fetches[token] = running
-        loop = asyncio.get_running_loop()
+        asyncio.get_running_loop()
         try:
             while True:
                 for peer, msg in fetch.take_messages():
@@ -211,12 +215,12 @@ class StoreService:
                 if fetch.done:
                     break
                 when = fetch.get_timer()
-                delay = None if when is None else max(0.0, when - loop.time())
+                delay = None if when is None else max(0.0, when - self.daemon.clock())
                 running.wake.clear()
                 try:
                     await asyncio.wait_for(running.wake.wait(), delay)
                 except TimeoutError:
-                    fetch.handle_timer(loop.time())
+                    fetch.handle_timer(self.daemon.clock())
         finally:
             del self._fetches[token]
         for donor in fetch.stats.pieces_by_donor:
@@ -227,7 +231,7 @@ class StoreService:
 
     def _rtt(self, peer: str) -> float | None:
         d = self.daemon
-        return d.mesh.rttmap.rtt_s(d.peer_id, peer)
+        return d.mesh.rtt_s(d.peer_id, peer)
 
     def _by_rtt(self) -> list[str]:
         d = self.daemon
@@ -242,11 +246,12 @@ class StoreService:
     def _served_to(self, peer: str) -> None:
         for key in [k for k in self.served if k[0] == peer]:
             nbytes = self.served.pop(key)
-            if self.on_served is not None:
-                self.on_served(peer, key[1], key[2], nbytes)
+            if self.listener is not None:
+                self.listener.served(peer, key[1], key[2], nbytes)
 
-    def _member_down(self, peer: str) -> None:
-        now = asyncio.get_running_loop().time()
+    def member_down(self, peer: str) -> None:
+        """The mesh declared ``peer`` dead or left: its fetches and uploads end."""
+        now = self.daemon.clock()
         self.holder.finished(peer)
         self._served_to(peer)
         for running in list(self._fetches.values()):
@@ -255,14 +260,15 @@ class StoreService:
 
     # -- messages from members -------------------------------------------------------------
 
-    def _on_message(self, peer: str, payload: bytes) -> None:
+    def on_message(self, peer: str, payload: bytes) -> None:
+        """A STORE_* frame from ``peer``."""
         try:
             msg = decode(payload)
         except StoreWireError as exc:
             self.counters["store_decode_errors"] += 1
             log.warning("store_message_refused", peer=peer, reason=str(exc))
             return
-        now = asyncio.get_running_loop().time()
+        now = self.daemon.clock()
         if isinstance(msg, Query):
             self._spawn(self._answer_query(peer, msg))
         elif isinstance(msg, Get):
@@ -318,10 +324,10 @@ class StoreService:
             await asyncio.sleep(len(piece.data) / rate)
 
     async def _answer_query(self, peer: str, query: Query) -> None:
-        if self.freshen is not None:
+        if self.listener is not None:
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.freshen(query.name), FRESHEN_TIMEOUT_S)
-        self._send(peer, self.holder.on_query(query, asyncio.get_running_loop().time()))
+                await asyncio.wait_for(self.listener.freshen(query.name), FRESHEN_TIMEOUT_S)
+        self._send(peer, self.holder.on_query(query, self.daemon.clock()))
 
     async def _hold(self, peer: str, ref: Ref) -> None:
         """A member asked us to keep a copy of what it put: one such fetch at a time

@@ -38,9 +38,9 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 
@@ -94,16 +94,28 @@ MAX_PENDING_OBJECTS = 4
 log = get_logger("ciuic.trainer")
 
 
+class CheckpointListener(Protocol):
+    def checkpoint_written(self, path: str, step: int, digest: str) -> None:
+        """The trainer wrote a checkpoint (the audit log records it)."""
+
+
 class TrainerServer:
+    """The daemon's end of the trainer socket. The composition root (daemon.assembly)
+    hands it the mesh's deliveries and DIRECT frames (:meth:`deliver`,
+    :meth:`direct`) and the store's snapshot requests (:meth:`freshen`)."""
+
     def __init__(
-        self, daemon: MeshDaemon, path: Path | None = None, store: StoreService | None = None
+        self,
+        daemon: MeshDaemon,
+        store: StoreService,
+        path: Path | None = None,
+        *,
+        checkpoints: CheckpointListener | None = None,
     ) -> None:
         self.daemon = daemon
         self.path = path
-        self.store = store or StoreService(daemon)
-        self.store.freshen = self._freshen
-        self.on_checkpoint: Callable[[str, int, str], None] | None = None
-        """Called with (path, step, digest) for each checkpoint the trainer wrote."""
+        self.store = store
+        self.checkpoints = checkpoints
         self.state_name = ""
         self._snapshot_at = -1.0
         self._fresh = asyncio.Event()
@@ -137,8 +149,6 @@ class TrainerServer:
         self._run_id: bytes | None = None
         self._done = False
         self._tasks: list[asyncio.Task[None]] = []
-        daemon.on_delivery = self._deliver
-        daemon.on_direct = self._direct
 
     async def start(self) -> None:
         if self.path is None:
@@ -161,13 +171,13 @@ class TrainerServer:
         """Fetch the run's state into the store as soon as another member is alive;
         the trainer's GET for it then returns at once (see ``_get``)."""
         d = self.daemon
-        loop = asyncio.get_running_loop()
-        t0 = loop.time()
+        asyncio.get_running_loop()
+        t0 = self.daemon.clock()
         while d.node is None or len(d.mesh.view()) < 2:
-            if loop.time() - t0 > PREFETCH_JOIN_WAIT_S:
+            if self.daemon.clock() - t0 > PREFETCH_JOIN_WAIT_S:
                 return
             await asyncio.sleep(MEMBERS_POLL_S)
-        joined = loop.time()
+        joined = self.daemon.clock()
         s = d.config.store
         try:
             # Patient: the donors' daemons ask their trainers for a fresh snapshot first,
@@ -182,7 +192,7 @@ class TrainerServer:
         self.prefetch_info = {
             "version": fetch.version,
             "after_start_s": round(joined - d.started_at, 3),
-            "seconds": round(loop.time() - joined, 3),
+            "seconds": round(self.daemon.clock() - joined, 3),
             # Until the first piece request: the query round and the donors' snapshots.
             "query_s": None
             if fetch.stats.first_donor_s is None
@@ -202,7 +212,7 @@ class TrainerServer:
         self._tasks.append(asyncio.get_running_loop().create_task(self._client(reader, writer)))
 
     async def close(self) -> None:
-        await self.store.close()
+        """Close the socket and this server's tasks (the store is the assembly's)."""
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -277,7 +287,7 @@ class TrainerServer:
                     {
                         "peer": d.peer_id,
                         "public_key": d.key.public_key.hex(),
-                        "incarnation": (d.mesh.membership.incarnation << 20) + self._sessions,
+                        "incarnation": (d.mesh.incarnation << 20) + self._sessions,
                         "members": self._members,
                     },
                 )
@@ -313,8 +323,8 @@ class TrainerServer:
             if not isinstance(step, int) or not isinstance(digest, str):
                 raise TrainWireError("CHECKPOINT needs an integer step and a digest")
             d.counters["trainer_checkpoints"] += 1
-            if self.on_checkpoint is not None:
-                self.on_checkpoint(str(info.get("path", "")), step, digest)
+            if self.checkpoints is not None:
+                self.checkpoints.checkpoint_written(str(info.get("path", "")), step, digest)
         elif ftype is TrainerFrame.DIRECT_OUT:
             peer, payload = split_peer(body)
             try:
@@ -372,7 +382,7 @@ class TrainerServer:
         self._parts.pop(part.name, None)
         if part.name == self.state_name:
             self.store.put_local(part.name, version, bytes(data), compat)
-            self._snapshot_at = asyncio.get_running_loop().time()
+            self._snapshot_at = self.daemon.clock()
             self._fresh.set()
             self.daemon.counters["state_snapshots"] += 1
         else:
@@ -391,11 +401,13 @@ class TrainerServer:
             tmp.write_text(run + "\n")
             os.replace(tmp, path)
 
-    async def _freshen(self, name: str) -> None:
-        loop = asyncio.get_running_loop()
+    async def freshen(self, name: str) -> None:
+        """Before a joiner's query for this run's state is answered: have the trainer
+        hand a fresh snapshot unless the one held is recent."""
+        asyncio.get_running_loop()
         if name != self.state_name or not self._hello:
             return
-        if loop.time() - self._snapshot_at <= FRESH_SNAPSHOT_S:
+        if self.daemon.clock() - self._snapshot_at <= FRESH_SNAPSHOT_S:
             return
         self._fresh.clear()
         self._write(frame_header(TrainerFrame.SNAPSHOT_REQUEST, 0))
@@ -407,7 +419,7 @@ class TrainerServer:
     async def _get(self, request: dict[str, object]) -> None:
         rid = request.get("id")
         name = request.get("name")
-        t0 = asyncio.get_running_loop().time()
+        t0 = self.daemon.clock()
         try:
             if not isinstance(name, str):
                 raise StoreError("GET names no object")
@@ -433,7 +445,7 @@ class TrainerServer:
             True,
             version=fetch.version,
             bytes=len(data),
-            seconds=round(asyncio.get_running_loop().time() - t0, 3),
+            seconds=round(self.daemon.clock() - t0, 3),
             query_s=None
             if fetch.stats.first_donor_s is None
             else round(fetch.stats.first_donor_s - fetch.stats.started_s, 3),
@@ -472,7 +484,7 @@ class TrainerServer:
 
     # -- mesh to trainer -----------------------------------------------------------------
 
-    def _deliver(self, delivery: Delivery) -> None:
+    def deliver(self, delivery: Delivery) -> None:
         counters = self.daemon.counters
         try:
             msg = decode_payload(delivery.payload)
@@ -502,7 +514,7 @@ class TrainerServer:
             droppable=msg.kind in (PayloadKind.UPDATE, PayloadKind.PARAMS),
         )
 
-    def _direct(self, peer: str, payload: bytes) -> None:
+    def direct(self, peer: str, payload: bytes) -> None:
         prefix = peer_prefix(peer)
         self._write(
             frame_header(TrainerFrame.DIRECT_IN, len(prefix) + len(payload)), prefix, payload

@@ -257,7 +257,7 @@ class WebServer:
         out = d.status()
         now_s = d.clock()
         for row in out["members"]:
-            row["loss"] = node.rttmap.loss_of(d.peer_id, row["peer"])
+            row["loss"] = node.loss_of(d.peer_id, row["peer"])
         live = node.view()
         if len(live) <= MAX_GRAPH_NODES:
             pairs = [(a, b) for i, a in enumerate(live) for b in live[i + 1 :]]
@@ -265,9 +265,9 @@ class WebServer:
             pairs = [(d.peer_id, b) for b in live if b != d.peer_id]
         links = []
         for a, b in pairs:
-            rtt_s = node.rttmap.rtt_s(a, b)
+            rtt_s = node.rtt_s(a, b)
             if rtt_s is not None:
-                source = node.rttmap.source(a, b)
+                source = node.rtt_source(a, b)
                 links.append({"a": a, "b": b, "rtt_ms": round(rtt_s * 1000, 2), "source": source})
         routes = node.routes()
         self.routes.sample(routes)

@@ -19,6 +19,7 @@ X.509, which a thousand simulated members would spend most of their time parsing
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import hashlib
 import random
@@ -28,10 +29,11 @@ from collections.abc import Iterable, Mapping
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ciuic_p2p.config import MeshSection
+from ciuic_p2p.core.mesh.broadcast import Delivery
 from ciuic_p2p.core.mesh.identities import Identities
-from ciuic_p2p.core.mesh.members import State
+from ciuic_p2p.core.mesh.members import MemberEvent, State
 from ciuic_p2p.core.mesh.messages import Alive, signed_bytes
-from ciuic_p2p.core.mesh.node import MeshNode
+from ciuic_p2p.core.mesh.node import Delivered, MeshNode
 from ciuic_p2p.emulator.model.netem import LinkModel, LinkParams
 from ciuic_p2p.emulator.model.scenario import EmulatedNetwork, Scenario
 from ciuic_p2p.emulator.model.simulator import VirtualNetwork
@@ -159,6 +161,9 @@ class SimMesh:
         self.settings = settings
         self.seed = seed
         self.nodes: dict[str, MeshNode] = {}
+        self.member_events: dict[str, list[MemberEvent]] = collections.defaultdict(list)
+        """What each node said of its members (core.mesh.node's MemberEvent), in order."""
+        self._deliveries: dict[str, list[Delivery]] = collections.defaultdict(list)
         self.authority = SimAuthority(seed)
         self.incarnations: dict[str, int] = {}
         self.regions = {n.name: n.region for n in scenario.nodes} if scenario is not None else {}
@@ -187,6 +192,8 @@ class SimMesh:
             seed=zlib.crc32(f"{self.seed}/{name}/{incarnation}".encode()),
         )
         self.nodes[name] = node
+        self.member_events[name] = []
+        self._deliveries[name] = []
         self.net.add(name, node)
         if join_through is not None and join_through != name:
             node.join(join_through, self.now)
@@ -206,7 +213,8 @@ class SimMesh:
         for node in self.nodes.values():
             for name, credential in credentials:
                 node.learn_identity(name, credential)
-            node.membership.bootstrap(alive, self.now)
+            node.bootstrap(alive, self.now)
+        self._drain()
 
     def kill(self, name: str) -> None:
         """Crash: the node stops at once, sending nothing more."""
@@ -215,6 +223,22 @@ class SimMesh:
 
     def run_for(self, seconds: float) -> None:
         self.net.run_until(self.now + seconds)
+        self._drain()
+
+    def _drain(self) -> None:
+        """Read every node's events (the driver's job, as the daemon does)."""
+        for name, node in self.nodes.items():
+            while (event := node.next_event()) is not None:
+                if isinstance(event, MemberEvent):
+                    self.member_events[name].append(event)
+                elif isinstance(event, Delivered):
+                    self._deliveries[name].append(event.delivery)
+
+    def take_deliveries(self, name: str) -> list[Delivery]:
+        """The chunks ``name`` delivered since the last call, in order."""
+        self._drain()
+        out, self._deliveries[name] = self._deliveries[name], []
+        return out
 
     def run_until_true(self, condition: object, limit_s: float, step_s: float = 0.05) -> float:
         """Advance in steps until ``condition()`` holds; the virtual time it took.
@@ -230,6 +254,7 @@ class SimMesh:
     def broadcast(self, origin: str, payload: bytes) -> int:
         seq = self.nodes[origin].broadcast(payload, self.now)
         self.net.poke(origin)
+        self._drain()
         return seq
 
     # -- what the nodes believe ------------------------------------------------------------
@@ -243,11 +268,7 @@ class SimMesh:
         return all(node.view() == want for node in self.nodes.values())
 
     def all_mark(self, victim: str, states: tuple[State, ...] = (State.DEAD,)) -> bool:
-        return all(
-            node.membership.state_of(victim) in states
-            for n, node in self.nodes.items()
-            if n != victim
-        )
+        return all(node.state_of(victim) in states for n, node in self.nodes.items() if n != victim)
 
 
 def random_names(count: int, seed: int = 0) -> list[str]:

@@ -57,7 +57,7 @@ class DaemonChannel:
         self._cond = threading.Condition()
         self.deliveries: collections.deque[Any] = collections.deque()
         """Delivered payloads: ``(peer, payload)``, or what ``prepare`` made of them."""
-        self.prepare: Callable[[str, memoryview], Any] | None = None
+        self._prepare: Callable[[str, memoryview], Any] | None = None
         self.decode_s = 0.0
         """Time the reader thread spent preparing (decoding, checking) deliveries."""
         self.direct: collections.deque[tuple[str, memoryview]] = collections.deque()
@@ -238,6 +238,14 @@ class DaemonChannel:
 
     # -- receiving -----------------------------------------------------------------------
 
+    def prepare_deliveries(self, prepare: Callable[[str, memoryview], Any]) -> None:
+        """From now on, the reader thread makes ``prepare(peer, payload)`` of each
+        delivery (decoding and checking it while the trainer computes); earlier ones
+        stay ``(peer, payload)``. Once per channel: one replica reads it."""
+        if self._prepare is not None:
+            raise ChannelError("this channel already prepares its deliveries")
+        self._prepare = prepare
+
     def take_deliveries(self) -> list[Any]:
         out: list[Any] = []
         dq = self.deliveries
@@ -281,7 +289,7 @@ class DaemonChannel:
         if ftype is TrainerFrame.DELIVER:
             peer, payload = split_peer(body)
             # Decode here, on the reader thread, while the trainer computes.
-            prepare = self.prepare
+            prepare = self._prepare
             t0 = time.perf_counter()
             item = (peer, payload) if prepare is None else prepare(peer, payload)
             self.decode_s += time.perf_counter() - t0

@@ -20,8 +20,7 @@ from cryptography import x509
 
 from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import Config
-from ciuic_p2p.daemon.node import MeshDaemon
-from ciuic_p2p.daemon.trainer import TrainerServer
+from ciuic_p2p.daemon.assembly import NodeAssembly
 from ciuic_p2p.guard import install_loop_handler
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel
@@ -44,10 +43,13 @@ class EmbeddedDaemon:
     ) -> None:
         self.config = config
         self.join_address = join
-        self.daemon = MeshDaemon(
+        # The node as `ciuic-node run` assembles it, minus the sockets a process serves.
+        self.node = NodeAssembly(
             config, key, certificate, trust, state_dir=state_dir, wrap_udp=wrap_udp
         )
-        self.server = TrainerServer(self.daemon)
+        self.daemon = self.node.daemon
+        assert self.node.trainers is not None
+        self.server = self.node.trainers
         self.loop = new_event_loop()
         install_loop_handler(self.loop, self.daemon.guard)  # as `ciuic-node run` does
         self.address = ""
@@ -84,6 +86,7 @@ class EmbeddedDaemon:
 
         async def _stop() -> None:
             await self.server.close()
+            await self.node.store.close()
             if leave and self.daemon.node is not None:
                 await self.daemon.leave()
             else:

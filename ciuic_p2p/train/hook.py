@@ -21,6 +21,7 @@ The update rule and its references: core.replica.rule.
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -40,15 +41,22 @@ from ciuic_p2p.core.replica.messages import (
     run_id_of,
 )
 from ciuic_p2p.core.replica.rule import RefusedChunk, Replica
+from ciuic_p2p.core.replica.schedule import (
+    EncodeParams,
+    EncodeUpdate,
+    HandState,
+    ReplicaSchedule,
+    ScheduleAction,
+    StepFacts,
+)
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel, LocalDaemon
 from ciuic_p2p.train.encoder import Encoder, flatten_parameters
 from ciuic_p2p.train.parallel import thread_parts
-from ciuic_p2p.train.statesync import StateSync
+from ciuic_p2p.train.statesync import StateKeeper
 
 __all__ = ["MeshSync", "flatten_parameters"]
 
-STATS_EVERY_STEPS = 8
 JOIN_ANSWER_WAIT_S = 5.0
 log = get_logger("ciuic.train")
 
@@ -65,7 +73,7 @@ def _is_chunk(arrived: Any) -> bool:
     )
 
 
-class MeshSync(StateSync):
+class MeshSync:
     """What :func:`attach` returns; see the module docstring."""
 
     def __init__(
@@ -109,39 +117,43 @@ class MeshSync(StateSync):
             seed,
             run_parts=thread_parts,
         )
-        channel.prepare = self.replica.prepare
-        self.state_name = "state/" + source.run_id.hex()
-        self.checkpoint_path = (
-            None if checkpoint_dir is None else checkpoint_dir / f"{source.run_id.hex()}.ckpt"
+        channel.prepare_deliveries(self.replica.prepare)
+        self.encoder = Encoder()
+        self.schedule = ReplicaSchedule(
+            checkpoint_interval_s=config.store.checkpoint_interval_s, now=time.monotonic()
+        )
+        self.state = StateKeeper(
+            config=config,
+            channel=channel,
+            replica=self.replica,
+            layout=self.layout,
+            buckets=self.buckets,
+            optimizer=optimizer,
+            encoder=self.encoder,
+            schedule=self.schedule,
+            checkpoint_dir=checkpoint_dir,
         )
         self._alive_seen: list[str] | None = None
-        self.encoder = Encoder()
         self.wait_s = 0.0
         self.max_wait_s = 0.0
         """The longest a single step waited for other replicas (a stall)."""
         self.hook_s = 0.0
-        self.merged_steps = 0
-        self.params_skipped = 0
-        self.snapshots_sent = 0
-        self.checkpoints_written = 0
         self.finished = False
         self._terminate = False
-        self._params_due = False
         self._stats_report: dict[str, Any] | None = None
         self._ready = False
         """True once the state is restored: only then may peers have it."""
         self._early: list[Any] = []
         """Peer chunks that arrived before the state was restored, applied after it
         (applied before, they went into weights the restored state then replaced)."""
-        self._checkpoint_at = time.monotonic()
         self.replicas_heard_s: dict[str, float] = {}
         """When attach first saw each member alive, registered, and reported (s)."""
         t0 = time.monotonic()
-        self._load_checkpoint()
+        self.state.load_checkpoint()
         self._await_replicas(min_replicas, join_timeout_s)
         self.replicas_wait_s = time.monotonic() - t0
         """How long attach waited for the run's other replicas to answer."""
-        self.restored = self._restore()
+        self.restored = self.state.restore()
         self._ready = True
         self._apply_early()
         self.start_step = self.replica.step
@@ -189,7 +201,7 @@ class MeshSync(StateSync):
                 )
             self.channel.wait_any(0.1)
             self.poll()
-            self._ask_state_if_behind()
+            self.state.ask_state_if_behind()
 
     # -- the loop --------------------------------------------------------------------------
 
@@ -198,37 +210,41 @@ class MeshSync(StateSync):
         t0 = time.perf_counter()
         if self._terminate:
             self._exit_on_sigterm()
-        r = self.replica
-        ch = self.channel
-        enc = self.encoder
-        if ch.closed:
+        if self.channel.closed:
             self._daemon_gone()
-        enc.check()
+        self.encoder.check()
+        r = self.replica
         update_due = r.local_step()
-        if self._ready and ch.snapshot_wanted.is_set() and enc.idle.is_set():
-            # A joiner waits for this: it goes before the update (merged into the next).
-            self._hand_state(write_checkpoint_too=False)
-        if r.wants_params():
-            if self._params_due:  # the encoder was busy a whole interval: skipped
-                self.params_skipped += 1
-            self._params_due = True
-        if self._params_due and enc.idle.is_set():
-            # The mix goes first when both are due; the update waits (merged steps).
-            self._params_due = False
+        facts = self._facts(update_due=update_due, params_due=r.wants_params())
+        for action in self.schedule.after_step(facts, time.monotonic()):
+            self._carry_out(action)
+        self.poll()
+        self._wait_while_blocked()
+        self.hook_s += time.perf_counter() - t0
+
+    def _facts(self, *, update_due: bool = False, params_due: bool = False) -> StepFacts:
+        return StepFacts(
+            step=self.replica.step,
+            update_due=update_due,
+            params_due=params_due,
+            encoder_idle=self.encoder.idle.is_set(),
+            snapshot_wanted=self.channel.snapshot_wanted.is_set(),
+            ready=self._ready,
+            checkpointing=self.state.checkpoint_path is not None,
+        )
+
+    def _carry_out(self, action: ScheduleAction) -> None:
+        r, enc = self.replica, self.encoder
+        if isinstance(action, HandState):
+            self.state.hand_state(write_checkpoint_too=action.checkpoint)
+        elif isinstance(action, EncodeParams):
             params, step = r.snapshot_params(), r.step
             enc.submit(lambda: self._publish(r.encode_params(params, step)))
-        if update_due:
-            if enc.idle.is_set():
-                deltas, step, n = r.take_update(), r.step, r.replicas
-                enc.submit(lambda: self._publish(r.encode_update(deltas, step, n)))
-            else:
-                self.merged_steps += 1
-        due = self.checkpoint_path is not None and (
-            0 < self.config.store.checkpoint_interval_s <= time.monotonic() - self._checkpoint_at
-        )
-        if due and enc.idle.is_set():
-            self._hand_state(write_checkpoint_too=True)
-        if r.step % STATS_EVERY_STEPS == 0:
+        elif isinstance(action, EncodeUpdate):
+            deltas, step, n = r.take_update(), r.step, r.replicas
+            enc.submit(lambda: self._publish(r.encode_update(deltas, step, n)))
+        else:
+            ch = self.channel
             if ch.stats:
                 r.adapt(int(ch.stats.get("backlog_bytes", 0)))
             # Sent by the encoder thread with its next chunks: a send from this thread
@@ -236,14 +252,11 @@ class MeshSync(StateSync):
             # (5 ms a request measured with 4 nodes on 2 cores).
             self._stats_report = {
                 "step": r.step,
-                "encode_s": self.encoder.busy_s,
+                "encode_s": enc.busy_s,
                 "decode_s": ch.decode_s,
                 "wait_s": self.wait_s,
                 "hook_s": self.hook_s,
             }
-        self.poll()
-        self._wait_while_blocked()
-        self.hook_s += time.perf_counter() - t0
 
     def _wait_while_blocked(self) -> None:
         """Wait while a live replica is past the staleness bound behind, excusing it
@@ -258,7 +271,7 @@ class MeshSync(StateSync):
         while behind := r.blocking():
             if ch.closed:
                 raise ChannelError(ch.error or "the daemon went away")
-            if time.perf_counter() - w0 > grace:
+            if self.schedule.stalled(time.perf_counter() - w0, grace):
                 r.excuse(behind)
                 log.warning("replicas_excused", step=r.step, behind=behind)
                 break
@@ -273,12 +286,12 @@ class MeshSync(StateSync):
         checkpoint before giving up, so that a restart loses nothing."""
         with contextlib.suppress(Exception):
             self.encoder.idle.wait(self.config.train.finish_timeout_s)
-        path = self.checkpoint()
+        path = self.state.checkpoint()
         where = f"; checkpoint of step {self.replica.step} written to {path}" if path else ""
         raise ChannelError(f"{self.channel.error or 'the daemon went away'}{where}")
 
     def _exit_on_sigterm(self) -> None:
-        path = self.checkpoint()
+        path = self.state.checkpoint()
         log.info("terminated", step=self.replica.step, checkpoint=str(path) if path else None)
         self.close()
         raise SystemExit(143)
@@ -313,8 +326,8 @@ class MeshSync(StateSync):
                 continue
             n += self._apply_one(arrived)
         r.settle()  # and flushes what was applied
-        if self._ready and ch.snapshot_wanted.is_set() and self.encoder.idle.is_set():
-            self._hand_state(write_checkpoint_too=False)  # a joiner is waiting for it
+        for action in self.schedule.between_steps(self._facts()):
+            self._carry_out(action)  # a joiner is waiting for the state
         if r.joined:  # a replica that just joined learns of this one, and where it is
             r.joined.clear()
             ch.publish(self._join())
@@ -378,7 +391,7 @@ class MeshSync(StateSync):
         complete = all_in()
         r.settle(everything=True)
         if self.encoder.idle.wait(limit):  # late joiners and a restart start from here
-            self._hand_state(write_checkpoint_too=self.checkpoint_path is not None)
+            self.state.hand_state(write_checkpoint_too=self.state.checkpoint_path is not None)
             self.encoder.idle.wait(limit)
         return complete
 
@@ -393,8 +406,8 @@ class MeshSync(StateSync):
             "step": r.step,
             "replicas": r.replicas,
             "sends": s.sends,
-            "merged_steps": self.merged_steps,
-            "params_skipped": self.params_skipped,
+            "merged_steps": self.schedule.merged_steps,
+            "params_skipped": self.schedule.params_skipped,
             "chunks_sent": s.chunks_sent,
             "bytes_published": s.bytes_published,
             "applied": s.applied,
@@ -407,8 +420,8 @@ class MeshSync(StateSync):
             "before_state": s.before_state,
             "start_step": self.start_step,
             "restored": self.restored,
-            "snapshots_sent": self.snapshots_sent,
-            "checkpoints_written": self.checkpoints_written,
+            "snapshots_sent": self.state.snapshots_sent,
+            "checkpoints_written": self.state.checkpoints_written,
             "other_runs": s.other_runs,
             "refused": dict(s.refused),
             "last_refusal": s.last_refusal,
@@ -425,6 +438,33 @@ class MeshSync(StateSync):
             "encoder_s": self.encoder.busy_s,
             "udp_bytes_sent": int(self.channel.stats.get("udp_bytes_sent", 0)),
         }
+
+    # -- the state and the store --------------------------------------------------------------
+
+    def checkpoint(self) -> Path | None:
+        """Write a checkpoint now (this thread, atomically); its path, or None when no
+        checkpoint directory is set."""
+        return self.state.checkpoint()
+
+    def install_sigterm(self) -> None:
+        """On SIGTERM, the next :meth:`step` writes a checkpoint, closes and exits
+        (status 143); before the first step, exit at once. Main thread only."""
+
+        def handler(signum: int, frame: object) -> None:
+            self._terminate = True
+
+        signal.signal(signal.SIGTERM, handler)
+
+    def put(self, name: str, obj: Any) -> int:
+        """Have the mesh hold ``obj`` (a state dict, tensors, plain values) under
+        ``name``; the version it got. Held here and by the ``store.replicas`` nearest
+        members, so it outlives this node."""
+        return self.state.put(name, obj)
+
+    def get(self, name: str, min_version: int = 0) -> Any:
+        """The newest version of ``name`` that the mesh holds (from the nearest holders,
+        verified by hash), loaded with ``weights_only``."""
+        return self.state.get(name, min_version)
 
     def close(self) -> None:
         if self.channel.closed and self.encoder.idle.is_set():

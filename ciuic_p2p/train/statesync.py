@@ -1,13 +1,12 @@
-"""The state side of :class:`~ciuic_p2p.train.hook.MeshSync`: restoring from the
-mesh or a checkpoint at attach, handing snapshots to the daemon for joiners, writing
-checkpoints (on an interval, at the end, on SIGTERM), and the shared store's
-``put``/``get`` (docs/architecture.md, "How a node joins a run")."""
+"""A replica's state, as :class:`~ciuic_p2p.train.hook.MeshSync` keeps it: restoring
+from the mesh or a checkpoint at attach, handing snapshots to the daemon for joiners,
+writing checkpoints (when the schedule says, at the end, on SIGTERM), and the shared
+store's ``put``/``get`` (docs/architecture.md, "How a node joins a run")."""
 
 from __future__ import annotations
 
 import contextlib
 import io
-import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ import torch
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.codec.layout import BucketLayout
 from ciuic_p2p.core.replica.rule import Replica
+from ciuic_p2p.core.replica.schedule import ReplicaSchedule
 from ciuic_p2p.core.store.statefile import StateFormatError, pack_state, unpack_state
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel
@@ -26,30 +26,45 @@ from ciuic_p2p.train.encoder import Encoder
 log = get_logger("ciuic.train")
 
 
-class StateSync:
-    """Mixed into MeshSync, which sets these up."""
+class StateKeeper:
+    """One replica's state and its copies: in the mesh, in checkpoints."""
 
-    config: Config
-    channel: DaemonChannel
-    replica: Replica
-    layout: BucketLayout
-    buckets: list[torch.Tensor]
-    optimizer: torch.optim.Optimizer | None
-    state_name: str
-    checkpoint_path: Path | None
-    snapshots_sent: int
-    _ckpt: Checkpoint | None = None
-    checkpoints_written: int
-    encoder: Encoder
-    _checkpoint_at: float
-    _terminate: bool
-    _state_ask: tuple[int, float] | None = None
-    """The state fetch under way (request ID, when asked), once one is."""
+    def __init__(
+        self,
+        *,
+        config: Config,
+        channel: DaemonChannel,
+        replica: Replica,
+        layout: BucketLayout,
+        buckets: list[torch.Tensor],
+        optimizer: torch.optim.Optimizer | None,
+        encoder: Encoder,
+        schedule: ReplicaSchedule,
+        checkpoint_dir: Path | None,
+    ) -> None:
+        self.config = config
+        self.channel = channel
+        self.replica = replica
+        self.layout = layout
+        self.buckets = buckets
+        self.optimizer = optimizer
+        self.encoder = encoder
+        self.schedule = schedule
+        run_hex = replica.source.run_id.hex()
+        self.state_name = "state/" + run_hex
+        self.checkpoint_path = (
+            None if checkpoint_dir is None else checkpoint_dir / f"{run_hex}.ckpt"
+        )
+        self.snapshots_sent = 0
+        self.checkpoints_written = 0
+        self._ckpt: Checkpoint | None = None
+        self._state_ask: tuple[int, float] | None = None
+        """The state fetch under way (request ID, when asked), once one is."""
 
-    def _load_checkpoint(self) -> None:
+    def load_checkpoint(self) -> None:
         self._ckpt = load_newest(self.checkpoint_path) if self.checkpoint_path else None
 
-    def _ask_state_if_behind(self) -> None:
+    def ask_state_if_behind(self) -> None:
         """Start fetching the run's state as soon as a replica is known to be past this
         node's checkpoint: attach goes on waiting for the other replicas' answers while
         the daemon fetches."""
@@ -67,7 +82,7 @@ class StateSync:
             )
             self._state_ask = (rid, time.monotonic())
 
-    def _restore(self) -> dict[str, Any]:
+    def restore(self) -> dict[str, Any]:
         """Start from the newest state there is: the replicas' (fetched from the nearest
         up-to-date one) when they are past this node's checkpoint, else the checkpoint,
         else (a run that starts now) the model as it is. A replica never trains from
@@ -78,7 +93,7 @@ class StateSync:
         peer_step = max((p.step for p in r.peers.values()), default=0)
         opt = self.optimizer if self.config.store.sync_optimizer_state else None
         info: dict[str, Any] = {"source": "fresh", "step": 0}
-        self._ask_state_if_behind()
+        self.ask_state_if_behind()
         if self._state_ask is not None:
             rid, asked_at = self._state_ask
             s = self.config.store
@@ -116,7 +131,7 @@ class StateSync:
         meta = {"applied": self.replica.applied_steps()}
         return pack_state(self.layout.layout_id, self.replica.shared_params(), opt, meta)
 
-    def _hand_state(self, write_checkpoint_too: bool) -> None:
+    def hand_state(self, write_checkpoint_too: bool) -> None:
         """Snapshot the state (training thread: a consistent copy) and hand it to the
         daemon for joiners, and to the checkpoint file, on the encoder thread."""
         self.channel.snapshot_wanted.clear()
@@ -124,7 +139,7 @@ class StateSync:
         step = self.replica.step
         path = self.checkpoint_path if write_checkpoint_too else None
         if path is not None:
-            self._checkpoint_at = time.monotonic()
+            self.schedule.checkpointed(time.monotonic())
 
         def job() -> None:
             self.channel.put_parts(self.state_name, step, blob, compat)
@@ -148,17 +163,8 @@ class StateSync:
         # The daemon's audit log records it; a daemon gone by now changes nothing here.
         with contextlib.suppress(ChannelError):
             self.channel.checkpoint_written(self.checkpoint_path, self.replica.step, digest)
-        self._checkpoint_at = time.monotonic()
+        self.schedule.checkpointed(time.monotonic())
         return self.checkpoint_path
-
-    def install_sigterm(self) -> None:
-        """On SIGTERM, the next :meth:`step` writes a checkpoint, closes and exits
-        (status 143); before the first step, exit at once. Main thread only."""
-
-        def handler(signum: int, frame: object) -> None:
-            self._terminate = True
-
-        signal.signal(signal.SIGTERM, handler)
 
     def put(self, name: str, obj: Any) -> int:
         """Have the mesh hold ``obj`` (a state dict, tensors, plain values) under

@@ -8,9 +8,13 @@ on QUIC, on the WAN emulator and in memory.
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
+import datetime as dt
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from ciuic_p2p.core.link.frames import FrameType
+from ciuic_p2p.core.link.trust import Trust
+from ciuic_p2p.guard import Guard
 
 Address = tuple[str, int]
 
@@ -74,14 +78,42 @@ class LinkStats:
     credit_available: int
 
 
+@dataclass(frozen=True, slots=True)
+class StrangerStats:
+    """What sources that are not members cost a node (transport.gate)."""
+
+    pending_connections: int = 0
+    connections_opened: int = 0
+    retries_sent: int = 0
+    refused: int = 0
+    """Connections refused before authentication (bad credential, timeout, framing)."""
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Datagrams dropped before any state, by reason."""
+
+
 class Transport(abc.ABC):
     """Frames between authenticated peers. One logical link per peer."""
 
     local_key: bytes
+    certificate_der: bytes
+    """This node's certificate (DER): its credential in the mesh."""
+    trust: Trust
+    """The CA and revocation list in force (``set_trust`` replaces it)."""
+    wallclock: Callable[[], dt.datetime]
+    """UTC now, for certificate validity."""
+    guard: Guard
+    """Faults of the transport's callbacks, counted (ciuic_p2p.guard)."""
+    udp_bytes_sent: int
+    """Every byte this node put on the wire (all links, all frames)."""
 
     @abc.abstractmethod
     async def start(self) -> Address:
         """Start listening; return the bound address."""
+
+    @abc.abstractmethod
+    async def resolve(self, host: str, port: int) -> Address:
+        """The address to dial for ``host:port`` (a name looked up, of the family this
+        transport listens on); raises TransportError when there is none."""
 
     @abc.abstractmethod
     async def connect(self, address: Address, expected_peer: bytes | None = None) -> bytes:
@@ -105,6 +137,18 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     def link_stats(self, peer: bytes) -> LinkStats | None: ...
+
+    @abc.abstractmethod
+    def set_trust(self, trust: Trust) -> list[bytes]:
+        """Use a new CA/revocation list from now on, and close every link whose peer it
+        no longer admits; the keys of those peers."""
+
+    @abc.abstractmethod
+    def unacked_bytes(self) -> int:
+        """Bytes sent on live links that the peers have not acknowledged yet."""
+
+    @abc.abstractmethod
+    def strangers(self) -> StrangerStats: ...
 
     @abc.abstractmethod
     async def disconnect(self, peer: bytes, reason: str) -> None:

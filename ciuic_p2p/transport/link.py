@@ -1,10 +1,9 @@
-"""The state of one QUIC connection to a peer: authentication, stream readers, credit
-in both directions, timers and counters. QuicTransport drives it."""
+"""One QUIC connection to a peer: the link session it carries (core.link.session), the
+streams its two lanes map to, its timer; and aioquic's configuration."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import ssl
 
 from aioquic.quic.configuration import QuicConfiguration
@@ -12,11 +11,10 @@ from aioquic.quic.connection import QuicConnection
 from cryptography import x509
 
 from ciuic_p2p.config import TransportSection
-from ciuic_p2p.core.link.auth import ServerAdmission
-from ciuic_p2p.core.link.frames import CreditSender, FrameReader, ReceiveQuota
-from ciuic_p2p.core.link.rtt import RttEstimator
+from ciuic_p2p.core.link.session import Lane, LinkSession
 from ciuic_p2p.identity import NodeKey
-from ciuic_p2p.transport.base import Address, LinkStats, RttStats
+from ciuic_p2p.transport.base import Address
+from ciuic_p2p.transport.sessions import SessionLink
 
 ALPN = "ciuic/1"
 CONTROL_STREAM = 0
@@ -50,48 +48,20 @@ def quic_configuration(
     return conf
 
 
-class QuicLink:
-    """One QUIC connection and what we know of its peer."""
+class QuicLink(SessionLink):
+    """One QUIC connection, the link session it carries, and its timers."""
 
-    def __init__(self, quic: QuicConnection, address: Address, dialed: bool, window: int) -> None:
+    def __init__(
+        self, quic: QuicConnection, session: LinkSession, address: Address, dialed: bool
+    ) -> None:
+        super().__init__(session, address, dialed)
         self.quic = quic
-        self.address = address
-        self.dialed = dialed
-        self.peer: bytes | None = None
-        self.claimed = "?"
-        self.certificate: x509.Certificate | None = None
-        """The peer's node certificate, once checked (a revocation list reloaded later
-        is held against it)."""
-        self.authenticated = False
-        self.closed = False
         self.pending = False
         """Accepted and not yet settled (authenticated, refused or gone): counted
         against the gate's caps (transport.gate)."""
-        self.admission: ServerAdmission | None = None
-        """An accepted link's check of its client, until it is admitted."""
-        self.readers = {
-            CONTROL_STREAM: FrameReader(),
-            BULK_STREAM: FrameReader(),
-            SERVER_BULK_STREAM: FrameReader(),
-        }
-        self.credit_out = CreditSender(0)
-        self.peer_window = 0
-        self.quota = ReceiveQuota(window)
-        self.credit_changed = asyncio.Event()
-        self.ready: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
-        # Nobody awaits an accepted link's future: mark its failure as seen.
-        self.ready.add_done_callback(lambda f: f.cancelled() or f.exception())
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at: float | None = None
-        self.auth_deadline: asyncio.TimerHandle | None = None
-        self.ping_task: asyncio.Task[None] | None = None
-        self.rtt = RttEstimator()
-        self.ping_ids = itertools.count(1)
-        self.bytes_sent = 0
-        self.bytes_received = 0
         self.transmit_pending = False
-        self.gone = asyncio.Event()
-        self.established_at = 0.0
 
     @property
     def bulk_out(self) -> int:
@@ -103,29 +73,33 @@ class QuicLink:
         """The stream the peer sends bulk frames on."""
         return SERVER_BULK_STREAM if self.dialed else BULK_STREAM
 
+    def stream_of(self, lane: Lane) -> int:
+        return CONTROL_STREAM if lane is Lane.CONTROL else self.bulk_out
+
+    def stream_from(self, lane: Lane) -> int:
+        """The stream the peer sends a lane's bytes on."""
+        return CONTROL_STREAM if lane is Lane.CONTROL else self.bulk_in
+
+    def lane_of_stream(self, stream_id: int) -> Lane | None:
+        """The lane a stream's bytes from the peer belong to; None for any other."""
+        if stream_id == CONTROL_STREAM:
+            return Lane.CONTROL
+        return Lane.BULK if stream_id == self.bulk_in else None
+
+    def timer_due(self) -> float | None:
+        """The earlier of QUIC's timer and the session's."""
+        times = [t for t in (self.quic.get_timer(), self.session.get_timer()) if t is not None]
+        return min(times) if times else None
+
     def control_unacked(self) -> int:
         """Control-stream bytes sent and not acknowledged yet (aioquic keeps them in
         the stream's send buffer; no public accessor)."""
         stream = self.quic._streams.get(CONTROL_STREAM)
         return 0 if stream is None else len(getattr(stream.sender, "_buffer", b""))
 
-    def rtt_stats(self) -> RttStats:
-        loss = self.quic._loss  # aioquic has no public accessor for its RTT estimate
-        have_quic = loss._rtt_min != float("inf")
-        return RttStats(
-            ping_min_s=self.rtt.min_s,
-            ping_smoothed_s=self.rtt.smoothed_s,
-            ping_var_s=self.rtt.var_s,
-            quic_min_s=loss._rtt_min if have_quic else None,
-            quic_smoothed_s=loss._rtt_smoothed if have_quic else None,
-            quic_var_s=loss._rtt_variance if have_quic else None,
-            samples=self.rtt.samples,
-        )
-
-    def stats(self) -> LinkStats:
-        return LinkStats(
-            bytes_sent=self.bytes_sent,
-            bytes_received=self.bytes_received,
-            bulk_buffered_bytes=max(0, self.peer_window - self.credit_out.available),
-            credit_available=self.credit_out.available,
-        )
+    def quic_rtt(self) -> tuple[float, float, float] | None:
+        """QUIC's own RTT estimate: min, smoothed, variance (no public accessor)."""
+        loss = self.quic._loss
+        if loss._rtt_min == float("inf"):
+            return None
+        return (loss._rtt_min, loss._rtt_smoothed, loss._rtt_variance)

@@ -1,4 +1,7 @@
-"""QUIC transport over aioquic, with our own admission (see core.link.auth).
+"""QUIC transport over aioquic, driving one link session (core.link.session) per
+connection: authentication, credit, ping/pong and close are the session's; this edge
+maps its two lanes onto QUIC streams and owns the socket, the connection IDs, the
+gate in front of strangers and the timers.
 
 One UDP socket per node, bound where the config says, serves both the connections
 this node dials and the ones it accepts; datagrams are routed to connections by
@@ -31,10 +34,9 @@ and not yet acknowledged). tests/transport/test_quic.py checks they exist.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import random
-import struct
+import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,31 +49,32 @@ from aioquic.quic.packet import pull_quic_header
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
+from ciuic_p2p.addresses import network_of
 from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import TransportSection
-from ciuic_p2p.core.link.frames import (
-    BULK_TYPES,
-    FrameType,
-    FramingError,
-    bulk_cost,
-    encode_frame,
-)
+from ciuic_p2p.core.link.frames import FrameType
 from ciuic_p2p.core.link.rtt import backoff_delay_s
+from ciuic_p2p.core.link.session import (
+    Authenticated,
+    Closed,
+    CreditGranted,
+    FrameArrived,
+    LinkSession,
+    LocalIdentity,
+)
 from ciuic_p2p.errors import AdmissionError
 from ciuic_p2p.guard import Guard
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.logsetup import get_logger
-from ciuic_p2p.transport.admit import AdmissionMixin
 from ciuic_p2p.transport.base import (
     Address,
-    FrameReceived,
     LinkStats,
-    PeerDisconnected,
     RttStats,
+    StrangerStats,
     Transport,
     TransportEvent,
 )
-from ciuic_p2p.transport.errors import DuplicateLinkError, RefusedError, TransportError
+from ciuic_p2p.transport.errors import DuplicateLinkError, TransportError
 from ciuic_p2p.transport.gate import Drop, InitialGate, Reply
 from ciuic_p2p.transport.link import (
     ALPN,
@@ -81,11 +84,14 @@ from ciuic_p2p.transport.link import (
     QuicLink,
     quic_configuration,
 )
+from ciuic_p2p.transport.sessions import LinkBook
 from ciuic_p2p.transport.sockbuf import size_buffers
 
-_PING = struct.Struct("<Qd")
-
 log = get_logger("ciuic.transport")
+
+AdmissionObserver = Callable[[bytes | None, Address, str], None]
+"""Called with (peer key, address, "") for each authenticated link and (None, address,
+reason) for each refused one or datagram dropped before any state (the audit log)."""
 
 
 def _now() -> float:
@@ -107,7 +113,7 @@ class _Endpoint(asyncio.DatagramProtocol):
         log.debug("udp_error", error=str(exc))
 
 
-class QuicTransport(AdmissionMixin, Transport):
+class QuicTransport(Transport):
     """The production transport: QUIC (aioquic) with mutual authentication."""
 
     def __init__(
@@ -123,6 +129,7 @@ class QuicTransport(AdmissionMixin, Transport):
         wallclock: Callable[[], dt.datetime] = _utcnow,
         wrap_udp: Callable[[asyncio.DatagramTransport], asyncio.DatagramTransport] | None = None,
         known_source: Callable[[Address], bool] = lambda addr: False,
+        on_admission: AdmissionObserver | None = None,
     ) -> None:
         """``known_source``: whether an address is one where a member was authenticated
         before (the gate exempts it from its caps: transport.gate)."""
@@ -131,10 +138,9 @@ class QuicTransport(AdmissionMixin, Transport):
         self.local_key = key.public_key
         self.certificate = certificate
         self.certificate_der = certificate.public_bytes(serialization.Encoding.DER)
+        self.identity = LocalIdentity(key, self.certificate_der)
         self.trust = trust
-        self.on_admission: Callable[[bytes | None, tuple[str, int], str], None] | None = None
-        """Called with (peer key, address, "") for each authenticated link and (None,
-        address, reason) for each refused one (the audit log)."""
+        self.on_admission = on_admission
         self.host, self.port = host, port
         self.settings = settings or TransportSection()
         self.clock = clock
@@ -146,8 +152,9 @@ class QuicTransport(AdmissionMixin, Transport):
         self.socket_buffers = (0, 0)
         """Receive and send buffer bytes the kernel granted the UDP socket."""
         self._by_cid: dict[bytes, QuicLink] = {}
-        self._links: dict[bytes, QuicLink] = {}
-        self._events: asyncio.Queue[TransportEvent] = asyncio.Queue()
+        self._book: LinkBook[QuicLink] = LinkBook(
+            self.local_key, self.settings, flush=self._flush_session, drop=self._drop
+        )
         self.refused = 0
         self._maintained: dict[Address, asyncio.Task[None]] = {}
         self._rng = random.Random(int.from_bytes(self.local_key[:8], "little"))
@@ -166,6 +173,15 @@ class QuicTransport(AdmissionMixin, Transport):
             return quic_configuration(self.settings, None, None)
         return quic_configuration(self.settings, self.certificate, self.key)
 
+    def _session(self, dialed: bool) -> LinkSession:
+        return LinkSession(
+            dialed=dialed,
+            identity=self.identity,
+            trust=self.trust,
+            settings=self.settings,
+            now=self.clock(),
+        )
+
     async def start(self) -> Address:
         loop = asyncio.get_running_loop()
         transport, _ = await loop.create_datagram_endpoint(
@@ -179,12 +195,29 @@ class QuicTransport(AdmissionMixin, Transport):
         self.host, self.port = sock[0], sock[1]
         return (self.host, self.port)
 
+    @property
+    def address(self) -> Address:
+        return (self.host, self.port)
+
+    async def resolve(self, host: str, port: int) -> Address:
+        try:  # an address of our own socket's family: one socket serves every link
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host,
+                port,
+                family=socket.AF_INET6 if ":" in self.host else socket.AF_INET,
+                type=socket.SOCK_DGRAM,
+            )
+        except OSError as exc:
+            raise TransportError(f"cannot resolve {host}: {exc.strerror or exc}") from None
+        return (str(infos[0][4][0]), port)
+
     async def connect(self, address: Address, expected_peer: bytes | None = None) -> bytes:
         if self._udp is None:
             raise TransportError("transport not started")
         quic = QuicConnection(configuration=self._configuration(is_client=True))
-        link = QuicLink(quic, address, dialed=True, window=self.settings.receive_window_bytes)
-        link.claimed = peer_id_of(expected_peer) if expected_peer else "?"
+        link = QuicLink(quic, self._session(dialed=True), address, dialed=True)
+        if expected_peer:
+            link.session.claimed = peer_id_of(expected_peer)
         self._register(link, quic.host_cid)
         quic.connect(address, now=self.clock())
         self._transmit(link)
@@ -210,8 +243,8 @@ class QuicTransport(AdmissionMixin, Transport):
 
     async def _link_at(self, address: Address, deadline: float) -> bytes:
         while self.clock() < deadline:
-            for key, lk in self._links.items():
-                if lk.address == address and lk.authenticated and not lk.closed:
+            for key, lk in self._book.links.items():
+                if lk.address == address and lk.admitted and not lk.closed:
                     return key
             await asyncio.sleep(0.005)
         raise TransportError(f"no authenticated connection to {address[0]}:{address[1]} in time")
@@ -247,14 +280,11 @@ class QuicTransport(AdmissionMixin, Transport):
                 original_destination_connection_id=decision.original_dcid,
                 retry_source_connection_id=decision.retry_scid,
             )
-            link = QuicLink(quic, addr, dialed=False, window=self.settings.receive_window_bytes)
+            link = QuicLink(quic, self._session(dialed=False), addr, dialed=False)
             link.pending = True
             self.gate.opened(addr)
             self._register(link, header.destination_cid)
             self._register(link, quic.host_cid)
-            link.auth_deadline = asyncio.get_running_loop().call_later(
-                self.settings.auth_timeout_s, self._auth_timer, link
-            )
         link.bytes_received += len(data)
         link.quic.receive_datagram(data, addr, now=self.clock())
         self._process(link)
@@ -278,14 +308,19 @@ class QuicTransport(AdmissionMixin, Transport):
             link.bytes_sent += len(data)
             self.udp_bytes_sent += len(data)
             udp.sendto(data, addr)
-        timer_at = link.quic.get_timer()
+        self._arm_timer(link)
+
+    def _arm_timer(self, link: QuicLink) -> None:
+        timer_at = link.timer_due()
         if timer_at != link.timer_at:
             if link.timer is not None:
                 link.timer.cancel()
             link.timer = None
             link.timer_at = timer_at
             if timer_at is not None:
-                link.timer = asyncio.get_running_loop().call_at(timer_at, self._on_timer, link)
+                loop = asyncio.get_running_loop()
+                delay = max(0.0, timer_at - self.clock())
+                link.timer = loop.call_at(loop.time() + delay, self._on_timer, link)
 
     def _on_timer(self, link: QuicLink) -> None:
         self.guard.call("timer", self._timer_fired, link)
@@ -295,21 +330,92 @@ class QuicTransport(AdmissionMixin, Transport):
         link.timer_at = None
         if link.closed:
             return
-        link.quic.handle_timer(now=self.clock())
+        now = self.clock()
+        quic_at = link.quic.get_timer()
+        if quic_at is not None and now >= quic_at:
+            link.quic.handle_timer(now=now)
+        session_at = link.session.get_timer()
+        if session_at is not None and now >= session_at:
+            link.session.handle_timer(now)
         self._process(link)
 
     def _process(self, link: QuicLink) -> None:
+        """Hand QUIC's events to the session, the session's to the layers above."""
         while (event := link.quic.next_event()) is not None:
             try:
                 self._handle_event(link, event)
-            except (FramingError, AdmissionError) as exc:
-                self._refuse_or_drop(link, str(exc), getattr(event, "stream_id", None))
             except Exception as exc:  # a fault of ours or a library's: the link goes
                 self.guard.record("event", exc)
                 self._refuse_or_drop(link, f"internal error ({type(exc).__name__})")
             if link.closed:
                 break
+        if not link.closed:
+            self._session_events(link)
+        if not link.closed:
+            self._flush_session(link, transmit=False)
         self._schedule_transmit(link)
+
+    def _handle_event(self, link: QuicLink, event: qe.QuicEvent) -> None:
+        session = link.session
+        if isinstance(event, qe.ConnectionIdIssued):
+            self._register(link, event.connection_id)
+        elif isinstance(event, qe.ConnectionIdRetired):
+            self._by_cid.pop(event.connection_id, None)
+        elif isinstance(event, qe.HandshakeCompleted):
+            if link.dialed:
+                quic = link.quic
+                session.server_hello(
+                    quic.tls._peer_certificate,
+                    quic._peer_cid.cid,
+                    quic.original_destination_connection_id,
+                    self.wallclock(),
+                )
+        elif isinstance(event, qe.StreamDataReceived):
+            lane = link.lane_of_stream(event.stream_id)
+            if lane is None or (not session.authenticated and event.stream_id != CONTROL_STREAM):
+                self._refuse_or_drop(link, f"unexpected stream {event.stream_id}", event.stream_id)
+                return
+            if not link.dialed and not session.bound:  # the CIDs are final by now
+                quic = link.quic
+                session.bind_server(quic.host_cid, quic.original_destination_connection_id)
+            session.receive(lane, event.data, self.clock(), self.wallclock())
+            if event.end_stream:
+                session.end_of_stream(lane)
+        elif isinstance(event, qe.DatagramFrameReceived):
+            self._refuse_or_drop(link, "datagram frames are not used")
+            return
+        elif isinstance(event, qe.ConnectionTerminated):
+            session.close(event.reason_phrase or f"error {event.error_code}", quiet=True)
+            self._link_gone(link, event.reason_phrase or f"error {event.error_code}")
+            return
+        self._session_events(link)
+
+    def _session_events(self, link: QuicLink) -> None:
+        while not link.closed and (event := link.session.next_event()) is not None:
+            if isinstance(event, FrameArrived):
+                self._book.frame_arrived(link, event.type, event.payload)
+            elif isinstance(event, CreditGranted):
+                link.credit_changed.set()
+            elif isinstance(event, Authenticated):
+                self._authenticated(link)
+            elif isinstance(event, Closed):
+                if event.by_peer:
+                    self._close_link(link, event.reason)
+                else:
+                    stream = None if event.lane is None else link.stream_from(event.lane)
+                    self._refuse_or_drop(link, event.reason, stream)
+
+    def _flush_session(self, link: QuicLink, transmit: bool = True) -> None:
+        """Write what the session queued to its streams."""
+        sent_control = False
+        for lane, data in link.session.data_to_send():
+            stream = link.stream_of(lane)
+            link.quic.send_stream_data(stream, data)
+            sent_control |= stream == CONTROL_STREAM
+        if sent_control:
+            self._check_control_backlog(link)
+        if transmit:
+            self._transmit(link)
 
     def _schedule_transmit(self, link: QuicLink) -> None:
         """Send once per loop iteration, not once per datagram received: datagrams
@@ -324,80 +430,6 @@ class QuicTransport(AdmissionMixin, Transport):
         if not link.closed:
             self.guard.call("transmit", self._transmit, link)
 
-    def _auth_timer(self, link: QuicLink) -> None:
-        self.guard.call("auth_timeout", self._auth_timeout, link)
-
-    def _handle_event(self, link: QuicLink, event: qe.QuicEvent) -> None:
-        if isinstance(event, qe.ConnectionIdIssued):
-            self._register(link, event.connection_id)
-        elif isinstance(event, qe.ConnectionIdRetired):
-            self._by_cid.pop(event.connection_id, None)
-        elif isinstance(event, qe.HandshakeCompleted):
-            if link.dialed:
-                self._client_prove(link)
-        elif isinstance(event, qe.StreamDataReceived):
-            reader = link.readers.get(event.stream_id)
-            if reader is None or (not link.authenticated and event.stream_id != CONTROL_STREAM):
-                raise FramingError(f"unexpected stream {event.stream_id}")
-            if not link.authenticated and not link.dialed:
-                frames = self._server_receive(link, event.data)
-            else:
-                frames = reader.feed(event.data)
-            for frame in frames:
-                self._handle_frame(link, event.stream_id, frame.type, frame.payload)
-                if link.closed:
-                    return
-            if event.end_stream:
-                link.readers[event.stream_id].end_of_stream()
-        elif isinstance(event, qe.DatagramFrameReceived):
-            raise FramingError("datagram frames are not used")
-        elif isinstance(event, qe.ConnectionTerminated):
-            self._link_gone(link, event.reason_phrase or f"error {event.error_code}")
-
-    # -- frames ---------------------------------------------------------------------------
-
-    def _handle_frame(self, link: QuicLink, stream: int, ftype: FrameType, payload: bytes) -> None:
-        if not link.authenticated:  # an accepted link's AUTH went through _server_receive
-            if link.dialed and ftype is FrameType.AUTH_OK:
-                self._authenticated(link)
-            else:
-                raise FramingError(f"{ftype.name} before authentication")
-            return
-        expected = link.bulk_in if ftype in BULK_TYPES else CONTROL_STREAM
-        if stream != expected or ftype in (FrameType.AUTH, FrameType.AUTH_OK):
-            raise FramingError(f"{ftype.name} on stream {stream}")
-        assert link.peer is not None
-        if ftype is FrameType.PING:
-            self._send_frame(link, FrameType.PONG, payload)
-        elif ftype is FrameType.PONG:
-            if len(payload) == _PING.size:
-                _, sent_at = _PING.unpack(payload)
-                link.rtt.add(self.clock() - sent_at)
-        elif ftype is FrameType.CREDIT:
-            if len(payload) != 8:
-                raise FramingError("CREDIT frame of the wrong size")
-            (amount,) = struct.unpack("<Q", payload)
-            if not 0 < amount <= self.settings.max_credit_bytes - link.credit_out.available:
-                raise FramingError(
-                    f"CREDIT of {amount} bytes: outstanding credit would pass "
-                    f"{self.settings.max_credit_bytes}"
-                )
-            if link.peer_window == 0:
-                link.peer_window = amount
-            link.credit_out.grant(amount)
-            link.credit_changed.set()
-        elif ftype is FrameType.CLOSE:
-            self._close_link(link, "peer closed: " + payload.decode("utf-8", "replace")[:200])
-        else:
-            link.quota.received(ftype, len(payload))
-            self._events.put_nowait(FrameReceived(link.peer, ftype, payload))
-
-    def _send_frame(self, link: QuicLink, ftype: FrameType, payload: bytes) -> None:
-        stream = link.bulk_out if ftype in BULK_TYPES else CONTROL_STREAM
-        link.quic.send_stream_data(stream, encode_frame(ftype, payload))
-        if stream == CONTROL_STREAM:
-            self._check_control_backlog(link)
-
     def _check_control_backlog(self, link: QuicLink) -> None:
         """Control frames spend no credit, so a peer that withholds QUIC's flow-control
         window (or never acknowledges) would make this node buffer every answer to
@@ -406,52 +438,57 @@ class QuicTransport(AdmissionMixin, Transport):
         if link.control_unacked() > self.settings.max_control_send_bytes and not link.closed:
             self._refuse_or_drop(link, "peer leaves its control stream unacknowledged")
 
-    async def _ping_loop(self, link: QuicLink) -> None:
-        while not link.closed:
-            self.guard.call("ping", self._ping, link)
-            await asyncio.sleep(self.settings.ping_interval_s)
+    # -- admission --------------------------------------------------------------------------
 
-    def _ping(self, link: QuicLink) -> None:
-        self._send_frame(link, FrameType.PING, _PING.pack(next(link.ping_ids), self.clock()))
-        self._transmit(link)
+    def _settle(self, link: QuicLink) -> None:
+        """The link no longer counts as pending at the gate (transport.gate)."""
+        if link.pending:
+            link.pending = False
+            self.gate.settled(link.address)
+
+    def _authenticated(self, link: QuicLink) -> None:
+        assert link.peer is not None
+        self._settle(link)
+        if self.on_admission is not None:
+            self.on_admission(link.peer, link.address, "")
+        self._book.admit(link, self.clock())
+
+    def _refuse_or_drop(self, link: QuicLink, reason: str, stream: int | None = None) -> None:
+        # The stream is named when a frame on it broke the rules (framing, limits).
+        where = {} if stream is None else {"stream": stream}
+        if not link.admitted:
+            self.refused += 1
+            # Rate-limited per source network (logsetup): a stranger that varies its
+            # port or address within its network is one line a minute, not thousands.
+            log.warning(
+                "peer_refused",
+                address=f"{link.address[0]}:{link.address[1]}",
+                network=network_of(link.address[0]),
+                claimed=link.claimed,
+                reason=reason,
+                **where,
+            )
+            if self.on_admission is not None:
+                self.on_admission(None, link.address, reason)
+        else:
+            log.warning("peer_dropped", peer=link.claimed, reason=reason, **where)
+        self._close_link(link, reason)
+
+    def _drop(self, link: QuicLink, reason: str, quiet: bool) -> None:
+        """What the link book calls: a duplicate (quiet) or a stalled peer."""
+        if quiet:
+            self._close_link(link, reason, quiet=True)
+        else:
+            self._refuse_or_drop(link, reason)
+            self._transmit(link)
 
     # -- the interface --------------------------------------------------------------------
 
     async def send(self, peer: bytes, frame_type: FrameType, payload: bytes) -> None:
-        link = self._links.get(peer)
-        if link is None or link.closed:
-            raise TransportError(f"no link to {peer_id_of(peer)}")
-        frame = encode_frame(frame_type, payload)  # checks the size limit before any wait
-        cost = bulk_cost(frame_type, len(payload))
-        while cost and not link.credit_out.try_spend(cost):
-            link.credit_changed.clear()
-            try:
-                await asyncio.wait_for(
-                    link.credit_changed.wait(), timeout=self.settings.stall_timeout_s
-                )
-            except TimeoutError:
-                self._refuse_or_drop(link, "peer stalled: no credit")
-                self._transmit(link)
-                raise TransportError(f"{peer_id_of(peer)} stopped reading; dropped") from None
-            if link.closed:
-                raise TransportError(f"link to {peer_id_of(peer)} closed")
-        link.quic.send_stream_data(link.bulk_out if cost else CONTROL_STREAM, frame)
-        if not cost:
-            self._check_control_backlog(link)
-            if link.closed:
-                raise TransportError(f"link to {peer_id_of(peer)} dropped")
-        self._transmit(link)
+        await self._book.send(peer, frame_type, payload)
 
     async def next_event(self) -> TransportEvent:
-        event = await self._events.get()
-        if isinstance(event, FrameReceived):
-            link = self._links.get(event.peer)
-            if link is not None and not link.closed:
-                grant = link.quota.consumed(event.type, len(event.payload))
-                if grant:
-                    self._send_frame(link, FrameType.CREDIT, struct.pack("<Q", grant))
-                    self._transmit(link)
-        return event
+        return await self._book.next_event()
 
     def set_trust(self, trust: Trust) -> list[bytes]:
         """Use a new CA/revocation list from now on, and close every link whose peer's
@@ -459,7 +496,10 @@ class QuicTransport(AdmissionMixin, Transport):
         self.trust = trust
         now = self.wallclock()
         dropped = []
-        for key, link in list(self._links.items()):
+        for link in self._by_cid.values():
+            if not link.session.bound and not link.session.authenticated:
+                link.session.trust = trust  # a link still to be checked: by the new one
+        for key, link in list(self._book.links.items()):
             if link.closed or link.certificate is None:
                 continue
             try:
@@ -474,7 +514,7 @@ class QuicTransport(AdmissionMixin, Transport):
         """Stream bytes sent on live links that the peers have not acknowledged yet
         (aioquic keeps each stream's unacknowledged data in its sender's buffer)."""
         total = 0
-        for link in self._links.values():
+        for link in self._book.links.values():
             if link.closed:
                 continue
             for stream in link.quic._streams.values():
@@ -482,15 +522,28 @@ class QuicTransport(AdmissionMixin, Transport):
         return total
 
     def peers(self) -> list[bytes]:
-        return [p for p, link in self._links.items() if not link.closed]
+        return self._book.peers()
+
+    def strangers(self) -> StrangerStats:
+        gate = self.gate
+        return StrangerStats(
+            pending_connections=gate.pending,
+            connections_opened=gate.opened_total,
+            retries_sent=gate.retries_sent,
+            refused=self.refused,
+            dropped=dict(gate.dropped),
+        )
+
+    def connection(self, peer: bytes) -> QuicLink | None:
+        """The QUIC connection of a peer's link (benchmarks read its congestion state)."""
+        return self._book.links.get(peer)
 
     def rtt(self, peer: bytes) -> RttStats | None:
-        link = self._links.get(peer)
-        return None if link is None else link.rtt_stats()
+        link = self._book.links.get(peer)
+        return None if link is None else self._book.ping_rtt(peer, link.quic_rtt())
 
     def link_stats(self, peer: bytes) -> LinkStats | None:
-        link = self._links.get(peer)
-        return None if link is None else link.stats()
+        return self._book.link_stats(peer)
 
     def maintain(self, address: Address, expected_peer: bytes | None = None) -> None:
         """Keep a link to ``address`` up: dial now, and again whenever it is lost,
@@ -504,7 +557,7 @@ class QuicTransport(AdmissionMixin, Transport):
         attempt = 0
         while True:
             link = next(
-                (lk for lk in self._links.values() if lk.address == address and not lk.closed),
+                (lk for lk in self._book.links.values() if lk.address == address and not lk.closed),
                 None,
             )
             if link is None:
@@ -529,7 +582,7 @@ class QuicTransport(AdmissionMixin, Transport):
             await link.gone.wait()
 
     async def disconnect(self, peer: bytes, reason: str) -> None:
-        link = self._links.get(peer)
+        link = self._book.links.get(peer)
         if link is not None:
             self._close_link(link, reason)
 
@@ -542,39 +595,29 @@ class QuicTransport(AdmissionMixin, Transport):
         self._link_gone(link, reason, quiet=quiet)
 
     def _say_close(self, link: QuicLink, reason: str, quiet: bool) -> None:
-        if link.authenticated and not quiet:
-            with contextlib.suppress(FramingError):
-                self._send_frame(link, FrameType.CLOSE, reason.encode()[:500])
+        link.session.close(reason, quiet=quiet)  # a CLOSE frame when it was admitted
+        for lane, data in link.session.data_to_send():
+            link.quic.send_stream_data(link.stream_of(lane), data)
         link.quic.close(error_code=0, reason_phrase=reason)
         self._transmit(link)
 
     def _link_gone(self, link: QuicLink, reason: str, quiet: bool = False) -> None:
         if link.closed:
             return
-        link.closed = True
-        link.gone.set()
+        link.session.close(reason, quiet=True)
         self._settle(link)
-        for handle in (link.timer, link.auth_deadline):
-            if handle is not None:
-                handle.cancel()
-        if link.ping_task is not None:
-            link.ping_task.cancel()
-        link.credit_changed.set()
-        if not link.ready.done():
-            error = DuplicateLinkError if reason == "duplicate link" else RefusedError
-            link.ready.set_exception(error(f"refused: {reason}"))
+        if link.timer is not None:
+            link.timer.cancel()
+            link.timer = None
         for cid in [c for c, lk in self._by_cid.items() if lk is link]:
             del self._by_cid[cid]
-        if link.peer is not None and self._links.get(link.peer) is link:
-            del self._links[link.peer]
-            if not quiet:
-                self._events.put_nowait(PeerDisconnected(link.peer, reason))
+        self._book.gone(link, reason, quiet)
 
     async def close(self) -> None:
         for task in self._maintained.values():
             task.cancel()
         self._maintained.clear()
-        for link in list(self._by_cid.values()) + list(self._links.values()):
+        for link in list(self._by_cid.values()) + list(self._book.links.values()):
             self._close_link(link, "node shutting down")
         if self._udp is not None:
             self._udp.close()

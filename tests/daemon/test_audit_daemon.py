@@ -12,10 +12,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from ciuic_p2p.admission import ClusterCA
 from ciuic_p2p.daemon.control import request
 from ciuic_p2p.train.channel import DaemonChannel
 from tests.daemon.fleet import NOW, Fleet, free_port_block
+
+pytestmark = pytest.mark.processes
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -10,10 +10,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from ciuic_p2p.admission import ClusterCA
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.scenarios import load_scenario
 from tests.daemon.fleet import NOW, Fleet, free_port_block
+
+pytestmark = pytest.mark.processes
 
 NAMES = ["Tokyo", "Singapore", "Sydney", "Frankfurt", "London", "Virginia", "SaoPaulo", "Oregon"]
 PARTITION_AT_S = 45.0

@@ -7,11 +7,16 @@ from __future__ import annotations
 import asyncio
 import collections
 
+import pytest
+
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.mesh.broadcast import Delivery
+from ciuic_p2p.daemon.node import ChunkRecorder
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.scenarios import load_scenario
 from ciuic_p2p.lab.daemons import DaemonMesh
+
+pytestmark = pytest.mark.network
 
 NAMES = [
     "azure:westeurope",
@@ -27,20 +32,21 @@ async def test_broadcasts_over_real_daemons_arrive_exactly_once_despite_a_dead_r
     # 50 Mbit/s links: at the shipped 1 Mbit/s, six simultaneous broadcasts overflow
     # the links' queues and QUIC retransmits, which this test is not about.
     scenario = load_scenario(scenario_path("multicloud8"), rate_scale=0.05)
-    async with DaemonMesh(scenario, NAMES, Config.wan()) as mesh:
+    got: dict[str, collections.Counter[tuple[str, int]]] = {
+        name: collections.Counter() for name in NAMES
+    }
+    repaired: set[tuple[str, int]] = set()
+
+    def recorder(name: str) -> ChunkRecorder:
+        def record(d: Delivery) -> None:
+            got[name][(d.origin, d.seq)] += 1
+            if d.hops == 255:
+                repaired.add((d.origin, d.seq))
+
+        return ChunkRecorder(record)
+
+    async with DaemonMesh(scenario, NAMES, Config.wan(), observer=recorder) as mesh:
         await mesh.form()
-        got: dict[str, collections.Counter[tuple[str, int]]] = {}
-        repaired: set[tuple[str, int]] = set()
-        for name, daemon in mesh.daemons.items():
-            counter: collections.Counter[tuple[str, int]] = collections.Counter()
-            got[name] = counter
-
-            def record(d: Delivery, c: collections.Counter[tuple[str, int]] = counter) -> None:
-                c[(d.origin, d.seq)] += 1
-                if d.hops == 255:
-                    repaired.add((d.origin, d.seq))
-
-            daemon.on_delivery = record
         # Wait until every node computes the same trees (link state has spread).
         ids = [mesh.daemons[n].peer_id for n in NAMES]
 

@@ -23,11 +23,13 @@ import pytest
 from ciuic_p2p.admission import ClusterCA, Trust, load_certificate, write_pem
 from ciuic_p2p.config import SECTIONS, Config, config_from_toml, load_config
 from ciuic_p2p.config.example import example_toml
+from ciuic_p2p.daemon.assembly import bare_daemon
 from ciuic_p2p.daemon.control import request
 from ciuic_p2p.daemon.incarnation import next_incarnation
-from ciuic_p2p.daemon.node import MeshDaemon
 from ciuic_p2p.identity import NodeKey
 from tests.daemon.fleet import NOW, Fleet, free_port_block
+
+pytestmark = pytest.mark.processes
 
 ROOT = Path(__file__).resolve().parents[2]
 UNIT = ROOT / "systemd" / "ciuic-node.service"
@@ -289,7 +291,7 @@ def test_an_incarnation_raised_by_a_refutation_survives_a_restart(tmp_path: Path
         cfg = dataclasses.replace(
             Config.lan(), node=dataclasses.replace(Config.lan().node, listen_port=0)
         )
-        daemon = MeshDaemon(
+        daemon = bare_daemon(
             cfg, key, ca.issue(key.public_key, NOW), Trust(ca.certificate), state_dir=tmp_path
         )
         await daemon.start()

@@ -13,11 +13,8 @@ import dataclasses
 import json
 import os
 import shutil
-import socket
-import struct
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
 
 import aiohttp
 import pytest
@@ -25,12 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import Config, WebSection
-from ciuic_p2p.core.codec.chunk import ChunkHeader, Codec, IndexCode, build_chunk
-from ciuic_p2p.core.replica.messages import PayloadKind, envelope
-from ciuic_p2p.core.replica.messages import run_id_of as trainwire_run_id
-from ciuic_p2p.core.replica.trainersocket import TrainerFrame, frame_header, json_frame
+from ciuic_p2p.daemon.assembly import bare_daemon
 from ciuic_p2p.daemon.metrics import RouteWatch, StepRate
-from ciuic_p2p.daemon.node import MeshDaemon
 from ciuic_p2p.daemon.trainer import TrainerServer
 from ciuic_p2p.daemon.web import WebServer
 from ciuic_p2p.data import scenario_path
@@ -38,9 +31,11 @@ from ciuic_p2p.emulator.scenarios import load_scenario
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.lab.daemons import DaemonMesh
 from tests.daemon.fleet import NOW
+from tests.daemon.standin import StandInTrainer
+
+pytestmark = pytest.mark.network
 
 NAMES = ["azure:westeurope", "gcp:us-east1-b", "azure:japaneast"]
-RUN = "web-test"
 WEB = WebSection(port=0, refresh_s=0.2)
 TRAFFIC = [
     "peer_sent_bytes",
@@ -82,68 +77,10 @@ async def running_mesh(config: Config) -> AsyncIterator[DaemonMesh]:
         yield mesh
 
 
-class StandInTrainer:
-    """The trainer's end of the socket, enough to publish chunks of given steps."""
-
-    def __init__(self, server: TrainerServer) -> None:
-        self.server = server
-        self.welcome: dict[str, Any] = {}
-        self._writer: asyncio.StreamWriter | None = None
-        self._drain: asyncio.Task[None] | None = None
-        self._closed = False
-
-    async def attach(self) -> None:
-        ours, theirs = socket.socketpair()
-        await self.server.serve_socket(theirs)
-        reader, self._writer = await asyncio.open_unix_connection(sock=ours)
-        self._writer.write(json_frame(TrainerFrame.HELLO, {"run": RUN}))
-        length, ftype = struct.unpack("<IB", await reader.readexactly(5))
-        assert ftype == TrainerFrame.WELCOME
-        self.welcome = json.loads(await reader.readexactly(length - 1))
-        self._drain = asyncio.get_running_loop().create_task(self._read_all(reader))
-
-    async def _read_all(self, reader: asyncio.StreamReader) -> None:
-        while await reader.read(1 << 16):  # deliveries: not what these tests look at
-            pass
-
-    def publish(self, step: int) -> None:
-        header = ChunkHeader(
-            codec=Codec.DENSE_FP32,
-            index_code=IndexCode.NONE,
-            rice_bits=0,
-            block_size=0,
-            run_id=trainwire_run_id(RUN),
-            origin=bytes.fromhex(self.welcome["public_key"]),
-            incarnation=self.welcome["incarnation"],
-            step=step,
-            layout_id=1,
-            bucket=0,
-            range_start=0,
-            range_len=4,
-            count=4,
-        )
-        payload = envelope(PayloadKind.UPDATE) + build_chunk(header, [bytes(16)])
-        assert self._writer is not None
-        self._writer.write(frame_header(TrainerFrame.PUBLISH, len(payload)) + payload)
-
-    def report(self, figures: dict[str, float]) -> None:
-        """What the hook sends with each stats request (its own timings)."""
-        assert self._writer is not None
-        self._writer.write(json_frame(TrainerFrame.STATS_REQUEST, figures))
-
-    async def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._drain is not None:
-            self._drain.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._drain
-        if self._writer is not None:
-            self._writer.close()
-            with contextlib.suppress(ConnectionError):
-                await self._writer.wait_closed()
-        await self.server.close()
+def trainer_of(mesh: DaemonMesh, name: str) -> TrainerServer:
+    server = mesh.nodes[name].trainers
+    assert server is not None
+    return server
 
 
 async def scrape(
@@ -167,7 +104,7 @@ async def test_metrics_of_a_running_mesh_carry_every_family_with_per_peer_labels
     )
     async with running_mesh(config) as mesh:
         daemons = [mesh.daemons[n] for n in NAMES]
-        servers = [TrainerServer(d) for d in daemons]
+        servers = [trainer_of(mesh, n) for n in NAMES]
         trainers = [StandInTrainer(s) for s in servers[:2]]
         web = WebServer(daemons[0], WEB, trainer=servers[0])
         port = await web.start()
@@ -242,8 +179,6 @@ async def test_metrics_of_a_running_mesh_carry_every_family_with_per_peer_labels
             await web.close()
             for t in trainers:
                 await t.close()
-            for s in servers[2:]:
-                await s.close()
 
 
 async def test_endpoint_on_loopback_refuses_requests_for_another_host_name(tmp_path: Path) -> None:
@@ -251,7 +186,7 @@ async def test_endpoint_on_loopback_refuses_requests_for_another_host_name(tmp_p
     config = dataclasses.replace(config, node=dataclasses.replace(config.node, listen_port=0))
     ca = ClusterCA.create("web", NOW)
     key = NodeKey.generate()
-    daemon = MeshDaemon(
+    daemon = bare_daemon(
         config, key, ca.issue(key.public_key, NOW), Trust(ca.certificate), state_dir=tmp_path
     )
     await daemon.start()
@@ -337,6 +272,7 @@ async def cancel(task: asyncio.Task[None]) -> None:
         await task
 
 
+@pytest.mark.browser
 @pytest.mark.timeout(120)
 async def test_status_page_in_a_browser_shows_the_mesh_and_a_node_that_leaves() -> None:
     chromium = chromium_or_skip()
@@ -351,7 +287,7 @@ async def test_status_page_in_a_browser_shows_the_mesh_and_a_node_that_leaves() 
     shot = artifact_path("status-page.png")
     shot.unlink(missing_ok=True)
     async with running_mesh(Config.wan()) as mesh, contextlib.AsyncExitStack() as stack:
-        trainers = {n: StandInTrainer(TrainerServer(mesh.daemons[n])) for n in NAMES}
+        trainers = {n: StandInTrainer(trainer_of(mesh, n)) for n in NAMES}
         for t in trainers.values():
             stack.push_async_callback(t.close)
             await t.attach()

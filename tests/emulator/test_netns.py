@@ -11,6 +11,8 @@ from ciuic_p2p.emulator.netns import commands, netem_args
 from ciuic_p2p.emulator.scenarios import load_scenario
 from tests.test_cli import run_cli
 
+pytestmark = pytest.mark.processes
+
 
 def test_netem_command_measures_the_scenario_or_says_netem_is_missing() -> None:
     result = run_cli("netem", "multicloud8", "--nodes", "3", "--pings", "2")

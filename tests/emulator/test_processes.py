@@ -10,6 +10,8 @@ from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.processes import ProcessMesh
 from ciuic_p2p.emulator.scenarios import load_scenario
 
+pytestmark = pytest.mark.processes
+
 
 def test_separate_processes_see_the_scenario_rtts(process_mesh: ProcessMesh) -> None:
     scenario = load_scenario(scenario_path("multicloud8"))

@@ -7,6 +7,8 @@ import dataclasses
 import math
 from typing import Any
 
+import pytest
+
 from ciuic_p2p.core.link.frames import FrameType
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.mesh import EmulatedMesh, PingNode, measure_rate_error_pct, measure_rtts
@@ -19,6 +21,8 @@ from ciuic_p2p.transport.sockbuf import size_buffers
 from tests.conftest import eventually
 from tests.transport.conftest import FAST, Cluster
 from tests.transport.test_quic import next_of
+
+pytestmark = pytest.mark.network
 
 PINGY = dataclasses.replace(FAST, ping_interval_s=0.02)
 

@@ -8,9 +8,10 @@ stranger's bytes:
   (the gate, aioquic's header parsing and decryption, connection set-up). It never
   raises by design (ciuic_p2p.guard counts what it cannot handle), so the target
   re-raises anything the transport's guard caught: an ``internal_error`` is a failure;
-- ``ServerAdmission.receive``: what the transport calls with a pre-auth link's
-  control-stream bytes (framing, ``AUTH``, ``check_auth``, the certificate checks of
-  ``Trust.verify``). Only errors of ``ciuic_p2p.errors`` (typed refusals) may come out.
+- ``LinkSession.receive`` of an accepting link session (core.link.session): what
+  both transports call with a pre-auth link's control-stream bytes (framing, ``AUTH``,
+  ``check_auth``, the certificate checks of ``Trust.verify``). It ends a session with
+  a ``Closed`` event and never raises: anything that comes out is a failure.
 
 Seeds: a real client Initial, valid and broken ``AUTH`` frames with a real node
 certificate of the cluster, and the certificates a fuzzer once found to break the
@@ -24,14 +25,13 @@ directory named on the command line), seeded on first use.
 
 With atheris (``pip install atheris``) it is coverage-guided; without it, ``--mutate N``
 runs N seeded random mutations of the seeds (what ``make test`` runs, briefly, when
-atheris is missing). Either way it exits 0 only if every input gave a typed error or
-none.
+atheris is missing). Either way it exits 0 only if no input made either function raise
+or the transport's guard catch anything.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
 import os
 import random
@@ -43,10 +43,10 @@ from pathlib import Path
 from cryptography.hazmat.primitives import serialization
 
 from ciuic_p2p.admission import ClusterCA, Trust
-from ciuic_p2p.config import LogSection
-from ciuic_p2p.core.link.auth import ServerAdmission, build_auth
+from ciuic_p2p.config import LogSection, TransportSection
+from ciuic_p2p.core.link.auth import build_auth
 from ciuic_p2p.core.link.frames import FrameType, encode_frame
-from ciuic_p2p.errors import CiuicError
+from ciuic_p2p.core.link.session import Lane, LinkSession, LocalIdentity
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.logsetup import configure_logging
 from ciuic_p2p.transport.quic import QuicTransport
@@ -79,6 +79,8 @@ class Target:
         self.key = key
         cert = self.ca.issue(key.public_key, NOW - dt.timedelta(days=1))
         self.transport = QuicTransport(key, cert, self.trust, wallclock=lambda: NOW)
+        self.identity = LocalIdentity(key, cert.public_bytes(serialization.Encoding.DER))
+        self.settings = TransportSection()
         self.loop = asyncio.new_event_loop()
         self.loop.run_until_complete(self.transport.start())
         member_key = NodeKey.generate()
@@ -108,10 +110,18 @@ class Target:
             if caught is not None:
                 self.transport.guard.last = None
                 raise AssertionError(f"internal error on a datagram: {caught!r}") from caught
-        else:
-            admission = ServerAdmission(self.trust, self.key.public_key, b"s" * 8, b"o" * 8)
-            with contextlib.suppress(CiuicError):  # a typed refusal: what a stranger gets
-                admission.receive(data[1:], NOW)
+        else:  # the control stream's bytes, to the accepting link session itself
+            session = LinkSession(
+                dialed=False,
+                identity=self.identity,
+                trust=self.trust,
+                settings=self.settings,
+                now=0.0,
+            )
+            session.bind_server(b"s" * 8, b"o" * 8)
+            session.receive(Lane.CONTROL, data[1:], 0.0, NOW)  # events only, never raises
+            while session.next_event() is not None:
+                pass
 
     def close(self) -> None:
         self.loop.run_until_complete(self.transport.close())

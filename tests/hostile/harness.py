@@ -18,7 +18,8 @@ from types import TracebackType
 from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.mesh.broadcast import Delivery
-from ciuic_p2p.daemon.node import MeshDaemon
+from ciuic_p2p.daemon.assembly import NodeAssembly
+from ciuic_p2p.daemon.node import ChunkRecorder, MeshDaemon
 from ciuic_p2p.identity import NodeKey
 from tests.hostile.attack import Liar
 
@@ -32,7 +33,8 @@ def fast_config() -> Config:
 
 
 class HonestMesh:
-    """Daemons ``names``, joined through the first; each delivery recorded by name."""
+    """Nodes ``names`` assembled as ``ciuic-node run`` does (daemon, store, trainer
+    server), joined through the first; each delivery recorded by name."""
 
     def __init__(self, root: Path, names: Sequence[str], config: Config | None = None) -> None:
         self.root = root
@@ -40,23 +42,25 @@ class HonestMesh:
         self.config = config or fast_config()
         self.ca = ClusterCA.create("hostile-test", NOW)
         self.trust = Trust(self.ca.certificate)
+        self.nodes: dict[str, NodeAssembly] = {}
         self.daemons: dict[str, MeshDaemon] = {}
         self.delivered: dict[str, list[Delivery]] = collections.defaultdict(list)
 
     async def start(self, name: str) -> MeshDaemon:
         key = NodeKey.generate()
         node = dataclasses.replace(self.config.node, name=name)
-        daemon = MeshDaemon(
+        assembled = NodeAssembly(
             dataclasses.replace(self.config, node=node),
             key,
             self.ca.issue(key.public_key, NOW),
             self.trust,
             state_dir=self.root / name,
+            observer=ChunkRecorder(self.delivered[name].append),
         )
-        await daemon.start()
-        daemon.on_delivery = self.delivered[name].append
-        self.daemons[name] = daemon
-        return daemon
+        await assembled.start()
+        self.nodes[name] = assembled
+        self.daemons[name] = assembled.daemon
+        return assembled.daemon
 
     async def form(self, timeout_s: float = 20.0) -> None:
         for name in self.names:
@@ -80,8 +84,8 @@ class HonestMesh:
         return [(d.origin, d.seq) for d in self.delivered[name]]
 
     async def close(self) -> None:
-        for daemon in self.daemons.values():
-            await daemon.close()
+        for node in self.nodes.values():
+            await node.close()
 
     async def __aenter__(self) -> HonestMesh:
         return self

@@ -17,6 +17,8 @@ import pytest
 from tests.daemon.fleet import Fleet, free_port_block
 from tests.hostile.attack import long_header, random_datagrams, source_hosts
 
+pytestmark = pytest.mark.processes
+
 
 def spray(target: tuple[str, int], datagrams: list[bytes], hosts: list[str]) -> None:
     sockets = []

@@ -14,6 +14,7 @@ import struct
 from pathlib import Path
 
 import aiohttp
+import pytest
 
 from ciuic_p2p.config import LogSection, WebSection
 from ciuic_p2p.core.link.frames import FrameType, encode_frame
@@ -27,6 +28,8 @@ from tests.hostile.harness import HonestMesh, until
 from tests.transport.conftest import FAST, Cluster, NodeFactory
 from tests.transport.rawclient import RawClient
 from tests.transport.test_hostile import authenticated_raw
+
+pytestmark = pytest.mark.network
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -9,6 +9,8 @@ import asyncio
 import struct
 from pathlib import Path
 
+import pytest
+
 from ciuic_p2p.core.link.frames import FrameType
 from ciuic_p2p.core.mesh.members import State
 from ciuic_p2p.core.mesh.messages import (
@@ -32,11 +34,14 @@ from ciuic_p2p.core.mesh.messages import (
 )
 from ciuic_p2p.core.replica.messages import PayloadKind as TrainKind
 from ciuic_p2p.core.replica.messages import encode_presence, run_id_of
+from ciuic_p2p.daemon.assembly import bare_daemon
 from ciuic_p2p.daemon.incarnation import next_incarnation
-from ciuic_p2p.daemon.node import REPAIR_QUEUE_BYTES, MeshDaemon
+from ciuic_p2p.daemon.node import REPAIR_QUEUE_BYTES
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from tests.hostile.attack import Liar
 from tests.hostile.harness import NOW, HonestMesh, holds, until
+
+pytestmark = pytest.mark.network
 
 NAMES = ["a", "b", "c"]
 
@@ -105,7 +110,7 @@ async def test_a_node_whose_incarnation_file_holds_2_to_the_64_starts(tmp_path: 
     key = NodeKey.generate()
     (tmp_path / "mesh" / "a").mkdir(parents=True)
     (tmp_path / "mesh" / "a" / "incarnation").write_text("18446744073709551616\n")
-    daemon = MeshDaemon(
+    daemon = bare_daemon(
         mesh.config,
         key,
         mesh.ca.issue(key.public_key, NOW),
@@ -114,7 +119,7 @@ async def test_a_node_whose_incarnation_file_holds_2_to_the_64_starts(tmp_path: 
     )
     await daemon.start()
     try:
-        assert daemon.mesh.membership.incarnation == 0
+        assert daemon.mesh.incarnation == 0
     finally:
         await daemon.close()
 

@@ -29,10 +29,11 @@ from ciuic_p2p.core.store.messages import (
     encode,
 )
 from ciuic_p2p.daemon.node import MeshDaemon
-from ciuic_p2p.daemon.store import StoreError, StoreService
-from ciuic_p2p.daemon.trainer import TrainerServer
+from ciuic_p2p.daemon.store import StoreError
 from tests.hostile.attack import Liar
 from tests.hostile.harness import HonestMesh, fast_config, rss_bytes, until
+
+pytestmark = pytest.mark.network
 
 MiB = 1 << 20
 
@@ -59,7 +60,7 @@ async def test_a_get_that_repeats_pieces_queues_each_once_within_a_bound(tmp_pat
     mesh, liar = await mesh_with_liar(tmp_path, ["a"])
     try:
         a = mesh.daemons["a"]
-        store = StoreService(a)
+        store = mesh.nodes["a"].store
         manifest = store.put_local("blob", 1, os.urandom(8 * MiB))
         peak = 0
 
@@ -98,7 +99,7 @@ async def test_an_offer_of_a_huge_object_allocates_nothing(tmp_path: Path) -> No
     once (2 offers of 512 MiB: +1.05 GB)."""
     mesh, liar = await mesh_with_liar(tmp_path, ["b"])
     try:
-        store = StoreService(mesh.daemons["b"])
+        store = mesh.nodes["b"].store
         before = rss_bytes()
 
         async def answer_queries() -> None:
@@ -133,7 +134,8 @@ async def trainer_session(tmp_path: Path) -> AsyncIterator[tuple[MeshDaemon, asy
     daemon's group: the socket is 0660)."""
     mesh = HonestMesh(tmp_path, ["a"], small_store_config())  # type: ignore[arg-type]
     await mesh.form()
-    server = TrainerServer(mesh.daemons["a"])
+    server = mesh.nodes["a"].trainers
+    assert server is not None
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         await server.serve_socket(theirs)
@@ -181,7 +183,7 @@ async def test_one_member_cannot_take_what_a_holder_keeps_for_all(tmp_path: Path
     )
     await mesh.form()
     try:
-        stores = {n: StoreService(mesh.daemons[n]) for n in mesh.names}
+        stores = {n: mesh.nodes[n].store for n in mesh.names}
         victim = mesh.daemons["victim"]
         for i in range(3):  # 3 x 3 MiB: more than mallory's share of 2 MiB, and the whole
             name = f"junk{i}"

@@ -28,6 +28,8 @@ from tests.transport.conftest import FAST, NOW, Cluster, NodeFactory
 from tests.transport.rawclient import RawClient
 from tests.transport.test_quic import next_of
 
+pytestmark = pytest.mark.network
+
 
 async def seen_by_gate(server: object, count: int, timeout_s: float = 10.0) -> None:
     """Until the gate has decided about ``count`` datagrams (they are sent faster than

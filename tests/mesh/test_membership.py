@@ -36,9 +36,9 @@ def mesh() -> SimMesh:
 
 def test_all_join_through_one_seed_and_agree(mesh: SimMesh) -> None:
     assert mesh.agree(NAMES)
-    for node in mesh.nodes.values():
-        assert node.membership.joined
-        assert all(e.state == State.ALIVE for e in node.events)
+    for name, node in mesh.nodes.items():
+        assert node.joined
+        assert all(e.state == State.ALIVE for e in mesh.member_events[name])
 
 
 def test_a_crash_is_seen_by_every_survivor_and_a_restart_comes_back_newer(mesh: SimMesh) -> None:
@@ -107,7 +107,10 @@ def test_no_false_declarations_under_loss_and_jitter() -> None:
     sim.run_until_true(sim.agree, limit_s=20)
     sim.run_for(300)
     declared = [
-        (n, e.node) for n, node in sim.nodes.items() for e in node.events if e.state >= State.DEAD
+        (n, e.node)
+        for n, events in sim.member_events.items()
+        for e in events
+        if e.state >= State.DEAD
     ]
     assert declared == []
     assert sim.agree(NAMES)

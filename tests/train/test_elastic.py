@@ -31,6 +31,8 @@ from ciuic_p2p.train.checkpoint import (
 from ciuic_p2p.train.embedded import EmbeddedDaemon
 from ciuic_p2p.train.hook import MeshSync, flatten_parameters
 
+pytestmark = pytest.mark.processes
+
 REPO = Path(__file__).resolve().parents[2]
 
 

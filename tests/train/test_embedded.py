@@ -10,6 +10,7 @@ import os
 import threading
 from pathlib import Path
 
+import pytest
 import torch
 
 from ciuic_p2p.admission import ClusterCA, Trust
@@ -21,6 +22,8 @@ from ciuic_p2p.train.channel import ChannelError
 from ciuic_p2p.train.checkpoint import load_newest
 from ciuic_p2p.train.embedded import EmbeddedDaemon
 from ciuic_p2p.train.hook import MeshSync
+
+pytestmark = pytest.mark.network
 
 
 def test_three_embedded_replicas_train_and_apply_every_chunk_once(tmp_path: Path) -> None:

@@ -9,10 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from ciuic_p2p.core.replica.rule import consensus_distance
 from ciuic_p2p.lab.cluster import LocalCluster, free_port_block, spread_nodes
+
+pytestmark = pytest.mark.processes
 
 SCRIPT = r"""
 import json, sys, torch, torch.distributed as dist

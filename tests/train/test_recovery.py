@@ -11,11 +11,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 from ciuic_p2p.core.replica.rule import consensus_distance
 from ciuic_p2p.daemon.control import request
 from ciuic_p2p.lab.cluster import JsonLines, LocalCluster, spread_nodes
+
+pytestmark = pytest.mark.processes
 
 CONFIG = """
 [codec]

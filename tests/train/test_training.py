@@ -20,6 +20,8 @@ from ciuic_p2p.lab.cluster import LocalCluster, spread_nodes
 from ciuic_p2p.lab.demo import DEMO_CONFIG
 from ciuic_p2p.lab.report import final_consensus, summarize
 
+pytestmark = pytest.mark.processes
+
 CONFIG = DEMO_CONFIG.format(density=0.01, send_interval=2, max_interval=16, bound=64)
 
 

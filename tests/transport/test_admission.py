@@ -19,6 +19,8 @@ from tests.conftest import eventually
 from tests.transport.conftest import NOW, Cluster, NodeFactory
 from tests.transport.rawclient import RawClient
 
+pytestmark = pytest.mark.network
+
 
 def der(cert: object) -> bytes:
     return cert.public_bytes(serialization.Encoding.DER)  # type: ignore[attr-defined,no-any-return]

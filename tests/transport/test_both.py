@@ -16,6 +16,8 @@ from ciuic_p2p.transport.quic import QuicTransport, TransportError
 from tests.transport.conftest import FAST, NOW, Cluster
 from tests.transport.test_quic import next_of
 
+pytestmark = pytest.mark.network
+
 Factory = Callable[[Trust | None, ClusterCA | None], Awaitable[Transport]]
 
 
@@ -31,7 +33,7 @@ async def factory(request: pytest.FixtureRequest, cluster: Cluster):  # type: ig
         if request.param == "quic":
             node = QuicTransport(key, cert, trust or cluster.trust, settings=FAST)
         else:
-            node = MemoryTransport(network, key.public_key, cert, trust or cluster.trust, FAST)
+            node = MemoryTransport(network, key, cert, trust or cluster.trust, FAST)
         await node.start()
         made.append(node)
         return node

@@ -21,6 +21,8 @@ from tests.transport.conftest import Cluster, NodeFactory
 from tests.transport.rawclient import RawClient
 from tests.transport.test_quic import next_of
 
+pytestmark = pytest.mark.network
+
 
 async def authenticated_raw(
     server: object, cluster: Cluster, max_stream_data: int | None = None

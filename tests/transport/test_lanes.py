@@ -13,6 +13,8 @@ from ciuic_p2p.core.codec.origin import sign_chunk
 from ciuic_p2p.transport.lanes import LanePool, lane_of
 from tests.transport.conftest import FAST, Cluster
 
+pytestmark = pytest.mark.network
+
 
 @pytest.mark.timeout(120)
 async def test_chunks_spread_over_lanes_arrive_once_each_verified(cluster: Cluster) -> None:

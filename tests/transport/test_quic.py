@@ -15,6 +15,8 @@ from ciuic_p2p.transport.quic import QuicTransport, TransportError
 from tests.conftest import eventually
 from tests.transport.conftest import FAST, Cluster, NodeFactory
 
+pytestmark = pytest.mark.network
+
 
 async def next_of(
     node: QuicTransport, kind: type, timeout: float = 5.0, peer: bytes | None = None
@@ -189,7 +191,8 @@ async def test_the_aioquic_internals_we_read_exist(make_node: NodeFactory) -> No
     which and why): a release that renames one fails here, not in production."""
     a, b = await make_node(), await make_node()
     await a.connect((b.host, b.port))
-    link = next(iter(a._links.values()))
+    link = a.connection(b.local_key)
+    assert link is not None
     quic = link.quic
     assert quic.tls._peer_certificate is not None
     assert isinstance(quic._peer_cid.cid, bytes)

@@ -117,7 +117,12 @@ class Membership:
         seed: int = 0,
         coordinate: Callable[[], Coordinate] = Coordinate,
         estimate_rtt_s: Callable[[str, str], float | None] = lambda a, b: None,
+        links_for_sync: Callable[[], list[Links]] = list,
+        links_digest: Callable[[], int] = lambda: 0,
     ) -> None:
+        """The callables are what the RTT map (core.mesh.rttmap) lends membership:
+        this node's coordinate, an RTT estimate between two members, the link state
+        to hand a syncing member, and its digest (carried on every probe)."""
         self.node = node
         self.address = address
         self.region = region
@@ -136,8 +141,8 @@ class Membership:
         """(peer, its coordinate, RTT) from direct probes, for the RTT map to take."""
         self.links_received: list[Links] = []
         """Link-state updates that arrived, for the RTT map to take."""
-        self.links_for_sync: Callable[[], list[Links]] = list
-        self.links_digest: Callable[[], int] = lambda: 0
+        self.links_for_sync = links_for_sync
+        self.links_digest = links_digest
         self.leaving = False
         self.joined = True
         """False from :meth:`join` until the member joined through answers."""

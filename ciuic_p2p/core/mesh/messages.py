@@ -51,6 +51,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ciuic_p2p.core.binary import U16, Reader, Writer
 from ciuic_p2p.core.codec.chunk import MAX_CHUNK_BYTES
 from ciuic_p2p.errors import CiuicError
 
@@ -260,34 +261,17 @@ _KIND_OF: dict[type, MeshKind] = {
     Heads: MeshKind.HEADS,
     Want: MeshKind.WANT,
 }
-_U16, _U32, _U64 = struct.Struct("<H"), struct.Struct("<I"), struct.Struct("<Q")
 _COORD = struct.Struct(f"<{COORD_DIMENSIONS + 2}f")
 
 
 # -- encoding ---------------------------------------------------------------------------
 
 
-class _Writer:
-    def __init__(self) -> None:
-        self.parts: list[bytes] = []
+class _Writer(Writer):
+    """The mesh's fields on top of core.binary's."""
 
-    def u8(self, v: int) -> None:
-        self.parts.append(bytes((v,)))
-
-    def u16(self, v: int) -> None:
-        self.parts.append(_U16.pack(v))
-
-    def u32(self, v: int) -> None:
-        self.parts.append(_U32.pack(v))
-
-    def u64(self, v: int) -> None:
-        self.parts.append(_U64.pack(v))
-
-    def str8(self, s: str) -> None:
-        raw = s.encode()
-        if len(raw) > MAX_ID_BYTES:
-            raise ValueError(f"identifier of {len(raw)} bytes exceeds {MAX_ID_BYTES}")
-        self.parts.append(bytes((len(raw),)) + raw)
+    def str8(self, s: str, max_bytes: int = MAX_ID_BYTES, what: str = "identifier") -> None:
+        super().str8(s, max_bytes, what)
 
     def coord(self, c: Coordinate) -> None:
         self.parts.append(_COORD.pack(*c.vec, c.height_s, c.error))
@@ -300,7 +284,7 @@ class _Writer:
     def bytes16(self, data: bytes, limit: int) -> None:
         if len(data) > limit:
             raise ValueError(f"{len(data)} bytes exceed the limit of {limit}")
-        self.parts.append(_U16.pack(len(data)) + bytes(data))
+        self.parts.append(U16.pack(len(data)) + bytes(data))
 
     def updates(self, updates: tuple[Update, ...]) -> None:
         self.u16(len(updates))
@@ -431,38 +415,14 @@ def update_size(u: Update) -> int:
 # -- decoding ---------------------------------------------------------------------------
 
 
-class _Reader:
+class _Reader(Reader):
+    """The mesh's fields on top of core.binary's; every failure a MeshDecodeError."""
+
     def __init__(self, data: bytes) -> None:
-        self.data = memoryview(data)
-        self.pos = 0
+        super().__init__(data, MeshDecodeError)
 
-    def take(self, n: int) -> memoryview:
-        if n < 0 or self.pos + n > len(self.data):
-            raise MeshDecodeError(f"truncated at byte {self.pos} (wanted {n} more)")
-        out = self.data[self.pos : self.pos + n]
-        self.pos += n
-        return out
-
-    def u8(self) -> int:
-        return self.take(1)[0]
-
-    def u16(self) -> int:
-        return int(_U16.unpack(self.take(2))[0])
-
-    def u32(self) -> int:
-        return int(_U32.unpack(self.take(4))[0])
-
-    def u64(self) -> int:
-        return int(_U64.unpack(self.take(8))[0])
-
-    def str8(self) -> str:
-        n = self.u8()
-        if n > MAX_ID_BYTES:
-            raise MeshDecodeError(f"identifier of {n} bytes exceeds {MAX_ID_BYTES}")
-        try:
-            return bytes(self.take(n)).decode()
-        except UnicodeDecodeError:
-            raise MeshDecodeError("identifier is not UTF-8") from None
+    def str8(self, max_bytes: int = MAX_ID_BYTES, what: str = "identifier") -> str:
+        return super().str8(max_bytes, what)
 
     def coord(self) -> Coordinate:
         values = _COORD.unpack(self.take(_COORD.size))
@@ -481,12 +441,6 @@ class _Reader:
 
     def sig(self) -> bytes:
         return bytes(self.take(SIGNATURE_BYTES))
-
-    def count(self, limit: int, what: str) -> int:
-        n = self.u16()
-        if n > limit:
-            raise MeshDecodeError(f"{n} {what} exceed the limit of {limit}")
-        return n
 
     def updates(self) -> tuple[Update, ...]:
         return tuple(self.update() for _ in range(self.count(MAX_UPDATES, "updates")))
@@ -576,6 +530,5 @@ def decode_message(data: bytes) -> Message:
         raise MeshDecodeError(f"{kind.name} message of {len(data)} bytes exceeds its limit")
     sender = r.str8()
     body = _BODY_READERS[kind](r)
-    if r.pos != len(data):
-        raise MeshDecodeError(f"{len(data) - r.pos} trailing bytes after {kind.name}")
+    r.end(kind.name)
     return Message(sender, body)

@@ -1,12 +1,19 @@
 """One node of the mesh as a pure state machine: membership, the RTT map, routing and
 dissemination together, behind the interface the simulator and the daemon drive.
 
-    node = MeshNode("tokyo", "127.0.0.1:7946", settings, now=0.0)
+    node = MeshNode("tokyo", "127.0.0.1:7946", settings, now=0.0, identities=ids)
     node.join("10.0.0.2:7946", now)
     node.receive_datagram(src_address, data, now)   # every mesh message that arrives
     for address, data in node.datagrams_to_send(now): ...
+    while (event := node.next_event()) is not None: ...   # one typed stream out
     node.get_timer(); node.handle_timer(now)
-    node.broadcast(payload, now); node.take_deliveries()
+    node.broadcast(payload, now)
+
+What the node tells its driver is one stream of events, as aioquic's connection does:
+:class:`Joined`, :class:`LeaveSpread`, :class:`MemberEvent` (a member entered a
+state), :class:`Delivered` (a chunk to hand up, once) and :class:`IncarnationRaised`
+(persist it: a restart must come back above it). Everything else the driver reads
+through accessors (``incarnation``, ``members()``, ``rtt_s``...), never the parts.
 
 Messages are addressed by the member's address string (``host:port`` in the daemon,
 the node's name in the simulator); the daemon checks that a message's sender name is
@@ -19,7 +26,11 @@ another node signed against the credentials in one :class:`Identities`
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import types
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from ciuic_p2p.config.sections import MeshSection
 from ciuic_p2p.core.mesh.broadcast import Delivery, Disseminator
@@ -27,6 +38,7 @@ from ciuic_p2p.core.mesh.identities import Identities
 from ciuic_p2p.core.mesh.members import Member, MemberEvent, State
 from ciuic_p2p.core.mesh.membership import Membership
 from ciuic_p2p.core.mesh.messages import (
+    Alive,
     Chunk,
     Heads,
     Links,
@@ -42,6 +54,34 @@ from ciuic_p2p.core.mesh.routing import Router
 from ciuic_p2p.core.mesh.rttmap import RttMap
 
 DISSEMINATION_KINDS = frozenset({MeshKind.CHUNK, MeshKind.HEADS, MeshKind.WANT})
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """A member answered this node's join: it is in the mesh."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeaveSpread:
+    """This node's leave announcement has gone out to the members it could tell."""
+
+
+@dataclass(frozen=True, slots=True)
+class Delivered:
+    """A chunk whose origin signature checked, seen here for the first time."""
+
+    delivery: Delivery
+
+
+@dataclass(frozen=True, slots=True)
+class IncarnationRaised:
+    """A refutation raised this node's incarnation: a restart must come back above
+    it, or the mesh would take the restarted node for its suspected past."""
+
+    incarnation: int
+
+
+MeshEvent = Joined | LeaveSpread | MemberEvent | Delivered | IncarnationRaised
 
 
 class MeshNode:
@@ -72,9 +112,9 @@ class MeshNode:
             seed=seed,
             coordinate=lambda: self.rttmap.vivaldi.coordinate,
             estimate_rtt_s=self.rttmap.rtt_s,
+            links_for_sync=self.rttmap.all_links,
+            links_digest=self.rttmap.digest,
         )
-        self.membership.links_for_sync = self.rttmap.all_links
-        self.membership.links_digest = self.rttmap.digest
         self.router = Router(node, settings)
         self.dissemination = Disseminator(
             node,
@@ -85,7 +125,10 @@ class MeshNode:
             seed=seed,
             session=incarnation,
         )
-        self.events: list[MemberEvent] = []
+        self._events: collections.deque[MeshEvent] = collections.deque()
+        self._joined_told = True  # nothing to tell until join() is called
+        self._left_told = False
+        self._incarnation_told = incarnation
         self.decode_errors = 0
         self.messages_sent = 0
         self._routing_key: tuple[int, int] | None = None
@@ -133,10 +176,18 @@ class MeshNode:
         self.dissemination.handle_timer(now)
         self._settle(now)
 
+    def next_event(self) -> MeshEvent | None:
+        """The next thing this node has to tell its driver, oldest first."""
+        return self._events.popleft() if self._events else None
+
     # -- the application's side -----------------------------------------------------------------
 
     def join(self, address: str, now: float) -> None:
+        """Join through the member at ``address`` (retried until it answers); a
+        :class:`Joined` event follows its answer."""
         self.membership.join(address, now)
+        self._joined_told = False
+        self._settle(now)
 
     def learn_identity(self, node: str, credential: bytes) -> bool:
         """A credential checked elsewhere too (an authenticated link's certificate);
@@ -144,14 +195,64 @@ class MeshNode:
         return self.identities.learn(node, credential, keep=self.membership.members.__contains__)
 
     def leave(self, now: float) -> None:
+        """Announce a graceful departure; :class:`LeaveSpread` follows once it went
+        out. Keep driving the node until then (or ``leave_propagate_s``)."""
         self.membership.leave(now)
+        self._settle(now)
 
     def broadcast(self, payload: bytes, now: float) -> int:
         self._route()
-        return self.dissemination.publish(payload, now)
+        seq = self.dissemination.publish(payload, now)
+        self._settle(now)
+        return seq
 
-    def take_deliveries(self) -> list[Delivery]:
-        return self.dissemination.take_deliveries()
+    def bootstrap(self, alive: list[Alive], now: float) -> None:
+        """Start knowing these members alive (large simulations skip the joins)."""
+        self.membership.bootstrap(alive, now)
+        self._settle(now)
+
+    # -- what it knows (accessors: the driver never reaches into the parts) ----------------
+
+    @property
+    def incarnation(self) -> int:
+        return self.membership.incarnation
+
+    @property
+    def joined(self) -> bool:
+        """In the mesh: no join pending (a node that never joined counts as in it)."""
+        return self.membership.joined
+
+    @property
+    def health_score(self) -> int:
+        """Lifeguard's local health: 0 when healthy (core.mesh.suspicion)."""
+        return self.membership.awareness.score
+
+    def members(self) -> Mapping[str, Member]:
+        """The member table, read-only: every member this node knows, in any state."""
+        return types.MappingProxyType(self.membership.members)
+
+    def state_of(self, node: str) -> State | None:
+        return self.membership.state_of(node)
+
+    def rtt_s(self, a: str, b: str) -> float | None:
+        """The RTT between two members as this node's map has it (core.mesh.rttmap)."""
+        return self.rttmap.rtt_s(a, b)
+
+    def rtt_source(self, a: str, b: str) -> str:
+        """Where that RTT comes from: measured here, published by a member, Vivaldi."""
+        return self.rttmap.source(a, b)
+
+    def loss_of(self, a: str, b: str) -> float | None:
+        return self.rttmap.loss_of(a, b)
+
+    def public_key_of(self, node: str) -> bytes | None:
+        """A member's key, from its checked credential."""
+        return self.identities.public_key(node)
+
+    def recheck_identities(self) -> list[str]:
+        """Check every member's credential again (a reloaded revocation list); the
+        members now refused (they can no longer sign anything that counts here)."""
+        return self.identities.recheck()
 
     def address_of(self, node: str) -> str | None:
         m: Member | None = self.membership.members.get(node)
@@ -189,12 +290,27 @@ class MeshNode:
                     self.rttmap.forget(event.node)
                 if event.state == State.LEFT:
                     self.dissemination.forget(event.node)
-            self.events += m.events
+            self._events.extend(m.events)
             m.events.clear()
             self._view_version += 1
         published = self.rttmap.publish(now)
         if published is not None:
             m.queue.put(published)
+        self._tell(m)
+
+    def _tell(self, m: Membership) -> None:
+        """Turn what changed in the parts into events."""
+        if m.incarnation > self._incarnation_told:
+            self._incarnation_told = m.incarnation
+            self._events.append(IncarnationRaised(m.incarnation))
+        if not self._joined_told and m.joined:
+            self._joined_told = True
+            self._events.append(Joined())
+        if not self._left_told and m.left_spread():
+            self._left_told = True
+            self._events.append(LeaveSpread())
+        for delivery in self.dissemination.take_deliveries():
+            self._events.append(Delivered(delivery))
 
     def _route(self) -> None:
         key = (self._view_version, self.rttmap.changes)
@@ -210,4 +326,16 @@ class MeshNode:
         return self.router.children(origin)
 
 
-__all__ = ["Chunk", "Delivery", "Heads", "MeshNode", "Want"]
+__all__ = [
+    "Chunk",
+    "Delivered",
+    "Delivery",
+    "Heads",
+    "IncarnationRaised",
+    "Joined",
+    "LeaveSpread",
+    "MemberEvent",
+    "MeshEvent",
+    "MeshNode",
+    "Want",
+]

@@ -32,6 +32,8 @@ from ciuic_p2p.core.replica.messages import (
     decode_payload,
     decode_presence,
 )
+from ciuic_p2p.core.replica.parameters import Parameters
+from ciuic_p2p.core.replica.roster import Roster
 from ciuic_p2p.errors import CiuicError, CodecError, ReplayedChunkError
 
 STALENESS_BINS = 4096
@@ -52,15 +54,6 @@ class RefusedChunk(CiuicError):
 
 
 @dataclass(frozen=True, slots=True)
-class Range:
-    """The part of a chunk header that says where its values go."""
-
-    bucket: int
-    range_start: int
-    range_len: int
-
-
-@dataclass(frozen=True, slots=True)
 class Prepared:
     """A decoded, checked payload waiting to be applied."""
 
@@ -75,27 +68,6 @@ class Prepared:
     """DONE: update chunks the origin sent in all."""
     ask: bool = False
     """JOIN: the origin wants this replica's JOIN in answer."""
-
-
-@dataclass(slots=True)
-class PeerState:
-    step: int = 0
-    """Newest step of this origin applied here (all replicas start at step 0)."""
-    done_at: int | None = None
-    chunks_sent: int = 0
-    """Update chunks the origin says it sent (from its DONE)."""
-    applied: int = 0
-    """Update chunks of this origin applied here."""
-    refused: int = 0
-    """Chunks of this origin refused here (duplicates not counted)."""
-    held_by_state: int = 0
-    """Chunks of this origin dropped because the state restored here already held them:
-    accounted for like applied ones (a late joiner waited for them forever at finish)."""
-    reported: bool = False
-    """It told its step (a JOIN) since it was registered here."""
-    lagging: bool = False
-    """Excused: past the staleness bound for longer than the grace; not waited for,
-    and not waited for by settlement, until its chunks are back within the bound."""
 
 
 @dataclass(slots=True)
@@ -128,34 +100,56 @@ class ReplicaStats:
         return min(idx, STALENESS_BINS - 1)
 
 
-class Intake:
-    """The receiving half of :class:`~ciuic_p2p.core.replica.rule.Replica` (state is set
-    up there)."""
+class OwnNorms:
+    """The running RMS of this replica's own chunks, per bucket: what a peer's chunk
+    is held against (written as this replica encodes, read as peers' chunks arrive)."""
 
-    layout: BucketLayout
-    buckets: list[torch.Tensor]
-    anchor: list[torch.Tensor]
-    source: ChunkSource
-    train: TrainSection
-    step: int
-    replicas: int
-    peers: dict[str, PeerState]
-    stats: ReplicaStats
-    _gone: set[str]
-    _updates: ReplayWindow
-    _params: ReplayWindow
-    _own_rms: list[float]
-    _own_count: list[int]
-    floors: dict[str, int]
-    own_params: dict[int, list[torch.Tensor]]
-    joined: list[str]
-    early_joins: dict[str, Prepared]
-    mesh_alive: set[str]
-    _queued: dict[tuple[int, float], list[tuple[torch.Tensor, torch.Tensor]]]
+    def __init__(self, buckets: int) -> None:
+        self.rms: list[float] = [0.0] * buckets
+        self.count: list[int] = [0] * buckets
+
+    def record(self, bucket: int, rms: float) -> None:
+        n = self.count[bucket]
+        if rms > 0.0:
+            old = self.rms[bucket]
+            self.rms[bucket] = rms if n == 0 else 0.9 * old + 0.1 * rms
+            self.count[bucket] = n + 1
+
+
+class Intake:
+    """The receiving half of a replica (see the module docstring); the parts it
+    shares with the sending half (core.replica.rule) are passed in."""
+
+    def __init__(
+        self,
+        *,
+        layout: BucketLayout,
+        parameters: Parameters,
+        roster: Roster,
+        norms: OwnNorms,
+        own_params: dict[int, list[torch.Tensor]],
+        source: ChunkSource,
+        train: TrainSection,
+        stats: ReplicaStats,
+    ) -> None:
+        """``own_params``: this replica's parameters at the steps it sent them (the
+        consensus mix compares a peer's of step s with ours of step s)."""
+        self.layout = layout
+        self.parameters = parameters
+        self.roster = roster
+        self.norms = norms
+        self.own_params = own_params
+        self.source = source
+        self.train = train
+        self.stats = stats
+        self._updates = ReplayWindow(window_steps=1 << 16)
+        self._params = ReplayWindow(window_steps=1 << 16)
+        self.floors: dict[str, int] = {}
+        """Per origin: update steps at or below this are in the restored state."""
 
     @property
     def weight(self) -> float:
-        return 1.0 / max(1, self.replicas)
+        return 1.0 / max(1, self.roster.replicas)
 
     def chunk_weight(self, h: ChunkHeader) -> float:
         """The weight an update chunk gets here: the one its origin gave it (the same
@@ -163,21 +157,23 @@ class Intake:
         replica's own when the chunk does not say."""
         return 1.0 / h.replicas if h.replicas else self.weight
 
-    def _replica(self, origin: str) -> PeerState | None:
-        raise NotImplementedError
+    def set_floors(self, applied: dict[str, int]) -> None:
+        """Each origin's newest step in a restored state: its chunks up to there are
+        held by the state and dropped when they arrive."""
+        self.floors = {k: int(v) for k, v in applied.items() if k != self.roster.me}
 
-    def receive(self, origin: str, payload: bytes | memoryview) -> None:
+    def receive(self, origin: str, payload: bytes | memoryview, step: int) -> None:
         """Prepare and apply one mesh payload from ``origin``; raises
         :class:`RefusedChunk` (and counts it) when refused, with nothing changed."""
         try:
-            self.apply(self.prepare(origin, payload))
+            self.apply(self.prepare(origin, payload), step)
         finally:
-            self.flush()
+            self.parameters.flush()
 
     def register(self, origin: str, payload: bytes | memoryview | None, step: int = 0) -> None:
         """A chunk of ``origin`` arrived and is kept for later (raw ``payload``, or
         prepared, of ``step``): it is a replica, that far on at least."""
-        state = self._replica(origin)
+        state = self.roster.replica(origin)
         if payload is not None:
             with contextlib.suppress(TrainWireError, CodecError):
                 step = parse_chunk(decode_payload(payload).body)[0].step
@@ -199,7 +195,7 @@ class Intake:
         if h.run_id != self.source.run_id or h.step > self.floors.get(origin, -1):
             return False
         self.stats.before_state += 1
-        state = self._replica(origin)
+        state = self.roster.replica(origin)
         if state is not None:
             state.held_by_state += 1
         return True
@@ -237,7 +233,7 @@ class Intake:
                 raise RefusedChunk("other_run", f"{origin} trains another run", origin, msg.kind)
             return Prepared(origin, msg.kind, None, None, None, 0.0, step, 0, ask)
         try:
-            decoded = decode_chunk(msg.body, self.buckets[0].device)
+            decoded = decode_chunk(msg.body, self.parameters.device)
         except CodecError as exc:
             raise RefusedChunk("malformed", f"chunk from {origin}: {exc}") from None
         h = decoded.header
@@ -251,9 +247,9 @@ class Intake:
         rms = float(torch.linalg.vector_norm(decoded.values)) / math.sqrt(max(1, h.count))
         return Prepared(origin, msg.kind, h, decoded.positions, decoded.values, rms, h.step, 0)
 
-    def apply(self, item: Prepared | RefusedChunk) -> None:
-        """Apply a prepared payload (training thread), exactly once; a refusal is
-        counted and raised."""
+    def apply(self, item: Prepared | RefusedChunk, step: int) -> None:
+        """Apply a prepared payload (training thread; ``step``: this replica's),
+        exactly once; a refusal is counted and raised."""
         if (
             isinstance(item, RefusedChunk)
             and item.reason == "other_run"
@@ -267,46 +263,29 @@ class Intake:
             self.stats.other_runs += 1  # runs share a mesh: their presence is not an error
             return
         try:
-            self._apply(item)
+            self._apply(item, step)
         except RefusedChunk as exc:
             self.stats.refused[exc.reason] += 1
             self.stats.last_refusal = str(exc)
             if (
                 exc.kind is PayloadKind.UPDATE
                 and exc.reason != "duplicate"
-                and exc.origin in self.peers
+                and exc.origin in self.roster.peers
             ):
-                self.peers[exc.origin].refused += 1
+                self.roster.peers[exc.origin].refused += 1
             raise
 
-    def _take_join(self, joined: PeerState, item: Prepared) -> None:
-        """Where a replica stands; one still syncing is not waited for."""
-        joined.step = max(joined.step, item.step)
-        joined.lagging = joined.step <= self.step - self.train.staleness_bound_steps
-        joined.reported = True
-        if item.ask and item.origin not in self.joined:
-            self.joined.append(item.origin)
-
-    def _apply(self, item: Prepared | RefusedChunk) -> None:
+    def _apply(self, item: Prepared | RefusedChunk, step: int) -> None:
         if isinstance(item, RefusedChunk):
             raise item
         origin = item.origin
         if item.kind is PayloadKind.GONE:
-            self._gone.add(origin)
-            if self.peers.pop(origin, None) is not None:
-                self.replicas = 1 + len(self.peers)
+            self.roster.gone(origin)
             return
         if item.kind is PayloadKind.JOIN:
-            self._gone.discard(origin)  # a restarted trainer joins again
-            joined = self._replica(origin)
-            if joined is not None:
-                self._take_join(joined, item)
-            elif origin not in self.mesh_alive:
-                # The daemon's word that it is alive can come after its JOIN (a replica
-                # that has attached may not say JOIN again for a long while).
-                self.early_joins[origin] = item
+            self.roster.join(origin, item.step, item.ask, step)
             return
-        state = self._replica(origin)
+        state = self.roster.replica(origin)
         if item.kind is PayloadKind.DONE:
             if state is not None:
                 state.done_at, state.chunks_sent = item.step, item.chunks
@@ -318,9 +297,9 @@ class Intake:
             self._check_once(self._params, origin, h)
             self._mix(h, item.values)
             return
-        ref = self._own_rms[h.bucket]
+        ref = self.norms.rms[h.bucket]
         if (
-            self._own_count[h.bucket] >= self.train.norm_warmup_chunks
+            self.norms.count[h.bucket] >= self.train.norm_warmup_chunks
             and item.rms > self.train.update_norm_max_ratio * ref
         ):
             raise RefusedChunk(
@@ -336,14 +315,14 @@ class Intake:
             if state is not None:
                 state.held_by_state += 1
             return
-        self._add(h, item.positions, item.values, self.chunk_weight(h))
+        self.parameters.add(h, item.positions, item.values, self.chunk_weight(h))
         if state is not None:
             state.step = max(state.step, h.step)
             state.applied += 1
-            if state.lagging and state.step > self.step - self.train.staleness_bound_steps:
+            if state.lagging and state.step > step - self.train.staleness_bound_steps:
                 state.lagging = False
         self.stats.applied += 1
-        self.stats.staleness[min(STALENESS_BINS - 1, max(0, self.step - h.step))] += 1
+        self.stats.staleness[min(STALENESS_BINS - 1, max(0, step - h.step))] += 1
 
     def _check(self, origin: str, h: ChunkHeader) -> None:
         if h.run_id != self.source.run_id:
@@ -356,9 +335,8 @@ class Intake:
                 f"chunk from {origin} is for parameter layout {h.layout_id:016x}; this "
                 f"model's is {self.layout.layout_id:016x} (another model shape?)",
             )
-        if h.bucket >= len(self.buckets) or (
-            h.range_start + h.range_len > self.buckets[h.bucket].numel()
-        ):
+        buckets = self.parameters.buckets
+        if h.bucket >= len(buckets) or h.range_start + h.range_len > buckets[h.bucket].numel():
             raise RefusedChunk(
                 "range",
                 f"chunk from {origin} addresses bucket {h.bucket} "
@@ -373,46 +351,13 @@ class Intake:
                 "duplicate", f"chunk from {origin}: {exc}", origin, PayloadKind.UPDATE
             ) from None
 
-    def _add(
-        self,
-        h: ChunkHeader | Range,
-        positions: torch.Tensor | None,
-        values: torch.Tensor,
-        w: float,
-    ) -> None:
-        """Queue ``w * values`` for the bucket and the anchor; :meth:`flush` adds all
-        queued chunks with two ``index_add_`` per bucket, however many arrived."""
-        if positions is None:
-            with torch.no_grad():
-                for t in (self.buckets[h.bucket], self.anchor[h.bucket]):
-                    t[h.range_start : h.range_start + h.range_len].add_(values, alpha=w)
-            return
-        if h.range_start:
-            positions = positions + h.range_start
-        self._queued.setdefault((h.bucket, w), []).append((positions, values))
-
-    def flush(self) -> None:
-        """Add every queued chunk (call before the parameters are read)."""
-        if not self._queued:
-            return
-        with torch.no_grad():
-            for (bucket, w), parts in self._queued.items():
-                if len(parts) == 1:
-                    positions, values = parts[0]
-                else:
-                    positions = torch.cat([p for p, _ in parts])
-                    values = torch.cat([v for _, v in parts])
-                self.buckets[bucket].index_add_(0, positions, values, alpha=w)
-                self.anchor[bucket].index_add_(0, positions, values, alpha=w)
-        self._queued.clear()
-
     def _check_params(self, origin: str, h: ChunkHeader, values: torch.Tensor) -> None:
         """Parameters far from ours (RMS distance over the bound times our own
         updates' RMS) come from a faulty node, not from drift: refused."""
-        ref = self._own_rms[h.bucket]
-        if self._own_count[h.bucket] < self.train.norm_warmup_chunks:
+        ref = self.norms.rms[h.bucket]
+        if self.norms.count[h.bucket] < self.train.norm_warmup_chunks:
             return
-        mine = self.own_params.get(h.step, self.buckets)
+        mine = self.own_params.get(h.step, self.parameters.buckets)
         own = mine[h.bucket][h.range_start : h.range_start + h.range_len]
         dist = float(torch.linalg.vector_norm(values - own)) / math.sqrt(max(1, h.range_len))
         if dist > self.train.update_norm_max_ratio * ref:
@@ -429,11 +374,9 @@ class Intake:
         if mine is None:  # we sent none at that step (joined since, or skipped)
             self.stats.params_unmatched += 1
             return
-        self.flush()
-        mix = self.train.consensus_mix / max(1, self.replicas - 1)
+        mix = self.train.consensus_mix / max(1, self.roster.replicas - 1)
         with torch.no_grad():
             s = slice(h.range_start, h.range_start + h.range_len)
             diff = values.sub(mine[h.bucket][s]).mul_(mix)
-            self.buckets[h.bucket][s].add_(diff)
-            self.anchor[h.bucket][s].add_(diff)
+        self.parameters.add_slice(h.bucket, h.range_start, diff)
         self.stats.params_mixed += 1

@@ -23,15 +23,11 @@ The replica sends the optimizer's delta, not the gradient, so that any optimizer
 unchanged (momentum and Adam state stay local; what top-k leaves out waits in the
 residual: Lin et al. 2018, "Deep Gradient Compression").
 
-Why settle late: a replica must answer its own gradient at once and in full. Our
-first rule applied the own update at weight ``w`` immediately and the peers' when they
-came; then three quarters of every step's restoring force arrive late, and with
-momentum SGD on the digits task (4 replicas, in-process, fixed delay) a delay of one
-step already cost 50% in evaluation loss and five steps diverged (measured while
-developing; that rule is gone). With late settlement, the late part is the
-difference between the peers' updates and one's own, which averages out:
-bench/staleness.py gives +5% against dense at no delay (compression), -8% at 5
-steps, +2% at 20, +14% at 40 and +23% at 64 (bench/results/staleness-2core.txt).
+Why settle late: a replica must answer its own gradient at once and in full. A rule
+that applied the own update at weight ``w`` at once and the peers' when they came
+would leave ``1 - w`` of every step's restoring force late; with late settlement the
+late part is the difference between the peers' updates and one's own, which
+averages out (the measurements behind both: docs/update-rule.md).
 
 This is delayed averaging of local updates: each replica runs local SGD and the
 average reaches it late, as in asynchronous decentralized SGD (AD-PSGD, Lian et al.
@@ -42,9 +38,8 @@ send interval above one step the local deltas are merged, like DiLoCo's inner st
 A state handed to a joiner (or written as a checkpoint) is :meth:`Replica.shared_params`:
 the parameters without the unsent progress and with the unsettled own chunks at their
 weight, with each origin's newest step in it. The joiner then gets every later chunk
-as the others do; handing the live parameters instead counted the donor's unsent part
-twice and its unsettled part ``1 - w`` too much, and in tests/train/test_elastic.py
-(no consensus mix) left the joiner 0.006 to 0.19 apart where it is now 1e-4 to 6e-4.
+as the others do; the live parameters would count the donor's unsent part twice and
+its unsettled part ``1 - w`` too much, for good.
 
 Replicas differ by their unsent residuals, the chunks in flight and the unsettled own
 chunks, and drift for good when chunks are lost (an origin that died with chunks in
@@ -53,10 +48,8 @@ flight, a partition, a refused chunk). The consensus mix bounds that: every
 parameters (dense INT8) and keeps a copy; a receiver adds ``consensus_mix / (N - 1)``
 of the difference between the peer's parameters of step s and its own of step s
 (CHOCO-SGD, Koloskova et al. 2019, gossips compressed parameters with neighbours the
-same way). Comparing with its own *current* parameters instead, as this rule first
-did, pulls every replica back toward a stale point by a different amount: in
-tests/train/test_elastic.py's setting that raised the final consensus distance from
-0.015 without the mix to 0.11 with it.
+same way). Comparing with its own *current* parameters instead would pull every
+replica back toward a stale point by a different amount.
 
 Every chunk is checked before anything changes: run, layout, bucket and range, exactly
 once (per origin, incarnation, step, bucket, range start), and its RMS against the
@@ -75,20 +68,20 @@ import torch
 
 from ciuic_p2p.config.sections import CodecSection, TrainSection
 from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource, decode_chunk
-from ciuic_p2p.core.codec.chunk import Codec
+from ciuic_p2p.core.codec.chunk import ChunkHeader, Codec
 from ciuic_p2p.core.codec.layout import BucketLayout
-from ciuic_p2p.core.codec.origin import ReplayWindow
 from ciuic_p2p.core.codec.select import RunParts, sequential
 from ciuic_p2p.core.replica.intake import (
     STALENESS_BINS,
     Intake,
-    PeerState,
+    OwnNorms,
     Prepared,
-    Range,
     RefusedChunk,
     ReplicaStats,
 )
 from ciuic_p2p.core.replica.messages import PayloadKind, envelope
+from ciuic_p2p.core.replica.parameters import Parameters, Range
+from ciuic_p2p.core.replica.roster import PeerState, Roster
 
 __all__ = [
     "STALENESS_BINS",
@@ -101,9 +94,11 @@ __all__ = [
 ]
 
 
-class Replica(Intake):
-    """The update rule for one replica (see the module docstring); peers' payloads
-    come in through :class:`~ciuic_p2p.core.replica.intake.Intake`."""
+class Replica:
+    """The update rule for one replica (see the module docstring). Its parts: the
+    parameters and anchor (core.replica.parameters), who the other replicas are
+    (core.replica.roster), and the intake of their payloads (core.replica.intake);
+    this class sends, settles and hands out the state, and is what the hook holds."""
 
     def __init__(
         self,
@@ -118,25 +113,38 @@ class Replica(Intake):
     ) -> None:
         """``run_parts``: how the encoders' CPU scans run their parts (codec.select)."""
         self.layout = layout
-        self.buckets = list(buckets)
+        self.parameters = Parameters(buckets)
+        self.buckets = self.parameters.buckets
+        self.anchor = self.parameters.anchor
         self.source = source
         self.peer = peer
         self.train = train
         self.codec = codec
-        device = self.buckets[0].device if self.buckets else torch.device("cpu")
-        self.anchor = [b.detach().clone() for b in self.buckets]
+        device = self.parameters.device
         self._spare = [torch.zeros_like(b) for b in self.buckets]
         self._spare_other = [torch.zeros_like(b) for b in self.buckets]
         self._params_ring = [[torch.zeros_like(b) for b in self.buckets] for _ in range(2)]
         self.own_params: dict[int, list[torch.Tensor]] = {}
         """This replica's parameters at the steps it sent them (the newest two): a
         peer's parameters of step s are compared with ours of step s."""
-        self._queued: dict[tuple[int, float], list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._debts: collections.deque[
             tuple[int, float, int, int, int, torch.Tensor | None, torch.Tensor]
         ] = collections.deque()
         """Own sent chunks not yet settled, with the weight they went out with
         (appended by the encoder thread)."""
+        self.roster = Roster(peer, train.staleness_bound_steps)
+        self.norms = OwnNorms(len(layout.buckets))
+        self.stats = ReplicaStats()
+        self.intake = Intake(
+            layout=layout,
+            parameters=self.parameters,
+            roster=self.roster,
+            norms=self.norms,
+            own_params=self.own_params,
+            source=source,
+            train=train,
+            stats=self.stats,
+        )
         self.encoders = [
             BucketEncoder(
                 info.index,
@@ -167,50 +175,66 @@ class Replica(Intake):
         self.send_interval = train.send_interval_steps
         self.step = 0
         self.last_send_step = 0
-        self.replicas = 1
-        self.peers: dict[str, PeerState] = {}
-        self.mesh_alive: set[str] = set()
-        self._gone: set[str] = set()
-        self.joined: list[str] = []
-        self.early_joins: dict[str, Prepared] = {}
-        """JOINs of members not yet known alive here (at most one per member), taken
-        when they are."""
+
+    # -- the parts, as the hook reads them ----------------------------------------------
+
+    @property
+    def peers(self) -> dict[str, PeerState]:
+        return self.roster.peers
+
+    @property
+    def replicas(self) -> int:
+        return self.roster.replicas
+
+    @property
+    def joined(self) -> list[str]:
         """Replicas registered since the caller last cleared this (it answers JOIN)."""
-        self.stats = ReplicaStats()
-        self._updates = ReplayWindow(window_steps=1 << 16)
-        self._params = ReplayWindow(window_steps=1 << 16)
-        self._own_rms: list[float] = [0.0] * len(layout.buckets)
-        self._own_count: list[int] = [0] * len(layout.buckets)
-        self.floors: dict[str, int] = {}
-        """Per origin: update steps at or below this are in the restored state."""
+        return self.roster.joined
+
+    @property
+    def early_joins(self) -> dict[str, tuple[int, bool]]:
+        return self.roster.early_joins
+
+    @property
+    def weight(self) -> float:
+        return self.intake.weight
+
+    def chunk_weight(self, h: ChunkHeader) -> float:
+        return self.intake.chunk_weight(h)
+
+    def flush(self) -> None:
+        """Add every queued peer chunk (call before the parameters are read)."""
+        self.parameters.flush()
+
+    # -- peers' payloads (core.replica.intake) ---------------------------------------------
+
+    def prepare(self, origin: str, payload: bytes | memoryview) -> Prepared | RefusedChunk:
+        """Decode and check what needs no replica state (any thread: the channel's
+        reader decodes while the trainer computes)."""
+        return self.intake.prepare(origin, payload)
+
+    def apply(self, item: Prepared | RefusedChunk) -> None:
+        """Apply a prepared payload (training thread), exactly once; a refusal is
+        counted and raised."""
+        self.intake.apply(item, self.step)
+
+    def receive(self, origin: str, payload: bytes | memoryview) -> None:
+        """Prepare and apply one mesh payload; raises :class:`RefusedChunk` (counted)."""
+        self.intake.receive(origin, payload, self.step)
+
+    def register(self, origin: str, payload: bytes | memoryview | None, step: int = 0) -> None:
+        """A chunk of ``origin`` arrived and is kept for later: it is a replica."""
+        self.intake.register(origin, payload, step)
+
+    def held_by_state(self, origin: str, payload: bytes | memoryview) -> bool:
+        """An update the restored state holds, read from its header (counted)."""
+        return self.intake.held_by_state(origin, payload)
 
     # -- local side --------------------------------------------------------------------
 
     def set_alive(self, members: Iterable[str]) -> None:
-        """The mesh members alive now. The replicas of this run are those of them whose
-        trainer said so (JOIN, or any message of the run): a member without a trainer,
-        or with one of another run, is not waited for and not counted in N."""
-        self.mesh_alive = set(members) - {self.peer}
-        for name in list(self.peers):
-            if name not in self.mesh_alive:
-                del self.peers[name]
-        self.replicas = 1 + len(self.peers)
-        for name in [n for n in self.early_joins if n in self.mesh_alive]:
-            joined = self._replica(name)
-            if joined is not None:
-                self._take_join(joined, self.early_joins[name])
-            del self.early_joins[name]
-
-    def _replica(self, origin: str) -> PeerState | None:
-        """The state of a replica of this run, registering it on first word; None for
-        a member that is not alive or whose trainer went away (a late chunk of a
-        removed replica does not bring it back)."""
-        state = self.peers.get(origin)
-        if state is None and origin in self.mesh_alive and origin not in self._gone:
-            state = self.peers[origin] = PeerState()
-            self.replicas = 1 + len(self.peers)
-            self.joined.append(origin)
-        return state
+        """The mesh members alive now (core.replica.roster says who of them count)."""
+        self.roster.set_alive(members, self.step)
 
     def local_step(self) -> bool:
         """Count one local step; True when an update is due (take and encode it)."""
@@ -253,8 +277,7 @@ class Replica(Intake):
         while debts and debts[0][0] <= floor:
             _, w, bucket, start, length, positions, values = debts.popleft()
             if w < 1.0:
-                h = Range(bucket, start, length)
-                self._add(h, positions, values, w - 1.0)
+                self.parameters.add(Range(bucket, start, length), positions, values, w - 1.0)
             n += 1
         self.flush()
         return n
@@ -378,13 +401,11 @@ class Replica(Intake):
         sync or a checkpoint): the next update is measured from here. ``applied``
         (the state's :meth:`applied_steps`): each origin's chunks up to that step are
         in the state already and are dropped when they arrive."""
-        self.flush()
-        self._queued.clear()
-        self.floors = {k: int(v) for k, v in (applied or {}).items() if k != self.peer}
+        self.parameters.flush()
+        self.parameters.discard_queued()
+        self.intake.set_floors(applied or {})
         self.step = self.last_send_step = step
-        with torch.no_grad():
-            for anchor, bucket in zip(self.anchor, self.buckets, strict=True):
-                anchor.copy_(bucket)
+        self.parameters.reanchor()
 
     def _record_own(self, chunk: bytes | bytearray) -> None:
         decoded = decode_chunk(chunk, self.buckets[0].device)
@@ -394,11 +415,7 @@ class Replica(Intake):
             (h.step, w, h.bucket, h.range_start, h.range_len, decoded.positions, decoded.values)
         )
         rms = float(torch.linalg.vector_norm(decoded.values)) / math.sqrt(max(1, h.count))
-        n = self._own_count[h.bucket]
-        if rms > 0.0:
-            old = self._own_rms[h.bucket]
-            self._own_rms[h.bucket] = rms if n == 0 else 0.9 * old + 0.1 * rms
-            self._own_count[h.bucket] = n + 1
+        self.norms.record(h.bucket, rms)
 
 
 def _with_density(spec: BucketSpec, density: float) -> BucketSpec:

@@ -33,9 +33,9 @@ from __future__ import annotations
 
 import enum
 import hashlib
-import struct
 from dataclasses import dataclass
 
+from ciuic_p2p.core.binary import U64, Reader, Writer
 from ciuic_p2p.errors import CiuicError
 
 MAGIC = b"CS"
@@ -51,11 +51,6 @@ MAX_CONTROL_BYTES = 64 * 1024 - 16
 """Any message may travel in a STORE_CONTROL frame when it fits this."""
 MAX_DATA_BYTES = MAX_PIECE_BYTES + 512 + MAX_NAME_BYTES
 """An OFFER's manifest (at most MAX_PIECES digests) and a PIECE both fit this."""
-
-_U8 = struct.Struct("<B")
-_U16 = struct.Struct("<H")
-_U32 = struct.Struct("<I")
-_U64 = struct.Struct("<Q")
 
 
 class StoreWireError(CiuicError):
@@ -131,7 +126,7 @@ class Manifest:
         view = memoryview(data)
         hashes = tuple(digest(view[i : i + piece_bytes]) for i in range(0, len(view), piece_bytes))
         if compat is None:
-            compat = digest(b"".join(hashes) + _U64.pack(len(view)))
+            compat = digest(b"".join(hashes) + U64.pack(len(view)))
         return cls(name, version, len(view), piece_bytes, compat, hashes)
 
 
@@ -190,79 +185,62 @@ def is_data(msg: Message) -> bool:
 
 
 def encode(msg: Message) -> bytes:
-    head = MAGIC + bytes([VERSION])
+    w = Writer()
+    w.raw(MAGIC)
+    w.u8(VERSION)
     if isinstance(msg, Query):
-        body = _U8.pack(StoreKind.QUERY) + _str8(msg.name) + _U64.pack(msg.min_version)
-        body += _U32.pack(msg.token)
+        w.u8(StoreKind.QUERY)
+        _name(w, msg.name)
+        w.u64(msg.min_version)
+        w.u32(msg.token)
     elif isinstance(msg, NoneHeld):
-        body = _U8.pack(StoreKind.NONE) + _str8(msg.name) + _U32.pack(msg.token)
+        w.u8(StoreKind.NONE)
+        _name(w, msg.name)
+        w.u32(msg.token)
     elif isinstance(msg, Offer):
-        body = _U8.pack(StoreKind.OFFER) + _U32.pack(msg.token) + _U16.pack(min(msg.load, 0xFFFF))
-        body += encode_manifest(msg.manifest)
+        w.u8(StoreKind.OFFER)
+        w.u32(msg.token)
+        w.u16(min(msg.load, 0xFFFF))
+        w.raw(encode_manifest(msg.manifest))
     elif isinstance(msg, Get):
         _check(len(msg.indices) <= MAX_GET_PIECES, "too many pieces in one GET")
-        body = _U8.pack(StoreKind.GET) + _ref(msg.name, msg.version, msg.root)
-        body += _U16.pack(len(msg.indices)) + b"".join(_U32.pack(i) for i in msg.indices)
+        w.u8(StoreKind.GET)
+        _ref(w, msg.name, msg.version, msg.root)
+        w.u16(len(msg.indices))
+        for i in msg.indices:
+            w.u32(i)
     elif isinstance(msg, Piece):
         _check(len(msg.data) <= MAX_PIECE_BYTES, "piece too large")
-        body = _U8.pack(StoreKind.PIECE) + _ref(msg.name, msg.version, msg.root)
-        body += _U32.pack(msg.index) + bytes(msg.data)
+        w.u8(StoreKind.PIECE)
+        _ref(w, msg.name, msg.version, msg.root)
+        w.u32(msg.index)
+        w.raw(msg.data)
     else:
-        body = _U8.pack(msg.kind) + _ref(msg.name, msg.version, msg.root)
-    return head + body
+        w.u8(msg.kind)
+        _ref(w, msg.name, msg.version, msg.root)
+    return w.getvalue()
 
 
 def encode_manifest(m: Manifest) -> bytes:
-    return (
-        _str8(m.name)
-        + _U64.pack(m.version)
-        + _U64.pack(m.total_bytes)
-        + _U32.pack(m.piece_bytes)
-        + m.compat
-        + _U32.pack(len(m.hashes))
-        + b"".join(m.hashes)
-    )
+    w = Writer()
+    _name(w, m.name)
+    w.u64(m.version)
+    w.u64(m.total_bytes)
+    w.u32(m.piece_bytes)
+    w.raw(m.compat)
+    w.u32(len(m.hashes))
+    w.raw(b"".join(m.hashes))
+    return w.getvalue()
 
 
-class _Reader:
-    def __init__(self, data: bytes | memoryview) -> None:
-        self.view = memoryview(data)
-        self.pos = 0
+def _name(w: Writer, name: str) -> None:
+    w.str8(name, MAX_NAME_BYTES, "object name")
 
-    def take(self, n: int) -> memoryview:
-        if n < 0 or self.pos + n > len(self.view):
-            raise StoreWireError("truncated store message")
-        out = self.view[self.pos : self.pos + n]
-        self.pos += n
-        return out
 
-    def u8(self) -> int:
-        return int(_U8.unpack(self.take(1))[0])
-
-    def u16(self) -> int:
-        return int(_U16.unpack(self.take(2))[0])
-
-    def u32(self) -> int:
-        return int(_U32.unpack(self.take(4))[0])
-
-    def u64(self) -> int:
-        return int(_U64.unpack(self.take(8))[0])
-
-    def str8(self) -> str:
-        raw = self.take(self.u8())
-        try:
-            text = bytes(raw).decode("utf-8")
-        except UnicodeDecodeError:
-            raise StoreWireError("name is not UTF-8") from None
-        _check_name(text)
-        return text
-
-    def rest(self) -> memoryview:
-        return self.take(len(self.view) - self.pos)
-
-    def end(self) -> None:
-        if self.pos != len(self.view):
-            raise StoreWireError("trailing bytes after store message")
+def _read_name(r: Reader) -> str:
+    name = r.str8(MAX_NAME_BYTES, "object name")
+    _check_name(name)
+    return name
 
 
 def decode(data: bytes | memoryview) -> Message:
@@ -276,7 +254,7 @@ def decode(data: bytes | memoryview) -> Message:
 def _decode(data: bytes | memoryview) -> Message:
     if len(data) > MAX_DATA_BYTES:
         raise StoreWireError(f"store message of {len(data)} bytes is over the limit")
-    r = _Reader(data)
+    r = Reader(data, StoreWireError)
     if bytes(r.take(2)) != MAGIC:
         raise StoreWireError("not a store message (magic)")
     if (version := r.u8()) != VERSION:
@@ -287,33 +265,33 @@ def _decode(data: bytes | memoryview) -> Message:
         raise StoreWireError("unknown store message kind") from None
     msg: Message
     if kind is StoreKind.QUERY:
-        msg = Query(r.str8(), r.u64(), r.u32())
+        msg = Query(_read_name(r), r.u64(), r.u32())
     elif kind is StoreKind.NONE:
-        msg = NoneHeld(r.str8(), r.u32())
+        msg = NoneHeld(_read_name(r), r.u32())
     elif kind is StoreKind.OFFER:
         token, load = r.u32(), r.u16()
         msg = Offer(token, load, _manifest(r))
     elif kind is StoreKind.GET:
-        name, version, root = r.str8(), r.u64(), bytes(r.take(DIGEST_LEN))
+        name, version, root = _read_name(r), r.u64(), bytes(r.take(DIGEST_LEN))
         count = r.u16()
         if count > MAX_GET_PIECES:
             raise StoreWireError("too many pieces in one GET")
         msg = Get(name, version, root, tuple(r.u32() for _ in range(count)))
     elif kind is StoreKind.PIECE:
-        name, version, root = r.str8(), r.u64(), bytes(r.take(DIGEST_LEN))
+        name, version, root = _read_name(r), r.u64(), bytes(r.take(DIGEST_LEN))
         index = r.u32()
         piece = r.rest()
         if len(piece) > MAX_PIECE_BYTES:
             raise StoreWireError("piece too large")
         msg = Piece(name, version, root, index, piece)
     else:
-        msg = Ref(kind, r.str8(), r.u64(), bytes(r.take(DIGEST_LEN)))
-    r.end()
+        msg = Ref(kind, _read_name(r), r.u64(), bytes(r.take(DIGEST_LEN)))
+    r.end("store message")
     return msg
 
 
-def _manifest(r: _Reader) -> Manifest:
-    name, version, total, piece_bytes = r.str8(), r.u64(), r.u64(), r.u32()
+def _manifest(r: Reader) -> Manifest:
+    name, version, total, piece_bytes = _read_name(r), r.u64(), r.u64(), r.u32()
     compat = bytes(r.take(DIGEST_LEN))
     count = r.u32()
     if count > MAX_PIECES:
@@ -325,15 +303,11 @@ def _manifest(r: _Reader) -> Manifest:
         raise StoreWireError(f"bad manifest: {exc}") from None
 
 
-def _str8(text: str) -> bytes:
-    raw = text.encode("utf-8")
-    _check(len(raw) <= MAX_NAME_BYTES, "name too long")
-    return _U8.pack(len(raw)) + raw
-
-
-def _ref(name: str, version: int, root: bytes) -> bytes:
+def _ref(w: Writer, name: str, version: int, root: bytes) -> None:
     _check(len(root) == DIGEST_LEN, "bad root digest")
-    return _str8(name) + _U64.pack(version) + root
+    _name(w, name)
+    w.u64(version)
+    w.raw(root)
 
 
 def _check_name(name: str) -> None:

@@ -1,0 +1,98 @@
+"""Who the replicas of a run are, and where each stands: the mesh members alive whose
+trainer said it trains this run (a JOIN, or any message of the run). A member without
+a trainer, or with one of another run, is not waited for and not counted in N."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class PeerState:
+    step: int = 0
+    """Newest step of this origin applied here (all replicas start at step 0)."""
+    done_at: int | None = None
+    chunks_sent: int = 0
+    """Update chunks the origin says it sent (from its DONE)."""
+    applied: int = 0
+    """Update chunks of this origin applied here."""
+    refused: int = 0
+    """Chunks of this origin refused here (duplicates not counted)."""
+    held_by_state: int = 0
+    """Chunks of this origin dropped because the state restored here already held them:
+    accounted for like applied ones (a late joiner waited for them forever at finish)."""
+    reported: bool = False
+    """It told its step (a JOIN) since it was registered here."""
+    lagging: bool = False
+    """Excused: past the staleness bound for longer than the grace; not waited for,
+    and not waited for by settlement, until its chunks are back within the bound."""
+
+
+class Roster:
+    """The other replicas of this one's run."""
+
+    def __init__(self, me: str, staleness_bound_steps: int) -> None:
+        self.me = me
+        self.staleness_bound_steps = staleness_bound_steps
+        self.peers: dict[str, PeerState] = {}
+        self.mesh_alive: set[str] = set()
+        self.joined: list[str] = []
+        """Replicas registered since the caller last cleared this (it answers JOIN)."""
+        self.early_joins: dict[str, tuple[int, bool]] = {}
+        """JOINs (step, ask) of members not yet known alive here (at most one per
+        member), taken when they are."""
+        self._gone: set[str] = set()
+
+    @property
+    def replicas(self) -> int:
+        """N: this replica and the others."""
+        return 1 + len(self.peers)
+
+    def set_alive(self, members: Iterable[str], step: int) -> None:
+        """The mesh members alive now (``step``: this replica's)."""
+        self.mesh_alive = set(members) - {self.me}
+        for name in list(self.peers):
+            if name not in self.mesh_alive:
+                del self.peers[name]
+        for name in [n for n in self.early_joins if n in self.mesh_alive]:
+            joined = self.replica(name)
+            if joined is not None:
+                self._take_join(name, joined, *self.early_joins[name], step)
+            del self.early_joins[name]
+
+    def replica(self, origin: str) -> PeerState | None:
+        """The state of a replica of this run, registering it on first word; None for
+        a member that is not alive or whose trainer went away (a late chunk of a
+        removed replica does not bring it back)."""
+        state = self.peers.get(origin)
+        if state is None and origin in self.mesh_alive and origin not in self._gone:
+            state = self.peers[origin] = PeerState()
+            self.joined.append(origin)
+        return state
+
+    def join(self, origin: str, origin_step: int, ask: bool, step: int) -> None:
+        """A JOIN of this run: where the replica stands (one still syncing is not
+        waited for); ``ask``: it wants this replica's JOIN in answer."""
+        self._gone.discard(origin)  # a restarted trainer joins again
+        joined = self.replica(origin)
+        if joined is not None:
+            self._take_join(origin, joined, origin_step, ask, step)
+        elif origin not in self.mesh_alive:
+            # The daemon's word that it is alive can come after its JOIN (a replica
+            # that has attached may not say JOIN again for a long while).
+            self.early_joins[origin] = (origin_step, ask)
+
+    def gone(self, origin: str) -> None:
+        """Its trainer went away (GONE): no longer a replica, until it joins again."""
+        self._gone.add(origin)
+        self.peers.pop(origin, None)
+
+    def _take_join(
+        self, origin: str, joined: PeerState, origin_step: int, ask: bool, step: int
+    ) -> None:
+        joined.step = max(joined.step, origin_step)
+        joined.lagging = joined.step <= step - self.staleness_bound_steps
+        joined.reported = True
+        if ask and origin not in self.joined:
+            self.joined.append(origin)

@@ -1,0 +1,133 @@
+"""Daemon-level behaviour on the in-memory transport and virtual time: membership,
+dissemination, the trainer socket and the store of nodes assembled as
+``ciuic-node run`` assembles them, with the link protocol (auth, credit, ping, close)
+the QUIC transport runs, and no real network or clock (tests/virtualtime.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import os
+from pathlib import Path
+
+from ciuic_p2p.core.mesh.members import State
+from ciuic_p2p.core.replica.messages import PayloadKind
+from tests.daemon.memorymesh import MemoryMesh, until
+from tests.daemon.standin import StandInTrainer
+from tests.virtualtime import run_virtual
+
+NAMES = ["a", "b", "c", "d", "e"]
+
+
+def test_members_join_agree_and_see_a_crash_and_a_leave(tmp_path: Path) -> None:
+    async def main() -> None:
+        mesh = MemoryMesh(tmp_path, NAMES)
+        try:
+            await mesh.form()
+            crashed, leaver = mesh.nodes["d"].peer_id, mesh.nodes["e"].peer_id
+            await mesh.crash("d")
+            survivors = ["a", "b", "c", "e"]
+            took = await until(
+                lambda: all(
+                    mesh.nodes[n].daemon.mesh.state_of(crashed) is State.DEAD for n in survivors
+                ),
+                30,
+            )
+            assert took < 10  # probes, suspicion, death: seconds of virtual time
+            assert all(crashed in mesh.records[n].down for n in survivors)
+            await mesh.nodes["e"].daemon.leave()
+            del mesh.nodes["e"]
+            await until(
+                lambda: all(
+                    mesh.nodes[n].daemon.mesh.state_of(leaver) is State.LEFT
+                    for n in ["a", "b", "c"]
+                ),
+                10,
+            )
+            assert mesh.agree(["a", "b", "c"])
+            counters = mesh.nodes["a"].daemon.counters
+            assert counters["spoofed"] == 0 and counters["decode_errors"] == 0
+        finally:
+            await mesh.close()
+
+    run_virtual(main())
+
+
+def test_every_broadcast_reaches_every_member_exactly_once(tmp_path: Path) -> None:
+    async def main() -> None:
+        mesh = MemoryMesh(tmp_path, NAMES)
+        try:
+            await mesh.form()
+            await asyncio.sleep(15)  # link state measured and spread: the trees agree
+            sent = set()
+            for name in NAMES:
+                daemon = mesh.nodes[name].daemon
+                for i in range(5):
+                    sent.add((daemon.peer_id, daemon.broadcast(os.urandom(2000 + i))))
+
+            def all_in() -> bool:
+                return all(
+                    {(d.origin, d.seq) for d in mesh.records[n].delivered}
+                    >= {s for s in sent if s[0] != mesh.nodes[n].peer_id}
+                    for n in NAMES
+                )
+
+            await until(all_in, 30)
+            await asyncio.sleep(5)  # time for any duplicate to show
+            for n in NAMES:
+                seen = collections.Counter((d.origin, d.seq) for d in mesh.records[n].delivered)
+                assert max(seen.values()) == 1
+                assert len(seen) == 4 * 5
+                assert mesh.records[n].traffic["received"] == 4 * 5
+        finally:
+            await mesh.close()
+
+    run_virtual(main())
+
+
+def test_a_trainers_update_reaches_the_other_trainers_signed_and_once(tmp_path: Path) -> None:
+    async def main() -> None:
+        mesh = MemoryMesh(tmp_path, ["a", "b", "c"])
+        trainers: dict[str, StandInTrainer] = {}
+        try:
+            await mesh.form()
+            for n in ("a", "b", "c"):
+                server = mesh.nodes[n].trainers
+                assert server is not None
+                trainers[n] = StandInTrainer(server)
+                await trainers[n].attach()
+            for step in (1, 2, 3):
+                trainers["a"].publish(step)
+            origin = mesh.nodes["a"].peer_id
+
+            def updates(n: str) -> list[str]:
+                return [p for p, kind, _ in trainers[n].delivered if kind is PayloadKind.UPDATE]
+
+            await until(lambda: len(updates("b")) == 3 and len(updates("c")) == 3, 30)
+            assert updates("b") == updates("c") == [origin] * 3
+            assert updates("a") == []  # its own updates are not delivered back
+            progress = mesh.nodes["b"].trainers.progress  # type: ignore[union-attr]
+            assert progress.origins[origin].step == 3
+        finally:
+            for t in trainers.values():
+                await t.close()
+            await mesh.close()
+
+    run_virtual(main())
+
+
+def test_an_object_put_on_one_node_is_fetched_whole_by_another(tmp_path: Path) -> None:
+    async def main() -> None:
+        mesh = MemoryMesh(tmp_path, ["a", "b", "c"])
+        try:
+            await mesh.form()
+            data = os.urandom(3 * 1024 * 1024 + 7)  # many pieces, over several windows
+            manifest, held = await mesh.nodes["a"].store.put("shared/blob", data)
+            assert manifest.version == 1 and len(held) >= 1  # replicated to a neighbour
+            assert set(held) <= {mesh.nodes["b"].peer_id, mesh.nodes["c"].peer_id}
+            got, fetch = await mesh.nodes["c"].store.get("shared/blob")
+            assert got == data and fetch.version == 1
+        finally:
+            await mesh.close()
+
+    run_virtual(main())
