@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime as dt
 import json
 import multiprocessing as mp
@@ -34,6 +35,7 @@ from ciuic_p2p.core.codec.chunk import ChunkHeader, Codec, IndexCode, build_chun
 from ciuic_p2p.core.codec.origin import ChunkFilter, sign_chunk, verify_chunk
 from ciuic_p2p.core.link.frames import FrameType
 from ciuic_p2p.identity import NodeKey
+from ciuic_p2p.transport.backend import ED25519_SIGNATURE
 from ciuic_p2p.transport.base import FrameReceived
 from ciuic_p2p.transport.lanes import LanePool
 from ciuic_p2p.transport.loop import new_event_loop
@@ -53,18 +55,23 @@ def _credentials(ca: ClusterCA) -> tuple[bytes, bytes]:
     return key.to_pem(), cert.public_bytes(serialization.Encoding.PEM)
 
 
-def _node(cred: tuple[bytes, bytes], ca_pem: bytes) -> QuicTransport:
+def _node(cred: tuple[bytes, bytes], ca_pem: bytes, backend: str = "aioquic") -> QuicTransport:
     from cryptography import x509  # noqa: PLC0415
 
     key = NodeKey(serialization.load_pem_private_key(cred[0], None))  # type: ignore[arg-type]
     cert = x509.load_pem_x509_certificate(cred[1])
     trust = Trust(x509.load_pem_x509_certificate(ca_pem))
-    return QuicTransport(key, cert, trust, settings=SETTINGS)
+    # Built directly, not from a node config: the config offers aioquic only
+    # (transport.backend.OFFERED), and this measures the others too.
+    settings = dataclasses.replace(SETTINGS, quic_backend=backend)  # type: ignore[arg-type]
+    return QuicTransport(key, cert, trust, settings=settings)
 
 
-def receiver_main(cred: Any, ca_pem: bytes, loop_kind: str, conn: Any) -> None:
+def receiver_main(
+    cred: Any, ca_pem: bytes, loop_kind: str, conn: Any, backend: str = "aioquic"
+) -> None:
     async def run() -> None:
-        node = _node(cred, ca_pem)
+        node = _node(cred, ca_pem, backend)
         host, port = await node.start()
         conn.send((host, port, node.local_key))
         inbox = ChunkFilter()
@@ -100,11 +107,13 @@ async def _send_signed_chunks(node: QuicTransport, peer: bytes, n_chunks: int) -
             return
 
 
-def run_ciuic(ca: ClusterCA, loop_kind: str, n_chunks: int) -> dict[str, float]:
+def run_ciuic(
+    ca: ClusterCA, loop_kind: str, n_chunks: int, backend: str = "aioquic"
+) -> dict[str, float]:
     ca_pem = ca.certificate.public_bytes(serialization.Encoding.PEM)
     parent, child = mp.Pipe()
     proc = mp.get_context("spawn").Process(
-        target=receiver_main, args=(_credentials(ca), ca_pem, loop_kind, child)
+        target=receiver_main, args=(_credentials(ca), ca_pem, loop_kind, child, backend)
     )
     proc.start()
     host, port, _ = parent.recv()
@@ -112,7 +121,7 @@ def run_ciuic(ca: ClusterCA, loop_kind: str, n_chunks: int) -> dict[str, float]:
     sender_cred = _credentials(ca)
 
     async def send() -> dict[str, float]:
-        node = _node(sender_cred, ca_pem)
+        node = _node(sender_cred, ca_pem, backend)
         await node.start()
         t0 = time.perf_counter()
         peer = await node.connect((host, port))
@@ -195,31 +204,52 @@ def run_lane_pool(ca: ClusterCA, lanes: int, n_chunks: int) -> float:
         loop.close()
 
 
-# -- bare aioquic ------------------------------------------------------------------------
+# -- bare QUIC libraries -----------------------------------------------------------------
+#
+# The same harness for aioquic and qh3 (an aioquic fork with its TLS and crypto in
+# Rust): their asyncio layers, default settings, one stream, so only the library differs.
 
 
-def raw_receiver_main(total: int, conn: Any) -> None:
-    from aioquic.asyncio.protocol import QuicConnectionProtocol  # noqa: PLC0415
-    from aioquic.asyncio.server import serve  # noqa: PLC0415
-    from aioquic.quic.configuration import QuicConfiguration  # noqa: PLC0415
-    from aioquic.quic.events import StreamDataReceived  # noqa: PLC0415
+def raw_receiver_main(total: int, conn: Any, library: str = "aioquic") -> None:
+    import importlib  # noqa: PLC0415
+
+    from cryptography.hazmat.primitives import serialization as ser  # noqa: PLC0415
+
+    protocol = importlib.import_module(f"{library}.asyncio.protocol")
+    server_mod = importlib.import_module(f"{library}.asyncio.server")
+    configuration = importlib.import_module(f"{library}.quic.configuration")
+    events = importlib.import_module(f"{library}.quic.events")
 
     ca = ClusterCA.create("raw", dt.datetime.now(dt.UTC))
 
-    class Sink(QuicConnectionProtocol):
+    class Sink(protocol.QuicConnectionProtocol):  # type: ignore[misc,name-defined]
         got = 0
 
         def quic_event_received(self, event: Any) -> None:
-            if isinstance(event, StreamDataReceived):
+            if isinstance(event, events.StreamDataReceived):
                 Sink.got += len(event.data)
                 if Sink.got >= total:
                     self._quic.send_stream_data(event.stream_id, b"!", end_stream=True)
                     self.transmit()
 
     async def run() -> None:
-        conf = QuicConfiguration(is_client=False, alpn_protocols=["raw"])
-        conf.certificate, conf.private_key = ca.certificate, ca.key.private_key
-        server = await serve("127.0.0.1", 0, configuration=conf, create_protocol=Sink)
+        conf = configuration.QuicConfiguration(is_client=False, alpn_protocols=["raw"])
+        if library == "qh3":  # the CA's key is Ed25519, which qh3 does not offer unasked
+            conf.signature_algorithms = [ED25519_SIGNATURE]
+        import tempfile  # noqa: PLC0415
+
+        with tempfile.TemporaryDirectory() as tmp:
+            cert, key = os.path.join(tmp, "c.pem"), os.path.join(tmp, "k.pem")
+            with open(cert, "wb") as f:
+                f.write(ca.certificate.public_bytes(ser.Encoding.PEM))
+            with open(key, "wb") as f:
+                f.write(
+                    ca.key.private_key.private_bytes(
+                        ser.Encoding.PEM, ser.PrivateFormat.PKCS8, ser.NoEncryption()
+                    )
+                )
+            conf.load_cert_chain(cert, key)
+        server = await server_mod.serve("127.0.0.1", 0, configuration=conf, create_protocol=Sink)
         udp = server._transport
         assert udp is not None
         conn.send(udp.get_extra_info("sockname")[1])
@@ -233,18 +263,25 @@ def raw_receiver_main(total: int, conn: Any) -> None:
     asyncio.run(run())
 
 
-def run_raw(total: int) -> dict[str, float]:
-    from aioquic.asyncio.client import connect  # noqa: PLC0415
-    from aioquic.quic.configuration import QuicConfiguration  # noqa: PLC0415
+def run_raw(total: int, library: str = "aioquic") -> dict[str, float]:
+    """Goodput and CPU per MB (sender plus receiver) of one library's bare harness."""
+    import importlib  # noqa: PLC0415
+
+    client_mod = importlib.import_module(f"{library}.asyncio.client")
+    configuration = importlib.import_module(f"{library}.quic.configuration")
 
     parent, child = mp.Pipe()
-    proc = mp.get_context("spawn").Process(target=raw_receiver_main, args=(total, child))
+    proc = mp.get_context("spawn").Process(target=raw_receiver_main, args=(total, child, library))
     proc.start()
     port = parent.recv()
 
     async def send() -> float:
-        conf = QuicConfiguration(is_client=True, alpn_protocols=["raw"], verify_mode=ssl.CERT_NONE)
-        async with connect("127.0.0.1", port, configuration=conf) as client:
+        conf = configuration.QuicConfiguration(
+            is_client=True, alpn_protocols=["raw"], verify_mode=ssl.CERT_NONE
+        )
+        if library == "qh3":
+            conf.signature_algorithms = [ED25519_SIGNATURE]
+        async with client_mod.connect("127.0.0.1", port, configuration=conf) as client:
             reader, writer = await client.create_stream()
             block = os.urandom(1 << 20)
             t0 = time.perf_counter()
@@ -252,14 +289,31 @@ def run_raw(total: int) -> dict[str, float]:
             while sent < total:
                 writer.write(block)
                 sent += len(block)
-                await writer.drain()
+                if library == "qh3":  # its stream writer has no transport to drain
+                    await asyncio.sleep(0)
+                else:
+                    await writer.drain()
             await reader.read()
             return time.perf_counter() - t0
 
+    cpu0 = time.process_time()
     elapsed = asyncio.run(send())
-    parent.recv()
+    sender_cpu = time.process_time() - cpu0
+    receiver_cpu = parent.recv()
     proc.join(10)
-    return {"elapsed_s": elapsed, "goodput_MBps": total / 1e6 / elapsed}
+    return {
+        "elapsed_s": elapsed,
+        "goodput_MBps": total / 1e6 / elapsed,
+        "cpu_s_per_MB": (sender_cpu + receiver_cpu) / (total / 1e6),
+    }
+
+
+def qh3_available() -> bool:
+    try:
+        import qh3  # noqa: F401, PLC0415
+    except ImportError:
+        return False
+    return True
 
 
 def sign_verify_rates(reps: int = 50) -> dict[str, float]:
@@ -289,6 +343,8 @@ def main() -> int:
     uv = run_ciuic(ca, "uvloop", n_chunks)
     default = run_ciuic(ca, "asyncio", n_chunks)
     raw = run_raw(n_chunks * CHUNK_PAYLOAD)
+    raw_qh3 = run_raw(n_chunks * CHUNK_PAYLOAD, "qh3") if qh3_available() else None
+    ours_qh3 = run_ciuic(ca, "uvloop", n_chunks, "qh3") if qh3_available() else None
     handshakes = [run_ciuic(ca, "uvloop", 1)["handshake_ms"] for _ in range(3)]
     rates = sign_verify_rates()
     one_lane_MBps = run_lane_pool(ca, 1, n_chunks)
@@ -302,6 +358,11 @@ def main() -> int:
         "goodput_default_loop_MBps": default["goodput_MBps"],
         "raw_aioquic_MBps": raw["goodput_MBps"],
         "ratio_vs_raw": uv["goodput_MBps"] / raw["goodput_MBps"],
+        "raw_aioquic_cpu_s_per_MB": raw["cpu_s_per_MB"],
+        "raw_qh3_MBps": None if raw_qh3 is None else raw_qh3["goodput_MBps"],
+        "qh3_goodput_MBps": None if ours_qh3 is None else ours_qh3["goodput_MBps"],
+        "qh3_cpu_s_per_MB": None if ours_qh3 is None else ours_qh3["cpu_s_per_MB"],
+        "raw_qh3_cpu_s_per_MB": None if raw_qh3 is None else raw_qh3["cpu_s_per_MB"],
         "handshake_ms": statistics.median([*handshakes, uv["handshake_ms"]]),
         "cpu_s_per_MB": uv["cpu_s_per_MB"],
         "cpu_s_per_MB_default_loop": default["cpu_s_per_MB"],
@@ -316,7 +377,20 @@ def main() -> int:
         f"ciuic uvloop   {uv['goodput_MBps']:7.1f} MB/s  ({uv['cpu_s_per_MB'] * 1e3:.1f} ms CPU/MB)"
     )
     print(f"ciuic asyncio  {default['goodput_MBps']:7.1f} MB/s")
-    print(f"bare aioquic   {raw['goodput_MBps']:7.1f} MB/s  (default settings and loop)")
+    print(
+        f"bare aioquic   {raw['goodput_MBps']:7.1f} MB/s  "
+        f"({raw['cpu_s_per_MB'] * 1e3:.1f} ms CPU/MB; default settings and loop)"
+    )
+    if ours_qh3 is not None:
+        print(
+            f"ciuic on qh3   {ours_qh3['goodput_MBps']:7.1f} MB/s  "
+            f"({ours_qh3['cpu_s_per_MB'] * 1e3:.1f} ms CPU/MB; not offered yet)"
+        )
+    if raw_qh3 is not None:
+        print(
+            f"bare qh3       {raw_qh3['goodput_MBps']:7.1f} MB/s  "
+            f"({raw_qh3['cpu_s_per_MB'] * 1e3:.1f} ms CPU/MB; same harness)"
+        )
     print(
         f"handshake+auth {result['handshake_ms']:7.1f} ms; sign {rates['sign_per_s']:.0f}/s, "
         f"verify {rates['verify_per_s']:.0f}/s (1 MiB chunks)"

@@ -80,6 +80,23 @@ def validate(cfg: Sections) -> None:
             "must hold at least two largest chunks (>= 2101248)",
         ),
         (
+            cfg.transport.receive_window_max_bytes >= cfg.transport.receive_window_bytes,
+            "transport.receive_window_max_bytes",
+            "must be >= receive_window_bytes",
+        ),
+        (
+            0 <= cfg.transport.path_rate_bps <= 1e12,
+            "transport.path_rate_bps",
+            "must be in [0, 1e12]",
+        ),
+        (
+            # transport.backend.OFFERED: qh3 is measured by bench/transport.py but fails
+            # hostile-peer transport tests, so no node may run it yet.
+            cfg.transport.quic_backend == "aioquic",
+            "transport.quic_backend",
+            "qh3 is not offered yet (it fails the hostile-peer transport tests); use aioquic",
+        ),
+        (
             1200 <= cfg.transport.max_datagram_size <= 65527,
             "transport.max_datagram_size",
             "must be in [1200, 65527]",
@@ -154,6 +171,10 @@ def validate(cfg: Sections) -> None:
         (t.backlog_low_bytes < t.backlog_high_bytes, "train.backlog_low_bytes",
          "must be below backlog_high_bytes"),
         (t.consensus_interval_steps >= 0, "train.consensus_interval_steps", "must be >= 0"),
+        (1 <= t.consensus_fragments <= 4096, "train.consensus_fragments", "must be in [1, 4096]"),
+        (t.backlog_low_sends < t.backlog_high_sends, "train.backlog_low_sends",
+         "must be below backlog_high_sends"),
+        (t.backlog_low_sends >= 0.0, "train.backlog_low_sends", "must be >= 0"),
         (0.0 <= t.consensus_mix <= 1.0, "train.consensus_mix", "must be in [0, 1]"),
         (t.update_norm_max_ratio > 1.0, "train.update_norm_max_ratio", "must be > 1"),
         (t.norm_warmup_chunks >= 1, "train.norm_warmup_chunks", "must be >= 1"),

@@ -15,6 +15,7 @@ DenseDtype = Literal["fp32", "fp16", "bf16"]
 Selection = Literal["approx", "exact"]
 LogFormat = Literal["auto", "json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+QuicBackendName = Literal["aioquic", "qh3"]
 CongestionControl = Literal["cubic", "reno"]
 
 
@@ -104,6 +105,13 @@ class TransportSection:
     receive_window_bytes: int = 4 * 1024 * 1024
     """Bulk bytes a peer may send us before our application consumed them: the
     receive quota per peer, and the bound on what a sender buffers for one peer."""
+    receive_window_max_bytes: int = 64 * 1024 * 1024
+    """The most a link's receive window grows to (see ``path_rate_bps``): the bound on
+    what one peer may have queued here unread."""
+    path_rate_bps: float = 1e9
+    """The rate one link's window should carry: it grows, as RTT samples come, to twice
+    the smallest RTT times this (a 1 Gbit/s inter-region path at 330 ms holds 41 MB in
+    flight); 0 keeps ``receive_window_bytes``."""
     max_datagram_size: int = 1452
     """Largest UDP payload. 1452 fits a 1500-byte path MTU over IPv6 (1500 - 40 - 8)
     and IPv4; aioquic's default of 1200 costs about 20% of goodput."""
@@ -113,6 +121,11 @@ class TransportSection:
     while the loop is busy, and each overflow reads as a congestion loss. The kernel
     grants at most ``net.core.rmem_max`` / ``wmem_max``; the daemon logs what it got
     when that is less (raise those sysctls, as for quic-go)."""
+    quic_backend: QuicBackendName = "aioquic"
+    """The QUIC library. Only ``aioquic`` is offered: ``qh3`` (an aioquic fork with its
+    packet protection, TLS and connection core in Rust) runs behind the same interface
+    and bench/transport.py measures it, but it fails some hostile-peer transport tests
+    (transport.backend), so the config refuses it for now."""
     congestion_control: CongestionControl = "cubic"
     """QUIC congestion control (aioquic's). After a loss CUBIC (RFC 9438) regrows its
     window with time rather than per round trip, so a long path recovers in seconds
@@ -271,8 +284,9 @@ class TrainSection:
       ``max_send_interval_steps``, merged steps: the residual carries them) and the
       density halves (down to ``min_density``); below ``backlog_low_bytes`` both
       recover one notch per send;
-    - every ``consensus_interval_steps`` a replica sends its parameters (INT8, dense)
-      and every receiver moves ``consensus_mix`` of the way toward them.
+    - every ``consensus_interval_steps`` a replica sends the next of
+      ``consensus_fragments`` fragments of its parameters (INT8, dense) and every
+      receiver moves ``consensus_mix`` of the way toward them.
     """
 
     socket_path: str = ""
@@ -282,8 +296,18 @@ class TrainSection:
     max_send_interval_steps: int = 16
     min_density: float = 0.0005
     backlog_high_bytes: int = 1 << 20
+    """The high backlog mark's floor; the mark is ``backlog_high_sends`` sends when that
+    is more (one send is 2.1 MB at 100M parameters and 1%: a fixed MiB is no mark)."""
     backlog_low_bytes: int = 256 * 1024
-    consensus_interval_steps: int = 200
+    backlog_high_sends: float = 4.0
+    """High backlog mark, in units of this replica's mean update send."""
+    backlog_low_sends: float = 1.0
+    consensus_interval_steps: int = 8
+    """Steps between two consensus rounds, each of one fragment."""
+    consensus_fragments: int = 64
+    """The parameters are mixed in this many fragments, one per round in turn (a
+    round then costs about 0.8 of a 1% update, and all of the model is mixed every
+    ``consensus_interval_steps * consensus_fragments`` steps)."""
     consensus_mix: float = 0.5
     update_norm_max_ratio: float = 50.0
     """A peer chunk whose RMS exceeds this times the running RMS of this replica's own

@@ -1,12 +1,22 @@
 """The trainer's side of the flat parameter space: parameters as views into buckets,
-and the thread that encodes and hands over what the replica sends."""
+the thread that encodes and hands over what the replica sends, and the gate that
+keeps its reads of the model and the training thread's adds apart.
+
+On CUDA the encoder thread runs its kernels on a side stream of its own: the training
+thread only records an event after the optimizer's step (no host sync), the side
+stream waits for it, and the gate's events order the side stream's read of the
+parameters and the training stream's adds of peers' chunks on the device as its lock
+orders them on the host. Host syncs (the threshold, the candidates' count, the packed
+bytes) block the encoder thread on its own stream, never the training thread."""
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
@@ -32,6 +42,43 @@ def flatten_parameters(model: torch.nn.Module, layout: BucketLayout) -> list[tor
     return buckets
 
 
+class ThreadGate:
+    """core.replica.parameters.AccessGate between the training thread and the encoder
+    thread (see the module docstring)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self._lock = threading.Lock()
+        self._cuda = device.type == "cuda"
+        self._read_done: Any = None
+        self._write_done: Any = None
+
+    def enter_write(self, wait: bool) -> bool:
+        if not self._lock.acquire(blocking=wait):
+            return False
+        if self._read_done is not None:
+            torch.cuda.current_stream().wait_event(self._read_done)
+        return True
+
+    def exit_write(self) -> None:
+        if self._cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            self._write_done = event
+        self._lock.release()
+
+    def enter_read(self) -> None:
+        self._lock.acquire()
+        if self._write_done is not None:
+            torch.cuda.current_stream().wait_event(self._write_done)
+
+    def exit_read(self) -> None:
+        if self._cuda:
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            self._read_done = event
+        self._lock.release()
+
+
 class Encoder:
     """The thread that encodes and publishes this replica's updates (and hands over
     state snapshots) while the trainer computes the next steps (on a GPU, the codec's
@@ -39,7 +86,10 @@ class Encoder:
     due while it is busy stays in the model's local progress and goes with the next
     send (merged steps)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
+        self._side: Any = None
+        if device is not None and device.type == "cuda":
+            self._side = torch.cuda.Stream(device=device)  # type: ignore[no-untyped-call]
         self.jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(1)
         self.idle = threading.Event()
         self.idle.set()
@@ -48,9 +98,38 @@ class Encoder:
         self._thread = threading.Thread(target=self._run, name="ciuic-encoder", daemon=True)
         self._thread.start()
 
-    def submit(self, job: Callable[[], None]) -> None:
+    def mark(self) -> Any:
+        """On CUDA, an event after the work queued so far on the training stream (the
+        optimizer's step), for :meth:`submit`'s job to wait for; None elsewhere."""
+        if self._side is None:
+            return None
+        event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+        event.record()
+        return event
+
+    def submit(self, job: Callable[[], None], after: Any = None) -> None:
+        """Run ``job`` on the encoder thread (on CUDA on the side stream, once the
+        training stream has reached ``after``, an event from :meth:`mark`)."""
         self.idle.clear()
-        self.jobs.put(job)
+        if self._side is None:
+            self.jobs.put(job)
+            return
+        side = self._side
+
+        def on_side_stream() -> None:
+            with self._stream(side, after):
+                job()
+            side.synchronize()  # its tensors are done before the next job reuses them
+
+        self.jobs.put(on_side_stream)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def _stream(side: Any, after: Any) -> Iterator[None]:
+        if after is not None:
+            side.wait_event(after)
+        with torch.cuda.stream(side):
+            yield
 
     def _run(self) -> None:
         while (job := self.jobs.get()) is not None:

@@ -51,7 +51,7 @@ from ciuic_p2p.core.replica.schedule import (
 )
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel, LocalDaemon
-from ciuic_p2p.train.encoder import Encoder, flatten_parameters
+from ciuic_p2p.train.encoder import Encoder, ThreadGate, flatten_parameters
 from ciuic_p2p.train.parallel import thread_parts
 from ciuic_p2p.train.statesync import StateKeeper
 
@@ -116,9 +116,10 @@ class MeshSync:
             config.train,
             seed,
             run_parts=thread_parts,
+            gate=ThreadGate(self.buckets[0].device),
         )
         channel.prepare_deliveries(self.replica.prepare)
-        self.encoder = Encoder()
+        self.encoder = Encoder(self.buckets[0].device)
         self.schedule = ReplicaSchedule(
             checkpoint_interval_s=config.store.checkpoint_interval_s, now=time.monotonic()
         )
@@ -238,11 +239,18 @@ class MeshSync:
         if isinstance(action, HandState):
             self.state.hand_state(write_checkpoint_too=action.checkpoint)
         elif isinstance(action, EncodeParams):
-            params, step = r.snapshot_params(), r.step
-            enc.submit(lambda: self._publish(r.encode_params(params, step)))
+            alone = r.snapshot_params()
+            enc.submit(lambda: self._publish(r.encode_params(alone)), enc.mark())
         elif isinstance(action, EncodeUpdate):
-            deltas, step, n = r.take_update(), r.step, r.replicas
-            enc.submit(lambda: self._publish(r.encode_update(deltas, step, n)))
+            taken = r.take_update()
+            fragment = r.snapshot_params() if action.with_params else None
+
+            def job() -> None:
+                self._publish(r.encode_update(taken))
+                if fragment is not None:  # after the update: it never waits for a mix
+                    self._publish(r.encode_params(fragment))
+
+            enc.submit(job, enc.mark())
         else:
             ch = self.channel
             if ch.stats:
@@ -371,8 +379,8 @@ class MeshSync:
             if not enc.idle.wait(limit):
                 raise ChannelError(f"the encoder did not finish within {limit:g} s")
             if r.last_send_step < r.step:  # merged steps still pending: send them
-                deltas, step, n = r.take_update(), r.step, r.replicas
-                enc.submit(lambda: self._publish(r.encode_update(deltas, step, n)))
+                taken = r.take_update()
+                enc.submit(lambda: self._publish(r.encode_update(taken)), enc.mark())
                 if not enc.idle.wait(limit):
                     raise ChannelError(f"the encoder did not finish within {limit:g} s")
             enc.check()
@@ -407,6 +415,9 @@ class MeshSync:
             "replicas": r.replicas,
             "sends": s.sends,
             "merged_steps": self.schedule.merged_steps,
+            "backoffs": s.backoffs,
+            "hook_traffic_bytes": r.traffic_bytes(),
+            "hook_held_bytes": r.held_bytes(),
             "params_skipped": self.schedule.params_skipped,
             "chunks_sent": s.chunks_sent,
             "bytes_published": s.bytes_published,

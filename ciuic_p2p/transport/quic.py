@@ -1,7 +1,7 @@
-"""QUIC transport over aioquic, driving one link session (core.link.session) per
-connection: authentication, credit, ping/pong and close are the session's; this edge
-maps its two lanes onto QUIC streams and owns the socket, the connection IDs, the
-gate in front of strangers and the timers.
+"""QUIC transport over aioquic or qh3 (transport.backend), driving one link session
+(core.link.session) per connection: authentication, credit, ping/pong and close are
+the session's; this edge maps its two lanes onto QUIC streams and owns the socket,
+the connection IDs, the gate in front of strangers and the timers.
 
 One UDP socket per node, bound where the config says, serves both the connections
 this node dials and the ones it accepts; datagrams are routed to connections by
@@ -24,11 +24,9 @@ aioquic is driven with ``time.monotonic()`` as its clock: uvloop's ``loop.time()
 has libuv's 1 ms resolution, too coarse for aioquic's pacer (measured: 1.3 MB/s
 instead of 38 MB/s on loopback).
 
-aioquic internals used, each with no public accessor in 1.7.2: ``tls._peer_certificate``
-(the server's certificate, which we verify against the cluster CA ourselves),
-``_peer_cid.cid`` (the connection ID the server chose, bound into the client's proof),
-``_loss._rtt_*`` (QUIC's RTT estimate) and ``_streams[i].sender._buffer`` (bytes sent
-and not yet acknowledged). tests/transport/test_quic.py checks they exist.
+What the two libraries expose differently (the peer's certificate, the server's
+connection ID, QUIC's RTT, unacknowledged bytes) is reached through transport.backend;
+tests/transport/test_quic.py checks the internals it uses exist in each.
 """
 
 from __future__ import annotations
@@ -42,9 +40,6 @@ from collections.abc import Callable
 from typing import Any
 
 from aioquic.buffer import Buffer  # type: ignore[attr-defined]
-from aioquic.quic import events as qe
-from aioquic.quic.configuration import QuicConfiguration
-from aioquic.quic.connection import QuicConnection
 from aioquic.quic.packet import pull_quic_header
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
@@ -66,6 +61,7 @@ from ciuic_p2p.errors import AdmissionError
 from ciuic_p2p.guard import Guard
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.logsetup import get_logger
+from ciuic_p2p.transport.backend import QuicBackend
 from ciuic_p2p.transport.base import (
     Address,
     LinkStats,
@@ -82,7 +78,6 @@ from ciuic_p2p.transport.link import (
     CID_LENGTH,
     CONTROL_STREAM,
     QuicLink,
-    quic_configuration,
 )
 from ciuic_p2p.transport.sessions import LinkBook
 from ciuic_p2p.transport.sockbuf import size_buffers
@@ -111,6 +106,10 @@ class _Endpoint(asyncio.DatagramProtocol):
 
     def error_received(self, exc: Exception) -> None:
         log.debug("udp_error", error=str(exc))
+
+
+MAX_REASON_BYTES = 256
+"""A close reason longer than this is cut: it travels in one packet."""
 
 
 class QuicTransport(Transport):
@@ -161,17 +160,16 @@ class QuicTransport(Transport):
         self.reconnects = 0
         self.guard = Guard("transport")
         """What the socket's and the timers' callbacks could not handle, counted."""
-        self.gate = InitialGate(
-            self.settings, quic_configuration(self.settings, None, None).supported_versions
-        )
+        self.backend = QuicBackend(self.settings.quic_backend)
+        """The QUIC library behind this transport (transport.backend)."""
+        self.gate = InitialGate(self.settings, self.backend.supported_versions(self.settings))
         """Datagrams from unknown sources: what they may cost (transport.gate)."""
 
     # -- set-up -------------------------------------------------------------------------
 
-    def _configuration(self, is_client: bool) -> QuicConfiguration:
-        if is_client:
-            return quic_configuration(self.settings, None, None)
-        return quic_configuration(self.settings, self.certificate, self.key)
+    def _configuration(self, is_client: bool) -> Any:
+        cert, key = (None, None) if is_client else (self.certificate, self.key)
+        return self.backend.configuration(self.settings, ALPN, CID_LENGTH, cert, key)
 
     def _session(self, dialed: bool) -> LinkSession:
         return LinkSession(
@@ -214,8 +212,8 @@ class QuicTransport(Transport):
     async def connect(self, address: Address, expected_peer: bytes | None = None) -> bytes:
         if self._udp is None:
             raise TransportError("transport not started")
-        quic = QuicConnection(configuration=self._configuration(is_client=True))
-        link = QuicLink(quic, self._session(dialed=True), address, dialed=True)
+        quic = self.backend.connection(self._configuration(is_client=True))
+        link = QuicLink(quic, self._session(dialed=True), address, True, self.backend)
         if expected_peer:
             link.session.claimed = peer_id_of(expected_peer)
         self._register(link, quic.host_cid)
@@ -275,12 +273,12 @@ class QuicTransport(Transport):
             if isinstance(decision, Drop):
                 self._stranger_dropped(addr, decision.reason)
                 return
-            quic = QuicConnection(
-                configuration=self._configuration(is_client=False),
+            quic = self.backend.connection(
+                self._configuration(is_client=False),
                 original_destination_connection_id=decision.original_dcid,
                 retry_source_connection_id=decision.retry_scid,
             )
-            link = QuicLink(quic, self._session(dialed=False), addr, dialed=False)
+            link = QuicLink(quic, self._session(dialed=False), addr, False, self.backend)
             link.pending = True
             self.gate.opened(addr)
             self._register(link, header.destination_cid)
@@ -355,8 +353,9 @@ class QuicTransport(Transport):
             self._flush_session(link, transmit=False)
         self._schedule_transmit(link)
 
-    def _handle_event(self, link: QuicLink, event: qe.QuicEvent) -> None:
+    def _handle_event(self, link: QuicLink, event: Any) -> None:
         session = link.session
+        qe = self.backend.events
         if isinstance(event, qe.ConnectionIdIssued):
             self._register(link, event.connection_id)
         elif isinstance(event, qe.ConnectionIdRetired):
@@ -365,8 +364,8 @@ class QuicTransport(Transport):
             if link.dialed:
                 quic = link.quic
                 session.server_hello(
-                    quic.tls._peer_certificate,
-                    quic._peer_cid.cid,
+                    self.backend.peer_certificate(quic),
+                    self.backend.server_cid(quic),
                     quic.original_destination_connection_id,
                     self.wallclock(),
                 )
@@ -513,13 +512,11 @@ class QuicTransport(Transport):
     def unacked_bytes(self) -> int:
         """Stream bytes sent on live links that the peers have not acknowledged yet
         (aioquic keeps each stream's unacknowledged data in its sender's buffer)."""
-        total = 0
-        for link in self._book.links.values():
-            if link.closed:
-                continue
-            for stream in link.quic._streams.values():
-                total += len(getattr(stream.sender, "_buffer", b""))
-        return total
+        return sum(
+            self.backend.unacked_bytes(link.quic)
+            for link in self._book.links.values()
+            if not link.closed
+        )
 
     def peers(self) -> list[bytes]:
         return self._book.peers()
@@ -598,7 +595,12 @@ class QuicTransport(Transport):
         link.session.close(reason, quiet=quiet)  # a CLOSE frame when it was admitted
         for lane, data in link.session.data_to_send():
             link.quic.send_stream_data(link.stream_of(lane), data)
-        link.quic.close(error_code=0, reason_phrase=reason)
+        # The CLOSE frame goes out before QUIC's close: qh3 cannot fit stream data and a
+        # CONNECTION_CLOSE into one packet ("packet builder capacity exhausted").
+        self._transmit(link)
+        link.quic.close(
+            error_code=0, reason_phrase=reason.encode()[:MAX_REASON_BYTES].decode(errors="ignore")
+        )
         self._transmit(link)
 
     def _link_gone(self, link: QuicLink, reason: str, quiet: bool = False) -> None:

@@ -46,10 +46,12 @@ def test_no_snapshot_before_the_state_is_restored() -> None:
     assert s.between_steps(StepFacts(step=3, snapshot_wanted=True, encoder_idle=False)) == []
 
 
-def test_the_mix_goes_before_the_update_and_waits_for_an_idle_encoder() -> None:
+def test_the_mix_goes_after_the_update_in_its_job_and_waits_for_an_idle_encoder() -> None:
     s = schedule()
     both = StepFacts(step=5, update_due=True, params_due=True)
-    assert s.after_step(both, 0.0) == [EncodeParams()] and s.merged_steps == 1
+    # One job: the update first, then the fragment; no step merges behind a mix.
+    assert s.after_step(both, 0.0) == [EncodeUpdate(with_params=True)]
+    assert s.merged_steps == 0
     # Due while busy: kept pending, sent once the encoder is free.
     s2 = schedule()
     assert s2.after_step(StepFacts(step=5, params_due=True, encoder_idle=False), 0.0) == []

@@ -287,3 +287,47 @@ def test_one_link_per_peer_both_ends_agree() -> None:
     assert keep_new_link(big, small, LinkClaim(False, 1.0), LinkClaim(True, 1.0), 2.0)
     # A link older than the bound is a restarted peer's previous life: replaced.
     assert keep_new_link(small, big, theirs, LinkClaim(True, -5.0), 2.0)
+
+
+def _ping_round(client: LinkSession, server: LinkSession, at: float, rtt_s: float) -> None:
+    client.handle_timer(at)
+    for lane, data in client.data_to_send():  # the PING, and any CREDIT queued before it
+        server.receive(lane, data, at + rtt_s / 2, UTC)
+    for lane, data in server.data_to_send():
+        client.receive(lane, data, at + rtt_s, UTC)
+
+
+def test_the_receive_window_grows_to_the_path_and_no_further() -> None:
+    """Twice the smallest RTT times ``path_rate_bps``, within the bound; the peer is
+    granted the difference and may send that much more. A round trip made long by
+    queueing widens nothing."""
+    client, server, _, _ = linked(now=5.0)
+    events(client), events(server)
+    base = SETTINGS.receive_window_bytes
+    _ping_round(client, server, 5.0, 0.02)  # 2 x 20 ms x 125 MB/s = 5 MB
+    want = int(2 * 0.02 * SETTINGS.path_rate_bps / 8)
+    assert abs(client.quota.window - want) <= 1 and want > base
+    pump(client, server, 5.1)
+    granted = [e for e in events(server) if isinstance(e, CreditGranted)]
+    assert granted and granted[-1].available == client.quota.window
+    # Queueing: a slow round trip after a fast one does not widen the window.
+    _ping_round(client, server, 5.5, 0.4)
+    assert abs(client.quota.window - want) <= 1
+    # A long path (a fresh link whose every round trip is long): bounded.
+    client, server, _, _ = linked(now=5.0)
+    at = 6.0
+    for _ in range(30):
+        _ping_round(client, server, at, 0.5)
+        at += SETTINGS.ping_interval_s
+    assert client.quota.window == SETTINGS.receive_window_max_bytes
+    pump(client, server, at)
+    assert server.credit_out.available == SETTINGS.receive_window_max_bytes
+
+
+def test_a_forged_pong_is_no_rtt_sample_and_grows_nothing() -> None:
+    client, _server, _, _ = linked(now=5.0)
+    window = client.quota.window
+    for sent_at in (-1e9, 1e9):  # a peer echoing a time we never sent
+        forged = encode_frame(FrameType.PONG, PING.pack(1, sent_at))
+        client.receive(Lane.CONTROL, forged, 6.0, UTC)
+    assert client.rtt.samples == 0 and client.quota.window == window

@@ -2,6 +2,6 @@
 the daemon tests' fleet of `ciuic-node run` processes."""
 
 from tests.daemon.conftest import fleet
-from tests.transport.conftest import cluster, make_node
+from tests.transport.conftest import cluster, make_node, quic_backend
 
-__all__ = ["cluster", "fleet", "make_node"]
+__all__ = ["cluster", "fleet", "make_node", "quic_backend"]

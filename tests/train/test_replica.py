@@ -175,7 +175,9 @@ def test_the_residual_stays_bounded_over_a_training_run() -> None:
 
 
 def test_the_consensus_mix_pulls_drifted_replicas_together() -> None:
-    train = dataclasses.replace(TRAIN, consensus_interval_steps=1, consensus_mix=0.5)
+    train = dataclasses.replace(
+        TRAIN, consensus_interval_steps=1, consensus_mix=0.5, consensus_fragments=1
+    )
     a, b = replica(0, train=train), replica(1, train=train)
     for r in (a, b):
         r.set_alive(["p0", "p1"])

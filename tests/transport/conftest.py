@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -13,6 +15,7 @@ from cryptography import x509
 from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import TransportSection
 from ciuic_p2p.identity import NodeKey
+from ciuic_p2p.transport import backend
 from ciuic_p2p.transport.quic import QuicTransport
 
 NOW = dt.datetime.now(dt.UTC)
@@ -38,8 +41,20 @@ def cluster() -> Cluster:
 NodeFactory = Callable[..., Awaitable[QuicTransport]]
 
 
+BACKENDS = list(backend.OFFERED) + (
+    ["qh3"] if os.environ.get("CIUIC_TEST_QH3") == "1" and backend.available("qh3") else []
+)
+"""Every transport test runs on every QUIC backend offered (transport.backend);
+``CIUIC_TEST_QH3=1`` adds the experimental qh3 backend, which fails some of them."""
+
+
+@pytest.fixture(params=BACKENDS)
+def quic_backend(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
 @pytest_asyncio.fixture
-async def make_node(cluster: Cluster) -> AsyncIterator[NodeFactory]:
+async def make_node(cluster: Cluster, quic_backend: str) -> AsyncIterator[NodeFactory]:
     nodes: list[QuicTransport] = []
 
     async def factory(
@@ -48,6 +63,7 @@ async def make_node(cluster: Cluster) -> AsyncIterator[NodeFactory]:
         credentials: tuple[NodeKey, x509.Certificate] | None = None,
     ) -> QuicTransport:
         key, cert = credentials or cluster.node_credentials()
+        settings = dataclasses.replace(settings, quic_backend=quic_backend)  # type: ignore[arg-type]
         node = QuicTransport(key, cert, trust or cluster.trust, settings=settings)
         await node.start()
         nodes.append(node)

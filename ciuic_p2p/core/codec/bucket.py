@@ -141,6 +141,18 @@ class EncodeStats:
     residual_scaled: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class SentChunk:
+    """One chunk as sent, with what the receivers will decode from it."""
+
+    payload: bytearray
+    header: ChunkHeader
+    positions: torch.Tensor | None
+    """Sorted positions relative to ``header.range_start``; None when dense."""
+    values: torch.Tensor
+    """The values as decoded (after quantization)."""
+
+
 class BucketEncoder:
     """Error-feedback encoder of one bucket. Not thread-safe; one per bucket."""
 
@@ -153,8 +165,14 @@ class BucketEncoder:
         device: torch.device | str = "cpu",
         seed: int = 0,
         run_parts: RunParts[Any] = sequential,
+        *,
+        keep_residual: bool = True,
+        numpy_scan: bool | None = None,
     ) -> None:
-        """``run_parts``: how the CPU top-k scan runs its parts (codec.select)."""
+        """``run_parts``: how the CPU top-k scan runs its parts (codec.select).
+        ``keep_residual=False``: this encoder serves :meth:`encode_progress` only, whose
+        caller keeps the residual implicitly (no bucket-sized buffer here).
+        ``numpy_scan``: see :class:`ApproxTopK`."""
         if not 0 < numel <= MAX_RANGE_LEN:
             raise ValueError(f"bucket size must be in [1, {MAX_RANGE_LEN}]")
         self.bucket = bucket
@@ -170,14 +188,30 @@ class BucketEncoder:
         # Dense fp32 is lossless: nothing is ever left behind, so no residual.
         self.residual: torch.Tensor | None = (
             None
-            if spec.codec is Codec.DENSE_FP32
+            if spec.codec is Codec.DENSE_FP32 or not keep_residual
             else torch.zeros(numel, dtype=torch.float32, device=self.device)
         )
+        self._keeps_residual = keep_residual
+        self._sent_norm_ema = 0.0
+        self.residual_norm = 0.0
+        """The residual's L2 norm after the last :meth:`encode_progress`."""
+        self.last_sent: list[SentChunk] = []
+        """What the last :meth:`encode_progress` sent, chunk by chunk."""
+        self.traffic_bytes = 0
+        """Bytes of bucket memory the progress path read and wrote so far (full passes
+        counted by the tensors they touch, O(k) work by its elements)."""
         self._selector: ApproxTopK | None = None
         if spec.codec.is_sparse and not spec.exact:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(seed)
-            self._selector = ApproxTopK(numel, self.device, spec.sample_size, generator, run_parts)
+            self._selector = ApproxTopK(
+                numel, self.device, spec.sample_size, generator, run_parts, numpy_scan
+            )
+
+    def held_bytes(self) -> int:
+        """Bytes of the bucket-sized buffers this encoder holds (residual, selector)."""
+        held = 0 if self.residual is None else self.residual.numel() * 4
+        return held + (0 if self._selector is None else self._selector.held_bytes())
 
     # -- state ---------------------------------------------------------------------------
 
@@ -212,6 +246,8 @@ class BucketEncoder:
         if update.dtype != torch.float32:  # fp16/bf16/fp64 models: the residual is fp32
             update = update.to(torch.float32)
         _check_finite(update)
+        if not self._keeps_residual:
+            raise ValueError("this encoder keeps no residual: use encode_progress")
         if self.residual is None:  # dense fp32: lossless, nothing carries over
             chunks = self._dense_chunks(update, step)
         else:
@@ -261,20 +297,33 @@ class BucketEncoder:
         )
 
     def _encode_sparse(self, acc: torch.Tensor, step: int) -> list[bytearray]:
-        spec = self.spec
-        k = spec.k_for(self.numel)
+        k = self.spec.k_for(self.numel)
         if self._selector is not None:
             positions, values = self._selector.select_with_values(acc, k)
         else:
             positions = exact_topk(acc, k)
             values = acc[positions]
-        self.stats.k = k
+        chunks, sent = self._emit_sparse(positions, values, step)
+        values.sub_(sent)
+        if acc.device.type == "cpu":  # numpy's scatter is ~3x torch's here
+            acc.numpy()[positions.numpy()] = values.numpy()
+        else:
+            acc[positions] = values
+        return [c.payload for c in chunks]
+
+    def _emit_sparse(
+        self, positions: torch.Tensor, values: torch.Tensor, step: int
+    ) -> tuple[list[SentChunk], torch.Tensor]:
+        """Chunks of the selected ``values`` at sorted ``positions``, and the values as
+        the receivers will decode them."""
+        spec = self.spec
+        self.stats.k = spec.k_for(self.numel)
         self.stats.selected = positions.numel()
         gaps = indexcode.gaps_from_positions(positions)
         r = indexcode.choose_rice_bits(gaps)
         bounds = self._cut_sparse(gaps, r)
         sent = torch.empty_like(values)
-        chunks: list[bytearray] = []
+        chunks: list[SentChunk] = []
         pos_cpu = positions[[b[0] for b in bounds]].tolist() if len(bounds) > 1 else []
         for j, (a, b) in enumerate(bounds):
             start = 0 if j == 0 else pos_cpu[j]
@@ -305,13 +354,127 @@ class BucketEncoder:
                 rice_bits=r,
                 block_size=block,
             )
-            chunks.append(build_chunk(header, [_host_bytes(t) for t in sections]))
-        values.sub_(sent)
-        if acc.device.type == "cpu":  # numpy's scatter is ~3x torch's here
-            acc.numpy()[positions.numpy()] = values.numpy()
+            payload = build_chunk(header, [_host_bytes(t) for t in sections])
+            chunks.append(SentChunk(payload, header, positions[a:b] - start, sent[a:b]))
+        return chunks, sent
+
+    def encode_progress(
+        self, params: torch.Tensor, base: torch.Tensor, step: int
+    ) -> list[bytearray]:
+        """Encode ``params - base`` (the residual plus the progress since the last send:
+        ``base`` is the parameters without this replica's unsent progress) and move
+        ``base`` by what was sent, so the new residual is ``params - base`` again. The
+        difference is never stored on CPU (see codec.select); ``params`` is read once
+        per element, so an optimizer writing it meanwhile loses nothing. What was sent
+        is in :attr:`last_sent` (the caller never decodes its own chunks). Non-finite
+        input raises :class:`NonFiniteUpdateError` with nothing sent and ``base``
+        unchanged."""
+        if params.numel() != self.numel or base.numel() != self.numel:
+            raise ValueError(f"params and base must have {self.numel} elements")
+        with torch.no_grad():
+            if self.spec.codec.is_sparse:
+                chunks = self._progress_sparse(params, base, step)
+            else:
+                chunks = self._progress_dense(params, base, step)
+        self.last_sent = chunks
+        self.stats.chunks = len(chunks)
+        self.stats.encoded_bytes = sum(len(c.payload) for c in chunks)
+        return [c.payload for c in chunks]
+
+    def _progress_sparse(
+        self, params: torch.Tensor, base: torch.Tensor, step: int
+    ) -> list[SentChunk]:
+        k = self.spec.k_for(self.numel)
+        if self._selector is not None:
+            sel = self._selector.select_difference(params, base, k)
+            positions, values, sumsq = sel.positions, sel.values, sel.sumsq
+            # Each scan reads params and base; the torch path also writes and reads
+            # its difference buffer once, and its mask.
+            per_scan = 8 if self._selector.numpy_scan else 8 + 4 + 4 + 1
+            self.traffic_bytes += sel.scans * per_scan * self.numel
         else:
-            acc[positions] = values
+            acc = params - base
+            sumsq = float(torch.dot(acc, acc))
+            positions = exact_topk(acc, k)
+            values = acc[positions]
+            self.traffic_bytes += 16 * self.numel
+        if not math.isfinite(sumsq):
+            raise NonFiniteUpdateError("update holds NaN or Inf; refused, nothing was sent")
+        chunks, sent = self._emit_sparse(positions, values, step)
+        # O(k): the positions and values read, base read and written where sent.
+        self.traffic_bytes += positions.numel() * (8 + 4 + 4 + 8)
+        if base.device.type == "cpu":
+            b = base.numpy()
+            idx = positions.numpy()
+            b[idx] += sent.numpy()
+        else:
+            base.index_add_(0, positions, sent)
+        # What stays behind: |acc|^2 minus the sent values' share of it.
+        left = values - sent
+        residual_sq = sumsq - float(torch.dot(values, values)) + float(torch.dot(left, left))
+        self._bound_progress(params, base, max(0.0, residual_sq), float(sent.norm()))
         return chunks
+
+    def _progress_dense(
+        self, params: torch.Tensor, base: torch.Tensor, step: int
+    ) -> list[SentChunk]:
+        acc = params - base
+        self.traffic_bytes += 16 * self.numel
+        _check_finite(acc)
+        codec = self.spec.codec
+        self.stats.k = self.stats.selected = self.numel
+        if codec is Codec.DENSE_FP32:
+            sent = acc
+            payloads = self._dense_chunks(acc, step)
+        elif codec is Codec.DENSE_INT8:
+            block = self.spec.block_size
+            codes, scales = quantize_int8(acc, block)
+            sent = dequantize_int8(codes, scales, block)
+            payloads = self._dense_int8_chunks(codes, scales, step)
+        else:
+            low = acc.to(_DENSE_DTYPES[codec])
+            sent = low.to(torch.float32)
+            payloads = self._dense_chunks(low, step)
+        base.add_(sent)
+        # Dense buckets are the small ones (biases, norms): a pass more is nothing.
+        self.residual_norm = 0.0 if sent is acc else float(torch.dist(acc, sent))
+        self.traffic_bytes += 16 * self.numel
+        chunks = []
+        for payload in payloads:
+            h, _ = parse_chunk(payload)
+            s = slice(h.range_start, h.range_start + h.range_len)
+            chunks.append(SentChunk(payload, h, None, sent[s]))
+        return chunks
+
+    def _bound_progress(
+        self, params: torch.Tensor, base: torch.Tensor, residual_sq: float, sent_norm: float
+    ) -> None:
+        """``residual_max_ratio`` on the progress path: the residual ``params - base`` is
+        kept within the ratio times the running norm of what was sent, by moving
+        ``base`` toward ``params`` (one pass, only when it is over)."""
+        self.residual_norm = math.sqrt(residual_sq)
+        ratio = self.spec.residual_max_ratio
+        self.stats.residual_scaled = False
+        if ratio <= 0.0:
+            return
+        ema = self._sent_norm_ema
+        self._sent_norm_ema = sent_norm if ema == 0.0 else 0.9 * ema + 0.1 * sent_norm
+        limit = ratio * self._sent_norm_ema
+        if limit > 0.0 and self.residual_norm > limit:
+            f = limit / self.residual_norm
+            base.mul_(f).add_(params, alpha=1.0 - f)  # residual becomes f times itself
+            self.traffic_bytes += 12 * self.numel
+            self.residual_norm = limit
+            self.stats.residual_scaled = True
+
+    def encode_snapshot(self, values: torch.Tensor, start: int, step: int) -> list[bytearray]:
+        """Parameters ``values`` of the range starting at ``start`` as dense INT8 chunks
+        (the consensus mix; no error feedback: a snapshot, not a stream)."""
+        if values.dim() != 1 or not 0 <= start <= start + values.numel() <= self.numel:
+            raise ValueError("the snapshot's range lies outside the bucket")
+        block = self.spec.block_size
+        codes, scales = quantize_int8(values, block)
+        return self._dense_int8_chunks(codes, scales, step, offset=start)
 
     def _cut_sparse(self, gaps: torch.Tensor, r: int) -> list[tuple[int, int]]:
         """Split selected values into chunks [a, b) whose payload fits, by an upper
@@ -369,17 +532,25 @@ class BucketEncoder:
         return chunks
 
     def _dense_int8_chunks(
-        self, codes: torch.Tensor, scales: torch.Tensor, step: int
+        self, codes: torch.Tensor, scales: torch.Tensor, step: int, offset: int = 0
     ) -> list[bytearray]:
+        """Chunks of INT8 ``codes`` (and their block scales) for the range starting at
+        ``offset``."""
         block = self.spec.block_size
         blocks_per_chunk = self.spec.chunk_payload_bytes // (block + SCALE_BYTES)
         per_chunk = blocks_per_chunk * block
         chunks = []
-        for start in range(0, self.numel, per_chunk):
-            end = min(self.numel, start + per_chunk)
+        numel = codes.numel()
+        for start in range(0, numel, per_chunk):
+            end = min(numel, start + per_chunk)
             b0, b1 = start // block, -(-end // block)
             header = self._header(
-                Codec.DENSE_INT8, step, start, end - start, end - start, block_size=block
+                Codec.DENSE_INT8,
+                step,
+                offset + start,
+                end - start,
+                end - start,
+                block_size=block,
             )
             sections = [_host_bytes(scales[b0:b1]), _host_bytes(codes[start:end])]
             chunks.append(build_chunk(header, sections))
@@ -498,6 +669,7 @@ __all__ = [
     "ChunkSource",
     "DecodedChunk",
     "EncodeStats",
+    "SentChunk",
     "apply_chunk",
     "decode_chunk",
 ]

@@ -29,7 +29,8 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable
-from typing import TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
@@ -70,6 +71,9 @@ def _cpu_parts(numel: int) -> int:
 #: Elements per cache-resident block of the CPU scan (1 MiB of fp32).
 SCAN_BLOCK = 1 << 18
 
+#: Elements per block of the torch scan's magnitude buffer (64 MiB of fp32).
+TORCH_SCAN_BLOCK = 1 << 24
+
 
 def _scan_np(
     x: np.ndarray, lo: int, hi: int, threshold: float, mags: np.ndarray, mask: np.ndarray
@@ -100,12 +104,65 @@ def _scan_np(
     return np.concatenate(found), np.concatenate(values)
 
 
+def _scan_diff_np(
+    p: np.ndarray,
+    base: np.ndarray,
+    lo: int,
+    hi: int,
+    threshold: float,
+    scratch: tuple[np.ndarray, np.ndarray, np.ndarray],
+) -> tuple[np.ndarray, np.ndarray, float]:
+    """Like :func:`_scan_np` on ``p - base``, which is never stored: each block of the
+    difference is made in a cache-resident scratch block, its squared norm summed and
+    its candidates picked there, so memory traffic is one read of ``p`` and one of
+    ``base``, and ``p`` is read once per element (the optimizer may be writing it:
+    every element's value is used consistently). Also returns the difference's
+    squared norm (NaN or Inf when an element is not finite)."""
+    acc, mags, mask = scratch
+    found = []
+    values = []
+    sumsq = 0.0
+    for a in range(lo, hi, SCAN_BLOCK):
+        b = min(hi, a + SCAN_BLOCK)
+        d, m, k = acc[: b - a], mags[: b - a], mask[: b - a]
+        np.subtract(p[a:b], base[a:b], out=d)
+        sumsq += float(np.dot(d, d))
+        np.abs(d, out=m)
+        if threshold > 0.0:
+            np.greater_equal(m, threshold, out=k)
+        else:
+            np.greater(m, 0.0, out=k)
+        hits = np.flatnonzero(k)
+        if hits.size:
+            found.append(hits + a)
+            values.append(d[hits])
+    if not found:
+        return np.empty(0, dtype=np.int64), np.empty(0, dtype=p.dtype), sumsq
+    return np.concatenate(found), np.concatenate(values), sumsq
+
+
+@dataclass(frozen=True, slots=True)
+class Selection:
+    """The k largest magnitudes of a difference ``p - base`` that was never stored."""
+
+    positions: torch.Tensor
+    """Sorted int64 positions."""
+    values: torch.Tensor
+    """``p - base`` at those positions, as read."""
+    sumsq: float
+    """The whole difference's squared L2 norm (not finite when an element is not)."""
+    scans: int
+    """Full reads of ``p`` and ``base`` it took (a retry after a threshold too high
+    reads them again)."""
+
+
 class ApproxTopK:
     """Sampled-threshold selector for one bucket, holding its reusable buffers.
 
     Buffers are allocated once (a fresh CPU buffer of tens of MB costs several times
-    its work in page faults): per-thread scan blocks on CPU, bucket-sized magnitude
-    and mask buffers on other devices."""
+    its work in page faults): per-thread scan blocks on CPU; on other devices (or with
+    ``numpy_scan=False``) a block-sized magnitude buffer and a bucket-sized mask (1 byte
+    per element), plus, for :meth:`select_difference`, one bucket-sized difference."""
 
     def __init__(
         self,
@@ -113,25 +170,45 @@ class ApproxTopK:
         device: torch.device,
         sample_size: int,
         generator: torch.Generator,
-        run_parts: RunParts[tuple[np.ndarray, np.ndarray]] = sequential,
+        run_parts: RunParts[Any] = sequential,
+        numpy_scan: bool | None = None,
     ) -> None:
+        """``numpy_scan``: scan with numpy (CPU only; default there); False runs the
+        device-generic torch path, as on CUDA (tests use it on CPU)."""
         self.run_parts = run_parts
         self.numel = numel
         self.device = device
         self.sample_size = min(sample_size, numel)
         self.generator = generator
-        if device.type == "cpu":
+        self.numpy_scan = device.type == "cpu" if numpy_scan is None else numpy_scan
+        if self.numpy_scan and device.type != "cpu":
+            raise ValueError("the numpy scan runs on CPU tensors only")
+        if self.numpy_scan:
             # Per-thread scratch blocks; nothing of the bucket's size.
             parts = _cpu_parts(numel)
             self._scratch = [
-                (np.empty(SCAN_BLOCK, np.float32), np.empty(SCAN_BLOCK, np.bool_))
+                (
+                    np.empty(SCAN_BLOCK, np.float32),
+                    np.empty(SCAN_BLOCK, np.float32),
+                    np.empty(SCAN_BLOCK, np.bool_),
+                )
                 for _ in range(parts)
             ]
         else:
-            self._magnitudes = torch.empty(numel, dtype=torch.float32, device=device)
+            self._magnitudes = torch.empty(
+                min(numel, TORCH_SCAN_BLOCK), dtype=torch.float32, device=device
+            )
             self._mask = torch.empty(numel, dtype=torch.bool, device=device)
+        self._difference: torch.Tensor | None = None
         self.last_candidates = 0
         self.fallbacks = 0
+
+    def held_bytes(self) -> int:
+        """Bytes of the buffers this selector holds."""
+        if self.numpy_scan:
+            return sum(sum(a.nbytes for a in parts) for parts in self._scratch)
+        held = self._magnitudes.numel() * 4 + self._mask.numel()
+        return held + (0 if self._difference is None else self._difference.numel() * 4)
 
     def select(self, x: torch.Tensor, k: int) -> torch.Tensor:
         """Sorted int64 positions of the k largest magnitudes of ``x`` (fewer only
@@ -149,6 +226,68 @@ class ApproxTopK:
             return positions, x[positions]
         picks = self._picks().to(x.device)
         return self._select(x, k, x[picks].abs_())
+
+    def select_difference(self, p: torch.Tensor, base: torch.Tensor, k: int) -> Selection:
+        """The k largest magnitudes of ``p - base``. On the numpy path the difference is
+        never stored (see :func:`_scan_diff_np`); elsewhere it is made once in a
+        bucket-sized buffer this selector keeps, and selected there."""
+        n = self.numel
+        if p.numel() != n or base.numel() != n:
+            raise ValueError(f"expected {n} elements")
+        if not self.numpy_scan:
+            if self._difference is None:
+                self._difference = torch.empty(n, dtype=torch.float32, device=self.device)
+            d = self._difference
+            torch.sub(p, base, out=d)
+            sumsq = float(torch.dot(d, d))
+            if 0 < k < n:
+                picks = self._picks().to(d.device)
+                positions, values = self._select(d, k, d[picks].abs_())
+            else:
+                positions = exact_topk(d, k)
+                values = d[positions]
+            return Selection(positions, values.clone(), sumsq, 1)
+        picks = self._picks()
+        sample = (p[picks] - base[picks]).abs_()
+        s = sample.numel()
+        expected = s * k / n
+        rank = expected + 4.0 * math.sqrt(expected) + 4.0
+        scans = 0
+        for _attempt in range(3 if 0 < k < n else 1):
+            r = min(s, math.ceil(rank))
+            threshold = float(torch.kthvalue(sample, s - r + 1).values) if 0 < k < n else 0.0
+            candidates, values, sumsq = self._scan_difference(p, base, threshold)
+            scans += 1
+            self.last_candidates = candidates.numel()
+            if candidates.numel() >= k or threshold <= 0.0 or not math.isfinite(sumsq):
+                positions, values = self._trim(candidates, values, k)
+                return Selection(positions, values, sumsq, scans)
+            rank *= 4.0
+        self.fallbacks += 1
+        candidates, values, sumsq = self._scan_difference(p, base, 0.0)
+        positions, values = self._trim(candidates, values, k)
+        return Selection(positions, values, sumsq, scans + 1)
+
+    def _scan_difference(
+        self, p: torch.Tensor, base: torch.Tensor, threshold: float
+    ) -> tuple[torch.Tensor, torch.Tensor, float]:
+        ps, bs = p.numpy(), base.numpy()
+        parts = len(self._scratch)
+        bounds = [self.numel * i // parts for i in range(parts + 1)]
+        spans = list(itertools.pairwise(bounds))
+
+        def part(i: int) -> tuple[np.ndarray, np.ndarray, float]:
+            lo, hi = spans[i]
+            return _scan_diff_np(ps, bs, lo, hi, threshold, self._scratch[i])
+
+        results = self.run_parts(part, parts)
+        positions = np.concatenate([r[0] for r in results])
+        values = np.concatenate([r[1] for r in results])
+        return (
+            torch.from_numpy(positions),
+            torch.from_numpy(values),
+            sum(r[2] for r in results),
+        )
 
     def _picks(self) -> torch.Tensor:
         gen = self.generator
@@ -175,7 +314,7 @@ class ApproxTopK:
     def _scan(self, x: torch.Tensor, threshold: float) -> tuple[torch.Tensor, torch.Tensor]:
         """Sorted positions whose magnitude is >= threshold (> 0 when threshold is 0),
         and ``x`` at those positions."""
-        if self.device.type == "cpu":
+        if self.numpy_scan:
             xs = x.numpy()
             parts = len(self._scratch)
             bounds = [self.numel * i // parts for i in range(parts + 1)]
@@ -183,18 +322,25 @@ class ApproxTopK:
 
             def part(i: int) -> tuple[np.ndarray, np.ndarray]:
                 lo, hi = spans[i]
-                return _scan_np(xs, lo, hi, threshold, *self._scratch[i])
+                _, mags, mask = self._scratch[i]
+                return _scan_np(xs, lo, hi, threshold, mags, mask)
 
             results = self.run_parts(part, parts)
             positions = np.concatenate([p for p, _ in results])
             return torch.from_numpy(positions), torch.from_numpy(
                 np.concatenate([v for _, v in results])
             )
-        torch.abs(x, out=self._magnitudes)
-        if threshold > 0.0:
-            torch.ge(self._magnitudes, threshold, out=self._mask)
-        else:
-            torch.gt(self._magnitudes, 0.0, out=self._mask)
+        # Block by block into one block-sized magnitude buffer and the bucket's mask:
+        # no bucket-sized float temporary, and no host sync until the one nonzero.
+        block = self._magnitudes.numel()
+        for a in range(0, self.numel, block):
+            b = min(self.numel, a + block)
+            m = self._magnitudes[: b - a]
+            torch.abs(x[a:b], out=m)
+            if threshold > 0.0:
+                torch.ge(m, threshold, out=self._mask[a:b])
+            else:
+                torch.gt(m, 0.0, out=self._mask[a:b])
         positions_t = torch.nonzero(self._mask).squeeze(1)
         return positions_t, x[positions_t]
 
@@ -205,7 +351,7 @@ class ApproxTopK:
         magnitude are cut by position so that exactly k remain."""
         if candidates.numel() <= k:
             return candidates, candidate_values
-        if self.device.type == "cpu":
+        if candidates.device.type == "cpu":
             cand = candidates.numpy()
             values = candidate_values.numpy()
             mags = np.abs(values)

@@ -188,6 +188,14 @@ class CreditReceiver:
         self.outstanding -= cost
         self.unconsumed += cost
 
+    def grow(self, window: int) -> int:
+        """Widen the window to ``window`` (never narrower: credit granted stays
+        granted); the extra credit to grant now."""
+        extra = max(0, window - self.window)
+        self.window += extra
+        self.outstanding += extra
+        return extra
+
     def consumed(self, cost: int) -> int:
         """The application consumed ``cost`` bytes; return the credit to grant now
         (0 until half the window has been consumed, to batch CREDIT frames)."""
@@ -218,6 +226,10 @@ class ReceiveQuota:
     @property
     def window(self) -> int:
         return self.credit.window
+
+    def grow(self, window: int) -> int:
+        """Widen the bulk window (see :meth:`CreditReceiver.grow`)."""
+        return self.credit.grow(window)
 
     def received(self, frame_type: FrameType, payload_len: int) -> None:
         cost = bulk_cost(frame_type, payload_len)

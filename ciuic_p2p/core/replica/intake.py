@@ -32,7 +32,7 @@ from ciuic_p2p.core.replica.messages import (
     decode_payload,
     decode_presence,
 )
-from ciuic_p2p.core.replica.parameters import Parameters
+from ciuic_p2p.core.replica.parameters import Fragment, Parameters
 from ciuic_p2p.core.replica.roster import Roster
 from ciuic_p2p.errors import CiuicError, CodecError, ReplayedChunkError
 
@@ -88,6 +88,8 @@ class ReplicaStats:
     """JOIN, GONE and DONE of other runs on the same mesh, ignored."""
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     last_refusal: str = ""
+    backoffs: int = 0
+    """Times the backlog was over the high mark (interval doubled, density halved)."""
     residual_norm: float = 0.0
     residual_norm_max: float = 0.0
     staleness: np.ndarray = field(default_factory=lambda: np.zeros(STALENESS_BINS, np.int64))
@@ -127,13 +129,13 @@ class Intake:
         parameters: Parameters,
         roster: Roster,
         norms: OwnNorms,
-        own_params: dict[int, list[torch.Tensor]],
+        own_params: dict[int, Fragment],
         source: ChunkSource,
         train: TrainSection,
         stats: ReplicaStats,
     ) -> None:
-        """``own_params``: this replica's parameters at the steps it sent them (the
-        consensus mix compares a peer's of step s with ours of step s)."""
+        """``own_params``: this replica's consensus fragments at the steps it sent them
+        (the consensus mix compares a peer's of step s with ours of step s)."""
         self.layout = layout
         self.parameters = parameters
         self.roster = roster
@@ -357,8 +359,10 @@ class Intake:
         ref = self.norms.rms[h.bucket]
         if self.norms.count[h.bucket] < self.train.norm_warmup_chunks:
             return
-        mine = self.own_params.get(h.step, self.parameters.buckets)
-        own = mine[h.bucket][h.range_start : h.range_start + h.range_len]
+        fragment = self.own_params.get(h.step)
+        own = None if fragment is None else fragment.slice_of(h.bucket, *_span(h))
+        if own is None:
+            own = self.parameters.buckets[h.bucket][h.range_start : h.range_start + h.range_len]
         dist = float(torch.linalg.vector_norm(values - own)) / math.sqrt(max(1, h.range_len))
         if dist > self.train.update_norm_max_ratio * ref:
             raise RefusedChunk(
@@ -370,13 +374,17 @@ class Intake:
             )
 
     def _mix(self, h: ChunkHeader, values: torch.Tensor) -> None:
-        mine = self.own_params.get(h.step)
+        fragment = self.own_params.get(h.step)
+        mine = None if fragment is None else fragment.slice_of(h.bucket, *_span(h))
         if mine is None:  # we sent none at that step (joined since, or skipped)
             self.stats.params_unmatched += 1
             return
         mix = self.train.consensus_mix / max(1, self.roster.replicas - 1)
         with torch.no_grad():
-            s = slice(h.range_start, h.range_start + h.range_len)
-            diff = values.sub(mine[h.bucket][s]).mul_(mix)
+            diff = values.sub(mine).mul_(mix)
         self.parameters.add_slice(h.bucket, h.range_start, diff)
         self.stats.params_mixed += 1
+
+
+def _span(h: ChunkHeader) -> tuple[int, int]:
+    return h.range_start, h.range_len

@@ -1,11 +1,23 @@
-"""A replica's parameters: the model's flat buckets, the anchor its next update is
-measured from, and the chunk values queued to be added to both, which ``flush`` adds
-with two ``index_add_`` per bucket however many chunks arrived."""
+"""A replica's parameters: the model's flat buckets ``p`` and the base, the
+parameters without this replica's unsent progress, so that ``p - base`` is exactly
+what error feedback holds back plus the progress since the last send (the residual
+and the anchor of the textbook form, ``base = anchor - residual``, in one buffer).
+
+What peers (and this replica's settlement and consensus mix) add to the model is not
+this replica's progress: it goes into ``p`` and into ``base`` alike. ``flush`` adds
+the queued chunks to ``p`` on the training thread (two ``index_add_`` per bucket and
+weight however many chunks arrived) and hands the same values to the base, which the
+encoder adds just before it reads ``p - base``. The two never run at once: the
+encoder holds the :class:`AccessGate` while it reads, and a flush that finds it held
+leaves the chunks queued for the next step rather than wait.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -21,15 +33,90 @@ class Range:
     range_len: int
 
 
+@dataclass(frozen=True, slots=True)
+class Fragment:
+    """This replica's parameters of one consensus fragment at one step: for each
+    bucket, the values of ``[start, start + len)``."""
+
+    index: int
+    step: int
+    starts: tuple[int, ...]
+    values: tuple[torch.Tensor, ...]
+
+    def slice_of(self, bucket: int, start: int, length: int) -> torch.Tensor | None:
+        """Our values of that range, when this fragment holds all of it."""
+        if not 0 <= bucket < len(self.starts):
+            return None
+        lo = start - self.starts[bucket]
+        vals = self.values[bucket]
+        if lo < 0 or lo + length > vals.numel():
+            return None
+        return vals[lo : lo + length]
+
+
+def fragment_range(numel: int, index: int, fragments: int) -> tuple[int, int]:
+    """Start and length of fragment ``index`` of ``fragments`` of a bucket."""
+    start = numel * index // fragments
+    return start, numel * (index + 1) // fragments - start
+
+
+class AccessGate(Protocol):
+    """Keeps the encoder's read of ``p - base`` and the training thread's adds to ``p``
+    apart (a lock, and on CUDA the stream events that order the two streams)."""
+
+    def enter_write(self, wait: bool) -> bool:
+        """Before adding to ``p`` (training thread); False, without waiting, when the
+        encoder holds the gate and ``wait`` is False."""
+        ...
+
+    def exit_write(self) -> None: ...
+
+    def enter_read(self) -> None:
+        """Before the encoder reads ``p`` (waits for a write in progress)."""
+        ...
+
+    def exit_read(self) -> None: ...
+
+
+class OneThread:
+    """The gate when the encoder runs on the caller's thread (tests, benches)."""
+
+    def enter_write(self, wait: bool) -> bool:
+        return True
+
+    def exit_write(self) -> None:
+        return None
+
+    def enter_read(self) -> None:
+        return None
+
+    def exit_read(self) -> None:
+        return None
+
+
+_Sparse = tuple[torch.Tensor, torch.Tensor]
+_Pending = tuple[int, torch.Tensor | None, int, torch.Tensor, float]
+"""bucket, positions (None: a dense slice), slice start, values, weight."""
+
+
 class Parameters:
-    def __init__(self, buckets: Sequence[torch.Tensor]) -> None:
+    def __init__(self, buckets: Sequence[torch.Tensor], gate: AccessGate | None = None) -> None:
         self.buckets = list(buckets)
-        self.anchor = [b.detach().clone() for b in self.buckets]
-        self._queued: dict[tuple[int, float], list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self.base = [b.detach().clone() for b in self.buckets]
+        self.gate: AccessGate = gate or OneThread()
+        self._queued: dict[tuple[int, float], list[_Sparse]] = {}
+        self._queued_dense: list[_Pending] = []
+        self._base_pending: list[_Pending] = []
+        """In ``p`` already, not yet in the base (the encoder adds them)."""
+        self.traffic_bytes = 0
+        """Bytes of bucket memory the adds read and wrote (O(k) per chunk)."""
 
     @property
     def device(self) -> torch.device:
         return self.buckets[0].device if self.buckets else torch.device("cpu")
+
+    def numel(self) -> int:
+        return sum(b.numel() for b in self.buckets)
 
     def add(
         self,
@@ -38,29 +125,35 @@ class Parameters:
         values: torch.Tensor,
         w: float,
     ) -> None:
-        """Queue ``w * values`` for the bucket and the anchor (a dense range is added
-        at once: it is one slice)."""
+        """Queue ``w * values`` for the model and the base."""
         if positions is None:
-            with torch.no_grad():
-                for t in (self.buckets[h.bucket], self.anchor[h.bucket]):
-                    t[h.range_start : h.range_start + h.range_len].add_(values, alpha=w)
+            self._queued_dense.append((h.bucket, None, h.range_start, values, w))
             return
         if h.range_start:
             positions = positions + h.range_start
         self._queued.setdefault((h.bucket, w), []).append((positions, values))
 
     def add_slice(self, bucket: int, start: int, diff: torch.Tensor) -> None:
-        """Add ``diff`` to a slice of a bucket and its anchor now (the consensus mix)."""
-        self.flush()
-        with torch.no_grad():
-            s = slice(start, start + diff.numel())
-            self.buckets[bucket][s].add_(diff)
-            self.anchor[bucket][s].add_(diff)
+        """Queue ``diff`` for a slice of a bucket and of the base (the consensus mix)."""
+        self._queued_dense.append((bucket, None, start, diff, 1.0))
 
-    def flush(self) -> None:
-        """Add every queued chunk (call before the parameters are read)."""
-        if not self._queued:
-            return
+    def queued(self) -> bool:
+        return bool(self._queued or self._queued_dense)
+
+    def flush(self, wait: bool = False) -> bool:
+        """Add every queued chunk to the model (call before the parameters are read);
+        False when the encoder is reading and ``wait`` is False: they stay queued."""
+        if not self.queued():
+            return True
+        if not self.gate.enter_write(wait):
+            return False
+        try:
+            self._flush()
+        finally:
+            self.gate.exit_write()
+        return True
+
+    def _flush(self) -> None:
         with torch.no_grad():
             for (bucket, w), parts in self._queued.items():
                 if len(parts) == 1:
@@ -69,14 +162,46 @@ class Parameters:
                     positions = torch.cat([p for p, _ in parts])
                     values = torch.cat([v for _, v in parts])
                 self.buckets[bucket].index_add_(0, positions, values, alpha=w)
-                self.anchor[bucket].index_add_(0, positions, values, alpha=w)
+                self.traffic_bytes += values.numel() * (8 + 4 + 8)
+                self._base_pending.append((bucket, positions, 0, values, w))
+            for bucket, _, start, values, w in self._queued_dense:
+                self.buckets[bucket][start : start + values.numel()].add_(values, alpha=w)
+                self.traffic_bytes += values.numel() * (4 + 8)
+            self._base_pending += self._queued_dense
         self._queued.clear()
+        self._queued_dense = []
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator[None]:
+        """Hold the gate (encoder) and bring the base up to what ``p`` holds of others."""
+        self.gate.enter_read()
+        try:
+            self.settle_base()
+            yield
+        finally:
+            self.gate.exit_read()
+
+    def settle_base(self) -> None:
+        """Add to the base what was added to ``p`` (with the gate held, or the encoder
+        idle)."""
+        pending, self._base_pending = self._base_pending, []
+        with torch.no_grad():
+            for bucket, positions, start, values, w in pending:
+                if positions is None:
+                    self.base[bucket][start : start + values.numel()].add_(values, alpha=w)
+                    self.traffic_bytes += values.numel() * (4 + 8)
+                else:
+                    self.base[bucket].index_add_(0, positions, values, alpha=w)
+                    self.traffic_bytes += values.numel() * (8 + 4 + 8)
 
     def discard_queued(self) -> None:
         self._queued.clear()
+        self._queued_dense = []
 
-    def reanchor(self) -> None:
-        """The anchor becomes the parameters as they are (after a restore)."""
+    def rebase(self) -> None:
+        """The base becomes the parameters as they are: no unsent progress (after a
+        restore). Call with the encoder idle."""
+        self._base_pending = []
         with torch.no_grad():
-            for anchor, bucket in zip(self.anchor, self.buckets, strict=True):
-                anchor.copy_(bucket)
+            for base, bucket in zip(self.base, self.buckets, strict=True):
+                base.copy_(bucket)

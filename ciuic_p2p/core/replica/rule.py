@@ -5,8 +5,9 @@ are views into them, so a chunk is applied where the model reads it, with no cop
 With N the number of training replicas alive and ``w = 1/N``:
 
     local step:   the optimizer moves the parameters; the replica keeps all of it
-    send:         delta = params - anchor; anchor = params
-                  chunks = C(residual + delta)       # top-k + INT8, error feedback
+    send:         chunks = C(params - base)          # top-k + INT8, error feedback
+                  base += what the chunks carry      # base: params without unsent
+                                                     # progress (anchor - residual)
     peer chunk:   params += w * c_j                  # on arrival, up to the bound late
     settlement:   params -= (1 - w) * c_i(s)         # once every live replica's
                                                      # stream has reached step s
@@ -44,9 +45,11 @@ its unsettled part ``1 - w`` too much, for good.
 Replicas differ by their unsent residuals, the chunks in flight and the unsettled own
 chunks, and drift for good when chunks are lost (an origin that died with chunks in
 flight, a partition, a refused chunk). The consensus mix bounds that: every
-``consensus_interval_steps`` (at the same steps everywhere) a replica sends its
-parameters (dense INT8) and keeps a copy; a receiver adds ``consensus_mix / (N - 1)``
-of the difference between the peer's parameters of step s and its own of step s
+``consensus_interval_steps`` (at the same steps everywhere) a replica sends one of
+``consensus_fragments`` fragments of its parameters in turn (dense INT8, 1/F of the
+model: a round costs about what an update does, instead of 51 of them) and keeps a
+copy; a receiver adds ``consensus_mix / (N - 1)`` of the difference between the
+peer's fragment of step s and its own of step s
 (CHOCO-SGD, Koloskova et al. 2019, gossips compressed parameters with neighbours the
 same way). Comparing with its own *current* parameters instead would pull every
 replica back toward a stale point by a different amount.
@@ -62,13 +65,14 @@ from __future__ import annotations
 import collections
 import math
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ciuic_p2p.config.sections import CodecSection, TrainSection
-from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource, decode_chunk
-from ciuic_p2p.core.codec.chunk import ChunkHeader, Codec
+from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource, SentChunk
+from ciuic_p2p.core.codec.chunk import ChunkHeader
 from ciuic_p2p.core.codec.layout import BucketLayout
 from ciuic_p2p.core.codec.select import RunParts, sequential
 from ciuic_p2p.core.replica.intake import (
@@ -80,23 +84,42 @@ from ciuic_p2p.core.replica.intake import (
     ReplicaStats,
 )
 from ciuic_p2p.core.replica.messages import PayloadKind, envelope
-from ciuic_p2p.core.replica.parameters import Parameters, Range
+from ciuic_p2p.core.replica.parameters import (
+    AccessGate,
+    Fragment,
+    Parameters,
+    Range,
+    fragment_range,
+)
 from ciuic_p2p.core.replica.roster import PeerState, Roster
+
+
+@dataclass(frozen=True, slots=True)
+class TakenUpdate:
+    """An update taken at ``step`` (training thread), to be encoded by
+    :meth:`Replica.encode_update` (encoder thread): the progress itself stays in the
+    model until the encoder reads it."""
+
+    step: int
+    replicas: int
+
 
 __all__ = [
     "STALENESS_BINS",
+    "Fragment",
     "PeerState",
     "Prepared",
     "RefusedChunk",
     "Replica",
     "ReplicaStats",
+    "TakenUpdate",
     "consensus_distance",
 ]
 
 
 class Replica:
     """The update rule for one replica (see the module docstring). Its parts: the
-    parameters and anchor (core.replica.parameters), who the other replicas are
+    parameters and their base (core.replica.parameters), who the other replicas are
     (core.replica.roster), and the intake of their payloads (core.replica.intake);
     this class sends, settles and hands out the state, and is what the hook holds."""
 
@@ -110,23 +133,26 @@ class Replica:
         train: TrainSection,
         seed: int = 0,
         run_parts: RunParts[Any] = sequential,
+        *,
+        gate: AccessGate | None = None,
+        numpy_scan: bool | None = None,
     ) -> None:
-        """``run_parts``: how the encoders' CPU scans run their parts (codec.select)."""
+        """``run_parts``: how the encoders' CPU scans run their parts (codec.select);
+        ``gate``: keeps the encoder thread's reads and the training thread's adds apart
+        (core.replica.parameters; none needed when both run on one thread);
+        ``numpy_scan``: see codec.select.ApproxTopK."""
         self.layout = layout
-        self.parameters = Parameters(buckets)
+        self.parameters = Parameters(buckets, gate)
         self.buckets = self.parameters.buckets
-        self.anchor = self.parameters.anchor
+        self.base = self.parameters.base
         self.source = source
         self.peer = peer
         self.train = train
         self.codec = codec
         device = self.parameters.device
-        self._spare = [torch.zeros_like(b) for b in self.buckets]
-        self._spare_other = [torch.zeros_like(b) for b in self.buckets]
-        self._params_ring = [[torch.zeros_like(b) for b in self.buckets] for _ in range(2)]
-        self.own_params: dict[int, list[torch.Tensor]] = {}
-        """This replica's parameters at the steps it sent them (the newest two): a
-        peer's parameters of step s are compared with ours of step s."""
+        self.own_params: dict[int, Fragment] = {}
+        """This replica's consensus fragments at the steps it sent them (the newest
+        two): a peer's parameters of step s are compared with ours of step s."""
         self._debts: collections.deque[
             tuple[int, float, int, int, int, torch.Tensor | None, torch.Tensor]
         ] = collections.deque()
@@ -154,23 +180,14 @@ class Replica:
                 device,
                 seed=seed + info.index,
                 run_parts=run_parts,
+                keep_residual=False,
+                numpy_scan=numpy_scan,
             )
             for info in layout.buckets
         ]
-        self.param_encoders = [
-            BucketEncoder(
-                info.index,
-                info.numel,
-                BucketSpec(
-                    codec=Codec.DENSE_INT8,
-                    block_size=codec.block_size,
-                    chunk_payload_bytes=codec.chunk_payload_bytes,
-                ),
-                source,
-                device,
-            )
-            for info in layout.buckets
-        ]
+        self.mean_send_bytes = 0.0
+        """Running mean of the bytes one update send publishes (the backlog marks are
+        multiples of it)."""
         self.density = codec.density
         self.send_interval = train.send_interval_steps
         self.step = 0
@@ -202,9 +219,28 @@ class Replica:
     def chunk_weight(self, h: ChunkHeader) -> float:
         return self.intake.chunk_weight(h)
 
-    def flush(self) -> None:
-        """Add every queued peer chunk (call before the parameters are read)."""
-        self.parameters.flush()
+    def flush(self, wait: bool = False) -> bool:
+        """Add every queued peer chunk (call before the parameters are read); False
+        when the encoder is reading the parameters and ``wait`` is False (they go in
+        at the next call)."""
+        return self.parameters.flush(wait)
+
+    def traffic_bytes(self) -> int:
+        """Bucket memory the hook's code paths read and wrote so far, in bytes."""
+        return self.parameters.traffic_bytes + sum(e.traffic_bytes for e in self.encoders)
+
+    def held_bytes(self) -> int:
+        """Bytes of the tensors the update rule holds beyond the model itself."""
+        held = sum(b.numel() * b.element_size() for b in self.base)
+        held += sum(e.held_bytes() for e in self.encoders)
+        held += sum(
+            v.numel() * v.element_size() for f in self.own_params.values() for v in f.values
+        )
+        for debt in self._debts:
+            positions, values = debt[5], debt[6]
+            held += values.numel() * values.element_size()
+            held += 0 if positions is None else positions.numel() * positions.element_size()
+        return held
 
     # -- peers' payloads (core.replica.intake) ---------------------------------------------
 
@@ -242,20 +278,12 @@ class Replica:
         self.stats.steps += 1
         return self.step - self.last_send_step >= self.send_interval
 
-    def take_update(self) -> list[torch.Tensor]:
-        """Take the local progress since the last send (training thread) for
-        :meth:`encode_update`; the model keeps all of it until :meth:`settle`. The
-        buffers alternate between two sets, so the encoder may still read the previous
-        set while this one fills."""
-        self.flush()
+    def take_update(self) -> TakenUpdate:
+        """Take the local progress since the last send (training thread: O(1), the
+        encoder reads the progress from the model when it runs :meth:`encode_update`);
+        the model keeps all of it until :meth:`settle`."""
         self.last_send_step = self.step
-        self._spare, deltas = self._spare_other, self._spare
-        self._spare_other = deltas
-        with torch.no_grad():
-            for bucket, anchor, delta in zip(self.buckets, self.anchor, deltas, strict=True):
-                torch.sub(bucket, anchor, out=delta)
-                anchor.copy_(bucket)
-        return deltas
+        return TakenUpdate(self.step, self.replicas)
 
     def settle(self, everything: bool = False) -> int:
         """Take back ``1 - w`` of each own sent chunk once every live replica's stream
@@ -279,72 +307,103 @@ class Replica:
             if w < 1.0:
                 self.parameters.add(Range(bucket, start, length), positions, values, w - 1.0)
             n += 1
-        self.flush()
+        self.flush(wait=everything)
         return n
 
     def encode_update(
-        self, deltas: Sequence[torch.Tensor], step: int, replicas: int | None = None
+        self, taken: TakenUpdate, step: int | None = None, replicas: int | None = None
     ) -> list[bytes]:
-        """Encode a taken update into mesh payloads (may run on another thread: it
-        touches only the encoders, the residuals and the own-RMS reference). Each
-        chunk states ``replicas`` (by default the count now; pass the count read when
-        the update was taken): every replica, this one at settlement included, weights
-        it ``1/replicas``, so a membership change seen at different moments by
-        different replicas does not leave them apart."""
+        """Encode a taken update into mesh payloads (encoder thread: it reads the
+        model through the gate and writes only the base, the encoders and the own
+        records). Each chunk states the replica count read when the update was taken
+        (or ``replicas``): every replica, this one at settlement included, weights it
+        ``1/replicas``, so a membership change seen at different moments by different
+        replicas does not leave them apart."""
         payloads: list[bytes] = []
-        n = max(1, self.replicas if replicas is None else replicas)
-        with torch.no_grad():
-            for enc, delta in zip(self.encoders, deltas, strict=True):
+        step = taken.step if step is None else step
+        n = max(1, taken.replicas if replicas is None else replicas)
+        residual_sq = 0.0
+        with self.parameters.reading():
+            for enc, bucket, base in zip(self.encoders, self.buckets, self.base, strict=True):
                 enc.replicas = n
                 if enc.spec.codec.is_sparse and enc.spec.density != self.density:
                     enc.spec = _with_density(enc.spec, self.density)
-                for chunk in enc.encode(delta, step):
-                    self._record_own(chunk)
+                for chunk in enc.encode_progress(bucket, base, step):
                     payloads.append(envelope(PayloadKind.UPDATE) + chunk)
-                if enc.residual is not None:
-                    norm = float(torch.linalg.vector_norm(enc.residual))
-                    self.stats.residual_norm = norm
-                    self.stats.residual_norm_max = max(self.stats.residual_norm_max, norm)
+                for sent in enc.last_sent:
+                    self._record_own(sent)
+                residual_sq += enc.residual_norm**2
+        norm = math.sqrt(residual_sq)
+        self.stats.residual_norm = norm
+        self.stats.residual_norm_max = max(self.stats.residual_norm_max, norm)
         self.stats.sends += 1
         self.stats.chunks_sent += len(payloads)
-        self.stats.bytes_published += sum(len(p) for p in payloads)
+        sent_bytes = sum(len(p) for p in payloads)
+        self.stats.bytes_published += sent_bytes
+        m = self.mean_send_bytes
+        self.mean_send_bytes = sent_bytes if m == 0.0 else 0.9 * m + 0.1 * sent_bytes
         return payloads
 
-    def snapshot_params(self) -> list[torch.Tensor]:
-        """A copy of the parameters at this step (training thread) for
-        :meth:`encode_params`, kept to compare with the peers' of the same step."""
+    def snapshot_params(self) -> Fragment:
+        """This step's consensus fragment of the parameters (training thread; 1/F of
+        the model), kept to compare with the peers' of the same step."""
         self.flush()
-        buf = self._params_ring[len(self.own_params) % 2]
-        if len(self.own_params) >= 2:
-            buf = self.own_params.pop(min(self.own_params))
+        fragments = max(1, self.train.consensus_fragments)
+        interval = max(1, self.train.consensus_interval_steps)
+        index = (self.step // interval) % fragments
+        starts = []
+        values = []
         with torch.no_grad():
-            for spare, bucket in zip(buf, self.buckets, strict=True):
-                spare.copy_(bucket)
-        self.own_params[self.step] = buf
-        return buf
+            for bucket in self.buckets:
+                start, length = fragment_range(bucket.numel(), index, fragments)
+                starts.append(start)
+                values.append(bucket[start : start + length].clone())
+        fragment = Fragment(index, self.step, tuple(starts), tuple(values))
+        while len(self.own_params) >= 2:
+            self.own_params.pop(min(self.own_params))
+        self.own_params[self.step] = fragment
+        self.parameters.traffic_bytes += 8 * sum(v.numel() for v in values)
+        return fragment
 
-    def encode_params(self, params: Sequence[torch.Tensor], step: int) -> list[bytes]:
-        """Parameters as dense INT8 chunks, for the consensus mix (any thread)."""
+    def encode_params(self, fragment: Fragment, step: int | None = None) -> list[bytes]:
+        """A consensus fragment as dense INT8 chunks (any thread)."""
+        step = fragment.step if step is None else step
         payloads: list[bytes] = []
         with torch.no_grad():
-            for enc, bucket in zip(self.param_encoders, params, strict=True):
-                if enc.residual is not None:
-                    enc.residual.zero_()  # a snapshot, not a stream: no error feedback
-                payloads += [envelope(PayloadKind.PARAMS) + c for c in enc.encode(bucket, step)]
+            for enc, start, values in zip(
+                self.encoders, fragment.starts, fragment.values, strict=True
+            ):
+                if values.numel():
+                    payloads += [
+                        envelope(PayloadKind.PARAMS) + c
+                        for c in enc.encode_snapshot(values, start, step)
+                    ]
         return payloads
 
     def wants_params(self) -> bool:
         n = self.train.consensus_interval_steps
         return n > 0 and self.replicas > 1 and self.step % n == 0
 
+    def backlog_marks(self) -> tuple[float, float]:
+        """The high and low backlog marks in bytes: multiples of one send (what a
+        backlog means depends on the model's size), at least the fixed marks."""
+        t = self.train
+        send = self.mean_send_bytes
+        return (
+            max(float(t.backlog_high_bytes), t.backlog_high_sends * send),
+            max(float(t.backlog_low_bytes), t.backlog_low_sends * send),
+        )
+
     def adapt(self, backlog_bytes: int) -> None:
         """Follow the daemon's unsent backlog: merge steps and lower the density while
         it is above the high mark, recover one notch at a time below the low mark."""
         t = self.train
-        if backlog_bytes > t.backlog_high_bytes:
+        high, low = self.backlog_marks()
+        if backlog_bytes > high:
+            self.stats.backoffs += 1
             self.send_interval = min(t.max_send_interval_steps, self.send_interval * 2)
             self.density = max(t.min_density, self.density / 2)
-        elif backlog_bytes < t.backlog_low_bytes:
+        elif backlog_bytes < low:
             self.send_interval = max(t.send_interval_steps, self.send_interval // 2)
             self.density = min(self.codec.density, self.density * 2)
 
@@ -374,24 +433,20 @@ class Replica:
     def shared_params(self) -> list[torch.Tensor]:
         """The parameters as every replica will hold them once what this one has
         applied is settled, without what it has not sent yet: each own sent chunk at
-        its weight instead of in full (unsettled), and no unsent progress (the delta
-        since the last send and the residuals). A joiner or a restart starts from
-        these and gets this replica's later chunks as every other replica does; the
-        live parameters would count the unsent part twice and the unsettled part
-        ``1 - w`` too much, for good. Call with the encoder idle; the tensors are
-        scratch buffers, valid until the next :meth:`take_update`."""
-        self.flush()
-        out = self._spare_other
+        its weight instead of in full (unsettled), and no unsent progress (the base).
+        A joiner or a restart starts from these and gets this replica's later chunks
+        as every other replica does; the live parameters would count the unsent part
+        twice and the unsettled part ``1 - w`` too much, for good. Call with the
+        encoder idle; the tensors are fresh copies."""
+        self.parameters.flush(wait=True)
+        self.parameters.settle_base()
         with torch.no_grad():
-            for o, anchor, enc in zip(out, self.anchor, self.encoders, strict=True):
-                o.copy_(anchor)
-                if enc.residual is not None:
-                    o.sub_(enc.residual)
-            for _, w, bucket, start, length, positions, values in self._debts:
+            out = [b.clone() for b in self.base]
+            for _, w, bucket, start, _length, positions, values in self._debts:
                 if w >= 1.0:
                     continue
                 if positions is None:
-                    out[bucket][start : start + length].add_(values, alpha=w - 1.0)
+                    out[bucket][start : start + values.numel()].add_(values, alpha=w - 1.0)
                 else:
                     out[bucket].index_add_(0, positions + start, values, alpha=w - 1.0)
         return out
@@ -401,20 +456,19 @@ class Replica:
         sync or a checkpoint): the next update is measured from here. ``applied``
         (the state's :meth:`applied_steps`): each origin's chunks up to that step are
         in the state already and are dropped when they arrive."""
-        self.parameters.flush()
+        self.parameters.flush(wait=True)
         self.parameters.discard_queued()
         self.intake.set_floors(applied or {})
         self.step = self.last_send_step = step
-        self.parameters.reanchor()
+        self.parameters.rebase()
 
-    def _record_own(self, chunk: bytes | bytearray) -> None:
-        decoded = decode_chunk(chunk, self.buckets[0].device)
-        h = decoded.header
+    def _record_own(self, sent: SentChunk) -> None:
+        h = sent.header
         w = self.chunk_weight(h)
         self._debts.append(
-            (h.step, w, h.bucket, h.range_start, h.range_len, decoded.positions, decoded.values)
+            (h.step, w, h.bucket, h.range_start, h.range_len, sent.positions, sent.values)
         )
-        rms = float(torch.linalg.vector_norm(decoded.values)) / math.sqrt(max(1, h.count))
+        rms = float(torch.linalg.vector_norm(sent.values)) / math.sqrt(max(1, h.count))
         self.norms.record(h.bucket, rms)
 
 

@@ -14,8 +14,9 @@ The policy:
 
 - The encoder takes one job at a time, so at most one encoding action is returned per
   call, in this order of precedence: a snapshot a joiner waits for (it goes before
-  the update, which merges into the next send); the consensus mix, when due (the
-  update waits: merged steps); the update; a periodic checkpoint.
+  the update, which merges into the next send); the update, carrying the consensus
+  fragment when one is due (after the update, in the same job: an update never
+  waits behind a mix); a pending fragment alone; a periodic checkpoint.
 - An update due while the encoder is busy is not sent: its steps stay in the local
   progress and go with the next send (``merged_steps``). A mix due while another is
   still pending is skipped (``params_skipped``): the encoder was busy a whole interval.
@@ -67,6 +68,9 @@ class EncodeParams:
 class EncodeUpdate:
     """Take the local progress, encode and publish it."""
 
+    with_params: bool = False
+    """Then snapshot and publish the consensus fragment due, in the same job."""
+
 
 @dataclass(frozen=True, slots=True)
 class ReportStats:
@@ -111,16 +115,17 @@ class ReplicaSchedule:
             if self._params_pending:
                 self.params_skipped += 1
             self._params_pending = True
+        if facts.update_due:
+            if idle:
+                actions.append(EncodeUpdate(with_params=self._params_pending))
+                self._params_pending = False
+                idle = False
+            else:
+                self.merged_steps += 1
         if self._params_pending and idle:
             self._params_pending = False
             actions.append(EncodeParams())
             idle = False
-        if facts.update_due:
-            if idle:
-                actions.append(EncodeUpdate())
-                idle = False
-            else:
-                self.merged_steps += 1
         if facts.checkpointing and idle and self._checkpoint_due(now):
             actions.append(HandState(checkpoint=True))
             self._checkpoint_at = now
