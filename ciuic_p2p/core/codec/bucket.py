@@ -426,15 +426,8 @@ class BucketEncoder:
         if codec is Codec.DENSE_FP32:
             sent = acc
             payloads = self._dense_chunks(acc, step)
-        elif codec is Codec.DENSE_INT8:
-            block = self.spec.block_size
-            codes, scales = quantize_int8(acc, block)
-            sent = dequantize_int8(codes, scales, block)
-            payloads = self._dense_int8_chunks(codes, scales, step)
         else:
-            low = acc.to(_DENSE_DTYPES[codec])
-            sent = low.to(torch.float32)
-            payloads = self._dense_chunks(low, step)
+            payloads, sent = self._dense_lossy(acc, step)
         base.add_(sent)
         # Dense buckets are the small ones (biases, norms): a pass more is nothing.
         self.residual_norm = 0.0 if sent is acc else float(torch.dist(acc, sent))
@@ -505,19 +498,21 @@ class BucketEncoder:
         return bounds
 
     def _encode_dense_lossy(self, acc: torch.Tensor, step: int) -> list[bytearray]:
-        codec = self.spec.codec
         self.stats.k = self.stats.selected = self.numel
-        if codec is Codec.DENSE_INT8:
+        chunks, sent = self._dense_lossy(acc, step)
+        acc.sub_(sent)
+        return chunks
+
+    def _dense_lossy(self, acc: torch.Tensor, step: int) -> tuple[list[bytearray], torch.Tensor]:
+        """Chunks of ``acc`` in the bucket's lossy dense codec, and the values as the
+        receivers will decode them."""
+        if self.spec.codec is Codec.DENSE_INT8:
             block = self.spec.block_size
             codes, scales = quantize_int8(acc, block)
             sent = dequantize_int8(codes, scales, block)
-            chunks = self._dense_int8_chunks(codes, scales, step)
-        else:
-            low = acc.to(_DENSE_DTYPES[codec])
-            sent = low.to(torch.float32)
-            chunks = self._dense_chunks(low, step)
-        acc.sub_(sent)
-        return chunks
+            return self._dense_int8_chunks(codes, scales, step), sent
+        low = acc.to(_DENSE_DTYPES[self.spec.codec])
+        return self._dense_chunks(low, step), low.to(torch.float32)
 
     def _dense_chunks(self, values: torch.Tensor, step: int) -> list[bytearray]:
         codec = self.spec.codec
