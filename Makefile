@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e '.[dev,demo]'
+	$(PY) -m pip install -q -e '.[train,dev,demo]'
 	touch $@
 
 # Main job: four nodes on the emulated 11-city WAN train a model, beside a dense

@@ -233,6 +233,14 @@ def summarize(
 ) -> dict[str, Any]:
     params = trainers[0]["params"]
     fracs = [h / args.step_s for t in trainers for h in t["hook_s"]]
+    # The part of the hook's time spent waiting for a peer behind the staleness bound
+    # (the others' slowness), apart from the hook's own work on this thread.
+    waits = [w / args.step_s for t in trainers for w in t.get("wait_s", [])]
+    own = [
+        (h - w) / args.step_s
+        for t in trainers
+        for h, w in zip(t["hook_s"], t.get("wait_s", [0.0] * len(t["hook_s"])), strict=True)
+    ]
     sends = sum(t["sends"] for t in trainers)
     mean_send = statistics.mean(t["bytes_published"] / max(1, t["sends_total"]) for t in trainers)
     held = max(t["held_bytes"] for t in trainers)
@@ -271,6 +279,15 @@ def summarize(
         "step_frac_mean": statistics.mean(fracs),
         "step_frac_p50": quantile(fracs, 0.5),
         "step_frac_p99": quantile(fracs, 0.99),
+        "step_frac_own_mean": statistics.mean(own),
+        "step_frac_own_p99": quantile(own, 0.99),
+        "wait_frac_mean": statistics.mean(waits) if waits else 0.0,
+        "wait_frac_p99": quantile(waits, 0.99) if waits else 0.0,
+        "encoder_busy_frac": max(
+            t.get("encode_busy_s", 0.0) / max(1e-9, t["elapsed_s"]) for t in trainers
+        ),
+        "snapshots_sent": sum(t["snapshots_sent"] for t in trainers),
+        "slow_steps": [x for t in trainers for x in t.get("slow_steps", [])][:40],
         "hook_ms_p50": quantile([h * 1e3 for t in trainers for h in t["hook_s"]], 0.5),
         "compute_ms_p50": quantile([c * 1e3 for t in trainers for c in t["compute_s"]], 0.5),
         "merged_steps": sum(t["merged_steps"] for t in trainers),

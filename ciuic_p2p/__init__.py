@@ -19,7 +19,14 @@ __all__ = ["__version__", "attach"]
 def __getattr__(name: str) -> Any:
     # The CLI and the daemon import this package; only trainers pay for torch.
     if name == "attach":
-        from ciuic_p2p.train.attach import attach  # noqa: PLC0415
-
+        try:
+            from ciuic_p2p.train.attach import attach  # noqa: PLC0415
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("torch", "numpy"):
+                raise
+            raise ModuleNotFoundError(
+                f"ciuic_p2p.attach needs {exc.name}: pip install 'ciuic-p2p[train]'",
+                name=exc.name,
+            ) from exc
         return attach
     raise AttributeError(name)

@@ -150,6 +150,8 @@ class StdlibRateFilter(logging.Filter):
 
 
 _json_output = False
+TRAINER_SCOPE = "ciuic"
+"""The loggers a training process's set-up covers (every logger of this project)."""
 
 
 def announce(logger: Any, event: str, text: str, **fields: Any) -> None:
@@ -162,8 +164,12 @@ def announce(logger: Any, event: str, text: str, **fields: Any) -> None:
         print(f"ciuic-node: {text}", flush=True)
 
 
-def configure_logging(section: LogSection | None = None, stream: TextIO | None = None) -> None:
-    """Configure structlog and the ``logging`` root once for this process."""
+def configure_logging(
+    section: LogSection | None = None, stream: TextIO | None = None, scope: str | None = None
+) -> None:
+    """Configure structlog and the ``logging`` root once for this process. ``scope``
+    (a training process: "ciuic") puts the handler on that logger only, so that the
+    application's own logging is left as it set it."""
     section = section or LogSection()
     out = stream if stream is not None else sys.stderr
     level = _LEVELS[section.level]
@@ -199,9 +205,16 @@ def configure_logging(section: LogSection | None = None, stream: TextIO | None =
     handler = logging.StreamHandler(out)
     handler.setFormatter(formatter)
     handler.addFilter(StdlibRateFilter(limiter))
-    root = logging.getLogger()
+    root = logging.getLogger(scope)
     root.handlers[:] = [handler]
     root.setLevel(level)
+    if scope is not None:
+        root.propagate = False  # not twice, when the application logs to the root too
+    else:  # the whole process now: a training set-up made before is undone
+        scoped = logging.getLogger(TRAINER_SCOPE)
+        scoped.handlers.clear()
+        scoped.propagate = True
+        scoped.setLevel(logging.NOTSET)
     # aioquic logs every connection's handshake steps at INFO under "quic": at info
     # level that would drown the node's own events.
     logging.getLogger("quic").setLevel(max(level, logging.WARNING))
@@ -215,6 +228,16 @@ def configure_logging(section: LogSection | None = None, stream: TextIO | None =
         wrapper_class=structlog.make_filtering_bound_logger(level),
         cache_logger_on_first_use=False,
     )
+
+
+def configure_trainer_logging(section: LogSection) -> bool:
+    """In a training process: the project's set-up (rate-limited; JSON when stderr is
+    not a terminal) for the ``ciuic`` loggers, unless the application configured
+    structlog itself (then its choice stands). Whether it configured."""
+    if structlog.is_configured():
+        return False
+    configure_logging(section, scope=TRAINER_SCOPE)
+    return True
 
 
 def get_logger(name: str, **context: Any) -> Any:

@@ -116,6 +116,9 @@ def _trainer() -> dict[str, bytes]:
     return {
         "train_done": tw.encode_done(run, 40, 12),
         "train_join": tw.encode_presence(tw.PayloadKind.JOIN, run, 40, ask=True),
+        "train_join_layout": tw.encode_presence(
+            tw.PayloadKind.JOIN, run, 40, True, tw.LayoutSummary(0x0123456789ABCDEF, 12, 85_002)
+        ),
         "train_gone": tw.encode_presence(tw.PayloadKind.GONE, run),
         "train_envelope_update": tw.envelope(tw.PayloadKind.UPDATE),
         "trainer_hello": ts.json_frame(ts.TrainerFrame.HELLO, {"run": "golden-run"}),

@@ -100,6 +100,8 @@ def main() -> int:
     )
     rss_attached = rss_bytes()
     hook_s: list[float] = []
+    wait_s: list[float] = []
+    slow: list[dict[str, Any]] = []
     compute_s: list[float] = []
     rss_peak = 0
     traffic0 = sends0 = merged0 = 0
@@ -114,10 +116,26 @@ def main() -> int:
         c = compute()
         time.sleep(max(0.0, args.step_s - c))
         t0 = time.perf_counter()
+        waited0 = sync.wait_s
+        idle0 = sync.encoder.idle.is_set()
+        snaps0 = sync.state.snapshots_sent
+        mix0 = sync.replica.wants_params()
         sync.step()
         dt = time.perf_counter() - t0
         if step >= args.warmup:
             hook_s.append(dt)
+            wait_s.append(sync.wait_s - waited0)
+            if dt > 0.25 * args.step_s:  # what a slow step was doing
+                slow.append(
+                    {
+                        "step": step,
+                        "s": round(dt, 3),
+                        "encoder_idle": idle0,
+                        "snapshot": sync.state.snapshots_sent != snaps0
+                        or sync.channel.snapshot_wanted.is_set(),
+                        "mix": mix0,
+                    }
+                )
             compute_s.append(c)
             rss_peak = max(rss_peak, rss_bytes())
             if sync.replica.wants_params():
@@ -132,6 +150,9 @@ def main() -> int:
         "rank": args.rank,
         "params": params,
         "hook_s": hook_s,
+        "wait_s": wait_s,
+        "slow_steps": slow,
+        "encode_busy_s": sync.encoder.busy_s,
         "compute_s": compute_s,
         "elapsed_s": elapsed,
         "sends": st["sends"] - sends0,

@@ -24,6 +24,9 @@ from ciuic_p2p.config import ENV_PREFIX, SECTIONS, Config, load_layered
 from ciuic_p2p.errors import AdmissionError, CiuicError, IdentityError, TransientError
 from ciuic_p2p.identity import NodeKey, peer_id_of
 
+TRAINING_MODULES = ("torch", "numpy")
+"""What the `train` extra brings; the daemon and every command but ``demo`` run without."""
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -280,49 +283,61 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.command == "config" and args.config_command == "check":
-            return _config_check(args.file)
-        if args.command == "config" and args.config_command == "example":
-            from ciuic_p2p.config.example import example_toml  # noqa: PLC0415
-
-            sys.stdout.write(example_toml())
-            return 0
-        if args.command == "audit":
-            from ciuic_p2p.cli.audit import audit_main  # noqa: PLC0415
-
-            return audit_main(args)
-        if args.command == "keygen":
-            return _keygen(args)
-        if args.command == "ca":
-            return _ca(args)
-        if args.command == "emulate":
-            return _emulate(args)
-        if args.command == "netem":
-            return _netem(args)
-        if args.command == "run":
-            from ciuic_p2p.daemon.run import run  # noqa: PLC0415
-
-            return run(args)
-        if args.command in CONTROL_COMMANDS:
-            from ciuic_p2p.cli.control import steer  # noqa: PLC0415
-
-            return steer(args)
-        if args.command == "demo":
-            from ciuic_p2p.lab.demo import run_demo  # noqa: PLC0415
-
-            return run_demo(args)
+        done = _dispatch(args)
     except TransientError as exc:
         print(f"ciuic-node: error: {exc}", file=sys.stderr)
         return 1
     except CiuicError as exc:
         print(f"ciuic-node: error: {exc}", file=sys.stderr)
         return 2
+    except ModuleNotFoundError as exc:
+        if exc.name not in TRAINING_MODULES:
+            raise
+        print(
+            f"ciuic-node: error: {args.command} trains models and needs {exc.name}, which "
+            "this environment lacks: pip install 'ciuic-p2p[demo]'",
+            file=sys.stderr,
+        )
+        return 2
     except OSError as exc:  # a path the user gave: missing, unwritable, a directory...
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"ciuic-node: error: {where}{exc.strerror or exc}", file=sys.stderr)
         return 2
-    parser.print_help()
-    return 0
+    if done is None:
+        parser.print_help()
+        return 0
+    return done
+
+
+def _dispatch(args: argparse.Namespace) -> int | None:
+    """Run the command; None when none was given."""
+    if args.command == "config" and args.config_command == "check":
+        return _config_check(args.file)
+    if args.command == "config" and args.config_command == "example":
+        from ciuic_p2p.config.example import example_toml  # noqa: PLC0415
+
+        sys.stdout.write(example_toml())
+        return 0
+    simple = {"keygen": _keygen, "ca": _ca, "emulate": _emulate, "netem": _netem}
+    if args.command in simple:
+        return simple[args.command](args)
+    if args.command == "audit":
+        from ciuic_p2p.cli.audit import audit_main  # noqa: PLC0415
+
+        return audit_main(args)
+    if args.command == "run":
+        from ciuic_p2p.daemon.run import run  # noqa: PLC0415
+
+        return run(args)
+    if args.command in CONTROL_COMMANDS:
+        from ciuic_p2p.cli.control import steer  # noqa: PLC0415
+
+        return steer(args)
+    if args.command == "demo":
+        from ciuic_p2p.lab.demo import run_demo  # noqa: PLC0415
+
+        return run_demo(args)
+    return None
 
 
 if __name__ == "__main__":  # pragma: no cover

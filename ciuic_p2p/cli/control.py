@@ -16,7 +16,13 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from ciuic_p2p.config import Config, runtime_dir
+from ciuic_p2p.config import Config
+from ciuic_p2p.config.locate import (
+    first_present,
+    node_config_file,
+    not_found_hint,
+    socket_candidates,
+)
 from ciuic_p2p.errors import CiuicError
 
 CONTROL_COMMANDS = ("join", "leave", "status", "peers", "routes", "store")
@@ -43,35 +49,45 @@ def add_control_commands(sub: Any) -> None:
         add_socket_arguments(cmd)
 
 
-SERVICE_CONFIG = Path("/etc/ciuic/node.toml")
-
-
 def control_path(args: argparse.Namespace) -> Path:
-    """``--control``; ``--state-dir``; else the runtime directory of the config
-    (``--config``, ``$CIUIC_CONFIG`` or /etc/ciuic/node.toml), read leniently: an
-    operator who broke the file must still reach the daemon that runs on the old one."""
+    """``--control``; ``--state-dir``; else ``control.sock`` where config.locate finds
+    it, the config (``--config``, ``$CIUIC_CONFIG`` or the service's) read leniently:
+    an operator who broke the file must still reach the daemon that runs on the old
+    one."""
     if args.control:
         return Path(args.control)
     if args.state_dir:
         return Path(args.state_dir) / "control.sock"
-    named = args.config or os.environ.get("CIUIC_CONFIG")
-    files = [Path(named)] if named else [SERVICE_CONFIG] if SERVICE_CONFIG.exists() else []
-    candidates = [_sockets_of(f) / "control.sock" for f in files]
-    if not named:
-        defaults = Config()
-        candidates += [Path("/run/ciuic/control.sock"), runtime_dir(defaults) / "control.sock"]
-    return next((c for c in candidates if c.exists()), candidates[0])
+    env = os.environ
+    config_file = node_config_file(args.config, env)
+    named = bool(args.config or env.get("CIUIC_CONFIG"))
+    candidates = socket_candidates(_sockets_of(config_file), "control.sock", named)
+    found = first_present(candidates)
+    if found is None:
+        raise CiuicError(
+            not_found_hint(
+                candidates,
+                "running daemon",
+                "name the one you mean with --state-dir DIR (its state directory), "
+                "--config FILE or --control SOCKET",
+            )
+        )
+    return found
 
 
-def _sockets_of(config_file: Path) -> Path:
-    try:
-        data = tomllib.loads(config_file.read_text(encoding="utf-8"))
-    except OSError as exc:
-        raise CiuicError(f"{config_file}: cannot read: {exc.strerror or exc}") from None
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise CiuicError(f"{config_file}: not valid TOML: {exc}") from None
-    found = data.get("node")
-    node: dict[str, Any] = found if isinstance(found, dict) else {}
+def _sockets_of(config_file: Path | None) -> Path:
+    """The runtime directory the daemon of ``config_file`` (None: defaults) uses, the
+    ``CIUIC_NODE_*`` variables over the file, reading only its ``node`` section."""
+    node: dict[str, Any] = {}
+    if config_file is not None:
+        try:
+            data = tomllib.loads(config_file.read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise CiuicError(f"{config_file}: cannot read: {exc.strerror or exc}") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise CiuicError(f"{config_file}: not valid TOML: {exc}") from None
+        found = data.get("node")
+        node = found if isinstance(found, dict) else {}
     env = os.environ
     chosen = (
         env.get("CIUIC_NODE_RUNTIME_DIR")

@@ -19,7 +19,6 @@ from typing import Any
 from ciuic_p2p.config import config_from_toml
 from ciuic_p2p.errors import ConfigError
 from ciuic_p2p.lab.cluster import ClusterError, LocalCluster, spread_nodes
-from ciuic_p2p.lab.report import final_consensus, plot, summarize
 
 DEMO_CONFIG = """# The demo's node config: the WAN preset, with every tensor in one sparse bucket
 # (the demo's models are small: dense fp16 biases would cost more than the rest).
@@ -129,6 +128,9 @@ def _interrupt(signum: int, frame: object) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
+    # torch only here: `ciuic-node --help` and the daemon run on hosts without it.
+    from ciuic_p2p.lab.report import final_consensus, plot, summarize  # noqa: PLC0415
+
     # A closed terminal (SIGHUP) or `kill` (SIGTERM) stops everything like Ctrl+C: the
     # nodes run in their own sessions and would outlive the orchestrator otherwise.
     signal.signal(signal.SIGTERM, _interrupt)

@@ -4,14 +4,23 @@ with several GPUs, their :class:`~ciuic_p2p.train.localranks.LocalRanks`."""
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, overload
 
 import torch
 
-from ciuic_p2p.config import Config, trainer_socket_path
-from ciuic_p2p.train.channel import DaemonChannel, LocalDaemon
+from ciuic_p2p.config import Config, load_layered, runtime_dir
+from ciuic_p2p.config.locate import (
+    first_present,
+    node_config_file,
+    not_found_hint,
+    socket_candidates,
+)
+from ciuic_p2p.logsetup import configure_trainer_logging
+from ciuic_p2p.train.channel import ChannelError, DaemonChannel, LocalDaemon
 from ciuic_p2p.train.hook import MeshSync
 
 if TYPE_CHECKING:
@@ -73,11 +82,14 @@ def attach(
 ) -> MeshSync | LocalRanks:
     """Attach a model to the node's daemon (see the module docstring).
 
-    ``config`` should be the node's (``ciuic_p2p.config.load_config(path)``): its
-    ``codec`` and ``train`` sections steer the hook; the default is the WAN preset.
-    ``socket_path`` defaults to ``train.socket_path``, or ``trainer.sock`` in
-    ``node.state_dir`` (``/var/lib/ciuic``) when that is unset; pass ``daemon`` (an
-    :class:`EmbeddedDaemon`) to run the daemon in this process instead. Call before
+    ``config`` is the node's: its ``codec`` and ``train`` sections steer the hook.
+    Without it, attach reads the node's file as the CLI does (``$CIUIC_CONFIG``, else
+    the service's ``/etc/ciuic/node.toml``, else the WAN preset's defaults) with the
+    ``CIUIC_*`` variables over it. ``socket_path`` defaults to ``train.socket_path``,
+    else ``trainer.sock`` in ``node.runtime_dir`` (``node.state_dir`` when unset), and
+    with no file named, the service's ``/run/ciuic`` and ``/var/lib/ciuic`` too
+    (config.locate). Pass ``daemon`` (an :class:`EmbeddedDaemon`) to run the daemon in
+    this process instead. Call before
     the optimizer's first step (its state must not exist yet: parameters become views
     into the buckets). ``run`` names the training run: chunks of other runs are
     refused.
@@ -93,7 +105,9 @@ def attach(
     ``process_group``: the local ranks of a node with several GPUs (under torchrun);
     they train as one replica (train.localranks): the group's first rank talks to the
     daemon, the others follow it."""
-    cfg = config or Config.wan()
+    file_named = config is not None or bool(os.environ.get("CIUIC_CONFIG"))
+    cfg = config or load_layered(node_config_file(None, os.environ), os.environ)
+    configure_trainer_logging(cfg.log)
     if process_group is not None:
         import torch.distributed as dist  # noqa: PLC0415
 
@@ -125,7 +139,7 @@ def attach(
                 daemon.stop(leave=False)
             raise
     else:
-        channel = DaemonChannel.connect(socket_path or trainer_socket_path(cfg))
+        channel = _connect(cfg, socket_path, file_named)
     try:
         sync = MeshSync(
             model,
@@ -151,3 +165,25 @@ def attach(
         if started and daemon is not None:
             daemon.stop(leave=False)
         raise
+
+
+def _connect(cfg: Config, socket_path: str | Path | None, file_named: bool) -> DaemonChannel:
+    """The daemon's trainer socket, where config.locate says (waiting up to 10 s for
+    one to appear: a daemon started beside the trainer is still coming up)."""
+    explicit = socket_path or cfg.train.socket_path
+    if explicit:
+        return DaemonChannel.connect(Path(explicit).expanduser())
+    candidates = socket_candidates(runtime_dir(cfg), "trainer.sock", file_named)
+    deadline = time.monotonic() + 10.0
+    while (found := first_present(candidates)) is None:
+        if time.monotonic() > deadline:
+            raise ChannelError(
+                not_found_hint(
+                    candidates,
+                    "daemon serving trainers",
+                    "start one (`ciuic-node run`) or name its socket: attach(..., "
+                    "socket_path=...), $CIUIC_TRAIN_SOCKET_PATH or $CIUIC_CONFIG",
+                )
+            )
+        time.sleep(0.1)
+    return DaemonChannel.connect(found)

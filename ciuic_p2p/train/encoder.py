@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from ciuic_p2p.core.codec.layout import BucketLayout
+from ciuic_p2p.core.codec.layout import BucketLayout, canonical_name
 
 
 def flatten_parameters(model: torch.nn.Module, layout: BucketLayout) -> list[torch.Tensor]:
     """Move the model's trainable parameters into flat fp32 buckets on their device and
     make each parameter a view into its bucket (values kept)."""
-    params = dict(model.named_parameters())
+    params = {canonical_name(n): p for n, p in model.named_parameters()}
     devices = {p.device for p in params.values()}
     if len(devices) != 1:
         raise ValueError(f"the model's parameters span devices {sorted(map(str, devices))}")

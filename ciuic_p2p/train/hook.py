@@ -33,6 +33,7 @@ from ciuic_p2p.core.codec.bucket import ChunkSource
 from ciuic_p2p.core.codec.layout import BucketLayout
 from ciuic_p2p.core.replica.intake import Prepared
 from ciuic_p2p.core.replica.messages import (
+    LayoutSummary,
     PayloadKind,
     TrainWireError,
     decode_payload,
@@ -58,6 +59,8 @@ from ciuic_p2p.train.statesync import StateKeeper
 __all__ = ["MeshSync", "flatten_parameters"]
 
 JOIN_ANSWER_WAIT_S = 5.0
+WAIT_REPORT_INTERVAL_S = 5.0
+"""How often attach says how many replicas joined while it waits for them."""
 log = get_logger("ciuic.train")
 
 
@@ -144,6 +147,7 @@ class MeshSync:
         self._stats_report: dict[str, Any] | None = None
         self._ready = False
         """True once the state is restored: only then may peers have it."""
+        self._layout_said_at = -1.0
         self._early: list[Any] = []
         """Peer chunks that arrived before the state was restored, applied after it
         (applied before, they went into weights the restored state then replaced)."""
@@ -163,7 +167,10 @@ class MeshSync:
         self.channel.publish(self._join())  # where it stands now
 
     def _join(self, ask: bool = False) -> bytes:
-        return encode_presence(PayloadKind.JOIN, self.replica.source.run_id, self.replica.step, ask)
+        layout = LayoutSummary(self.layout.layout_id, len(self.layout.slots), self.layout.numel)
+        return encode_presence(
+            PayloadKind.JOIN, self.replica.source.run_id, self.replica.step, ask, layout
+        )
 
     def _await_replicas(self, count: int, timeout_s: float) -> None:
         """Say JOIN, asking for answers (again every second: a trainer that attaches
@@ -173,7 +180,7 @@ class MeshSync:
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         self.channel.publish(self._join(ask=True))
-        said = t0
+        said = told = t0
         counted: float | None = None
         r = self.replica
         heard = self.replicas_heard_s
@@ -194,6 +201,15 @@ class MeshSync:
             if time.monotonic() - said >= 1.0:
                 self.channel.publish(self._join(ask=True))
                 said = time.monotonic()
+            if time.monotonic() - told >= WAIT_REPORT_INTERVAL_S:
+                told = time.monotonic()
+                log.info(
+                    "waiting_for_replicas",
+                    joined=r.replicas,
+                    of=count,
+                    left_s=round(deadline - told),
+                    members_alive=len(self.channel.alive),
+                )
             if time.monotonic() > deadline or self.channel.closed:
                 raise ChannelError(
                     f"only {self.replica.replicas} of {count} replicas of this run joined "
@@ -349,6 +365,15 @@ class MeshSync:
             r.apply(item)
             return 1
         except RefusedChunk as exc:
+            if exc.reason == "layout" and exc.kind is PayloadKind.JOIN:
+                # Say this replica's layout back, so the other side fails as loudly
+                # (its JOIN may have been the one that reached this trainer first).
+                now = time.monotonic()
+                if now - self._layout_said_at >= 1.0:  # at most once a second, whoever asks
+                    self._layout_said_at = now
+                    self.channel.publish(self._join())
+                if not self._ready:
+                    raise ChannelError(str(exc)) from None  # attach fails, naming both
             log.warning("chunk_refused", step=r.step, reason=exc.reason, error=str(exc))
             return 0
 
@@ -423,6 +448,7 @@ class MeshSync:
             "bytes_published": s.bytes_published,
             "applied": s.applied,
             "applied_by_origin": {k: p.applied for k, p in r.peers.items()},
+            "applied_from": dict(s.applied_from),
             "held_by_state_by_origin": {k: p.held_by_state for k, p in r.peers.items()},
             "refused_by_origin": {k: p.refused for k, p in r.peers.items()},
             "sent_by_origin": {k: p.chunks_sent for k, p in r.peers.items()},

@@ -8,11 +8,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ciuic_p2p.core.replica.messages import (
+    MAX_PRESENCE_BODY,
+    LayoutSummary,
     PayloadKind,
     TrainWireError,
     decode_done,
     decode_payload,
+    decode_presence,
     encode_done,
+    encode_presence,
     envelope,
 )
 from ciuic_p2p.core.replica.trainersocket import (
@@ -33,6 +37,25 @@ def test_done_round_trips_and_messages_keep_their_kind() -> None:
     assert decode_done(msg.body) == (b"r" * 16, 42, 7)
     update = decode_payload(envelope(PayloadKind.UPDATE) + b"chunk")
     assert update.kind is PayloadKind.UPDATE and bytes(update.body) == b"chunk"
+
+
+def test_a_join_states_its_layout_and_older_or_newer_joins_still_decode() -> None:
+    run = b"r" * 16
+    layout = LayoutSummary(0xFEEDFACE, 12, 85_002)
+    said = decode_presence(
+        decode_payload(encode_presence(PayloadKind.JOIN, run, 7, True, layout)).body
+    )
+    assert (said.run_id, said.step, said.ask, said.layout) == (run, 7, True, layout)
+    older = decode_presence(decode_payload(encode_presence(PayloadKind.JOIN, run, 7)).body)
+    assert older.layout is None and older.step == 7
+    body = decode_payload(encode_presence(PayloadKind.JOIN, run, 7, False, layout)).body
+    newer = decode_presence(memoryview(bytes(body) + b"future field"))  # appended later
+    assert newer.layout == layout
+    for cut in (17, len(body) - 1):
+        with pytest.raises(TrainWireError, match="JOIN/GONE body"):
+            decode_presence(body[:cut])
+    with pytest.raises(TrainWireError, match="JOIN/GONE body"):
+        decode_presence(memoryview(bytes(body) + bytes(MAX_PRESENCE_BODY)))
 
 
 @pytest.mark.parametrize(
@@ -75,6 +98,6 @@ def test_any_bytes_decode_or_fail_typed(data: bytes) -> None:
     for decode in (decode_payload, lambda d: TrainerFrameReader().feed(d)):
         with contextlib.suppress(TrainWireError):
             decode(data)
-    for body_decoder in (split_peer, parse_json, decode_done):
+    for body_decoder in (split_peer, parse_json, decode_done, decode_presence):
         with contextlib.suppress(TrainWireError):
             body_decoder(memoryview(data))

@@ -8,6 +8,10 @@ a bucket at ``max_bucket_numel`` elements so that positions fit the wire format.
 
 ``layout_id`` is a 64-bit fingerprint of every slot: a chunk produced for another
 model shape carries another id and is refused (core.codec.bucket.apply_chunk).
+
+Names are the model's own, less what wrappers add (:func:`canonical_name`): a
+replica under DDP (``module.``), ``torch.compile`` (``_orig_mod.``), FSDP or
+activation checkpointing trains the same run as a plain one of the same model.
 """
 
 from __future__ import annotations
@@ -22,6 +26,33 @@ import torch
 from ciuic_p2p.core.codec.chunk import MAX_RANGE_LEN
 
 DEFAULT_MAX_BUCKET_NUMEL = 1 << 28
+
+WRAPPER_COMPONENTS = frozenset(
+    {
+        "_orig_mod",  # torch.compile's OptimizedModule
+        "_fsdp_wrapped_module",  # FSDP (FullyShardedDataParallel, v1)
+        "_checkpoint_wrapped_module",  # torch.distributed activation checkpointing
+        "_forward_module",  # Lightning's and Fabric's module wrappers
+    }
+)
+"""Name components that wrappers insert anywhere in a parameter's name."""
+LEADING_WRAPPER = "module"
+"""DDP, DataParallel and DeepSpeed put the model under ``module``: stripped where it
+leads a name (every time: wrappers nest)."""
+
+
+def describe_layout(layout_id: int, tensors: int, params: int) -> str:
+    return f"parameter layout {layout_id:016x} ({tensors} tensors, {params:,} parameters)"
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name with the wrappers' components taken out: ``module.`` where
+    it leads, ``_orig_mod.``, ``_fsdp_wrapped_module.``, ``_checkpoint_wrapped_module.``
+    and ``_forward_module.`` anywhere."""
+    parts = [p for p in name.split(".") if p not in WRAPPER_COMPONENTS]
+    while len(parts) > 1 and parts[0] == LEADING_WRAPPER:
+        parts.pop(0)
+    return ".".join(parts)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,11 +127,19 @@ class BucketLayout:
 
     @classmethod
     def for_module(cls, module: torch.nn.Module, dense_below_numel: int = 16_384) -> BucketLayout:
-        """The layout of a module's trainable parameters."""
+        """The layout of a module's trainable parameters, by canonical name."""
         return cls.build(
-            ((n, p.shape) for n, p in module.named_parameters() if p.requires_grad),
+            ((canonical_name(n), p.shape) for n, p in module.named_parameters() if p.requires_grad),
             dense_below_numel=dense_below_numel,
         )
+
+    @property
+    def numel(self) -> int:
+        return sum(b.numel for b in self.buckets)
+
+    def describe(self) -> str:
+        """The layout in a few words, for an error that names two of them."""
+        return describe_layout(self.layout_id, len(self.slots), self.numel)
 
     def new_buckets(self, device: torch.device | str = "cpu") -> list[torch.Tensor]:
         """Zero-filled fp32 bucket tensors."""

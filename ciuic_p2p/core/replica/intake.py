@@ -23,7 +23,7 @@ import torch
 from ciuic_p2p.config.sections import TrainSection
 from ciuic_p2p.core.codec.bucket import ChunkSource, decode_chunk
 from ciuic_p2p.core.codec.chunk import ChunkHeader, parse_chunk
-from ciuic_p2p.core.codec.layout import BucketLayout
+from ciuic_p2p.core.codec.layout import BucketLayout, describe_layout
 from ciuic_p2p.core.codec.origin import ReplayWindow
 from ciuic_p2p.core.replica.messages import (
     PayloadKind,
@@ -77,6 +77,8 @@ class ReplicaStats:
     chunks_sent: int = 0
     bytes_published: int = 0
     applied: int = 0
+    applied_from: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Updates applied per origin, kept after the origin left (one entry a member)."""
     params_mixed: int = 0
     params_unmatched: int = 0
     """Peer parameters of a step this replica kept none of its own for: not mixed."""
@@ -228,12 +230,24 @@ class Intake:
             return Prepared(origin, PayloadKind.DONE, None, None, None, 0.0, step, chunks)
         if msg.kind in (PayloadKind.JOIN, PayloadKind.GONE):
             try:
-                run_id, step, ask = decode_presence(msg.body)
+                presence = decode_presence(msg.body)
             except TrainWireError as exc:
                 raise RefusedChunk("malformed", f"from {origin}: {exc}") from None
-            if run_id != self.source.run_id:
+            if presence.run_id != self.source.run_id:
                 raise RefusedChunk("other_run", f"{origin} trains another run", origin, msg.kind)
-            return Prepared(origin, msg.kind, None, None, None, 0.0, step, 0, ask)
+            theirs = presence.layout
+            if theirs is not None and theirs.layout_id != self.layout.layout_id:
+                # Not a replica of this run's model: never counted, never waited for.
+                raise RefusedChunk(
+                    "layout",
+                    f"{origin}'s replica of this run has "
+                    f"{describe_layout(theirs.layout_id, theirs.tensors, theirs.params)}; "
+                    f"this one has {self.layout.describe()}: the replicas of one run must "
+                    "train the same model (parameter names, shapes and order)",
+                    origin,
+                    msg.kind,
+                )
+            return Prepared(origin, msg.kind, None, None, None, 0.0, presence.step, 0, presence.ask)
         try:
             decoded = decode_chunk(msg.body, self.parameters.device)
         except CodecError as exc:
@@ -324,6 +338,7 @@ class Intake:
             if state.lagging and state.step > step - self.train.staleness_bound_steps:
                 state.lagging = False
         self.stats.applied += 1
+        self.stats.applied_from[origin] += 1
         self.stats.staleness[min(STALENESS_BINS - 1, max(0, step - h.step))] += 1
 
     def _check(self, origin: str, h: ChunkHeader) -> None:

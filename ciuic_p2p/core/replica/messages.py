@@ -39,6 +39,32 @@ ENVELOPE_LEN = 4
 MAX_PAYLOAD_BYTES = ENVELOPE_LEN + MAX_CHUNK_BYTES
 _DONE = struct.Struct(f"<{RUN_ID_LEN}sQQ")
 _STEP_FLAGS = struct.Struct("<QB")
+_LAYOUT = struct.Struct("<QIQ")
+MAX_PRESENCE_BODY = 256
+"""A JOIN body: run_id, step and flags, the layout (appended later); fields appended
+by later versions are skipped, up to this size."""
+
+
+@dataclass(frozen=True, slots=True)
+class LayoutSummary:
+    """The sender's parameter layout, as a JOIN states it (core.codec.layout)."""
+
+    layout_id: int
+    tensors: int
+    params: int
+
+
+@dataclass(frozen=True, slots=True)
+class Presence:
+    """A decoded JOIN or GONE."""
+
+    run_id: bytes
+    step: int
+    """0 when not said."""
+    ask: bool
+    """Whether the sender asks for this replica's JOIN in answer."""
+    layout: LayoutSummary | None
+    """None from a sender that does not say it."""
 
 
 class TrainWireError(CiuicError):
@@ -84,23 +110,39 @@ def run_id_of(run: str) -> bytes:
 
 
 def encode_presence(
-    kind: PayloadKind, run_id: bytes, step: int | None = None, ask: bool = False
+    kind: PayloadKind,
+    run_id: bytes,
+    step: int | None = None,
+    ask: bool = False,
+    layout: LayoutSummary | None = None,
 ) -> bytes:
-    """A JOIN (with the sender's step; ``ask``: answer with yours) or GONE message."""
+    """A JOIN (with the sender's step; ``ask``: answer with yours; its ``layout``) or
+    GONE message."""
     if kind not in (PayloadKind.JOIN, PayloadKind.GONE) or len(run_id) != RUN_ID_LEN:
         raise ValueError("JOIN or GONE, with a 16-byte run_id")
-    tail = b"" if step is None or kind is PayloadKind.GONE else _STEP_FLAGS.pack(step, int(ask))
+    if kind is PayloadKind.GONE or step is None:
+        return envelope(kind) + run_id
+    tail = _STEP_FLAGS.pack(step, int(ask))
+    if layout is not None:
+        tail += _LAYOUT.pack(layout.layout_id, layout.tensors, layout.params)
     return envelope(kind) + run_id + tail
 
 
-def decode_presence(body: memoryview) -> tuple[bytes, int, bool]:
-    """(run_id, step: 0 when not said, whether an answer is asked for)."""
-    if len(body) not in (RUN_ID_LEN, RUN_ID_LEN + _STEP_FLAGS.size):
-        raise TrainWireError(f"JOIN/GONE body of {len(body)} bytes")
-    if len(body) == RUN_ID_LEN:
-        return bytes(body), 0, False
+def decode_presence(body: memoryview) -> Presence:
+    """A JOIN or GONE body; TrainWireError for one that is cut or too long."""
+    n = len(body)
+    with_step = RUN_ID_LEN + _STEP_FLAGS.size
+    with_layout = with_step + _LAYOUT.size
+    if n > MAX_PRESENCE_BODY or (n not in (RUN_ID_LEN, with_step) and n < with_layout):
+        raise TrainWireError(f"JOIN/GONE body of {n} bytes")
+    run_id = bytes(body[:RUN_ID_LEN])
+    if n == RUN_ID_LEN:
+        return Presence(run_id, 0, False, None)
     step, flags = _STEP_FLAGS.unpack_from(body, RUN_ID_LEN)
-    return bytes(body[:RUN_ID_LEN]), int(step), bool(flags & 1)
+    layout = None
+    if n >= with_layout:
+        layout = LayoutSummary(*_LAYOUT.unpack_from(body, with_step))
+    return Presence(run_id, int(step), bool(flags & 1), layout)
 
 
 def decode_payload(data: bytes | bytearray | memoryview) -> TrainMessage:
