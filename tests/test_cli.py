@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -177,3 +178,18 @@ def test_inspection_commands_without_a_daemon_fail_in_one_line(tmp_path: Path) -
         out = run_cli(command, "--json", "--state-dir", str(tmp_path))
         assert out.returncode == 2 and out.stderr.count("\n") == 1, (command, out.stderr)
         assert "no daemon here" in out.stderr and "Traceback" not in out.stderr
+
+
+def test_control_commands_say_where_they_looked_and_how_to_name_a_daemon(
+    tmp_path: Path,
+) -> None:
+    env = {
+        **{k: v for k, v in os.environ.items() if not k.startswith("CIUIC_")},
+        "CIUIC_NODE_STATE_DIR": str(tmp_path / "none"),
+    }
+    out = subprocess.run(
+        [ciuic_node(), "status"], check=False, capture_output=True, text=True, env=env, timeout=60
+    )
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert f"looked at {tmp_path / 'none' / 'control.sock'}" in out.stderr
+    assert "--state-dir DIR" in out.stderr and "--config FILE" in out.stderr

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import datetime as dt
 import fcntl
 import os
 from pathlib import Path
@@ -31,7 +32,7 @@ from ciuic_p2p.admission import Trust, load_certificate, load_crl
 from ciuic_p2p.config import Config, load_layered, runtime_dir, trainer_socket_path
 from ciuic_p2p.daemon.assembly import NodeAssembly
 from ciuic_p2p.daemon.service import NodeService
-from ciuic_p2p.errors import CiuicError, ConfigError, TransientError
+from ciuic_p2p.errors import AdmissionError, CiuicError, ConfigError, TransientError
 from ciuic_p2p.guard import install_loop_handler
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.logsetup import announce, configure_logging, get_logger
@@ -66,6 +67,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         help="where the trainer hook connects (train.socket_path, default "
         "STATE_DIR/trainer.sock); 'none' serves no trainer",
     )
+    p.add_argument(
+        "--web-port",
+        type=int,
+        metavar="PORT",
+        help="status page and metrics port (web.port, default 7947; 0 picks a free one, "
+        "printed at start: for a second daemon on this host)",
+    )
     p.add_argument("--emulate", metavar="SCENARIO", help=argparse.SUPPRESS)
     p.add_argument("--emulate-node", help=argparse.SUPPRESS)
     p.add_argument("--emulate-ports", type=int, help=argparse.SUPPRESS)
@@ -96,7 +104,14 @@ def build_config(args: argparse.Namespace) -> Config:
     train = config.train
     if args.trainer_socket:
         train = dataclasses.replace(train, socket_path=args.trainer_socket)
-    return dataclasses.replace(config, node=dataclasses.replace(node, **changes), train=train)
+    web = config.web
+    if args.web_port is not None:
+        if not 0 <= args.web_port <= 65535:
+            raise ConfigError(f"--web-port: must be in [0, 65535], got {args.web_port}")
+        web = dataclasses.replace(web, port=args.web_port)
+    return dataclasses.replace(
+        config, node=dataclasses.replace(node, **changes), train=train, web=web
+    )
 
 
 def _credential(path: str | None, default: Path, what: str, how: str) -> Path:
@@ -137,7 +152,17 @@ def load_credentials(
             "the node certificate was issued for another key than the node key: "
             "issue one for this key (`ciuic-node ca issue --key <node.key>`)"
         )
-    return key, cert, Trust(ca, crl)
+    trust = Trust(ca, crl)
+    cert_path = args.cert or state_dir / "node.pem"
+    try:  # at start, not at the first join: every peer would refuse it anyway
+        trust.verify(cert, dt.datetime.now(dt.UTC))
+    except AdmissionError as exc:
+        ca_path = args.ca or state_dir / "ca.pem"
+        raise CiuicError(
+            f"this node's certificate {cert_path} fails against the cluster CA {ca_path}: "
+            f"{exc}; issue one with this CA (`ciuic-node ca issue`)"
+        ) from None
+    return key, cert, trust
 
 
 def raw_public_key_of(cert: x509.Certificate) -> bytes | None:
@@ -240,7 +265,10 @@ async def _start_web(node: NodeAssembly, token_path: Path) -> None:
     except OSError as exc:
         # Metrics are not worth refusing to train for: say so loudly, run on.
         where = f"{web.listen_host}:{web.port}"
-        error = f"cannot listen on {where}: {exc.strerror or exc}"
+        error = (
+            f"cannot listen on {where}: {exc.strerror or exc} (another daemon on this "
+            "host? give this one --web-port PORT, 0 for any free port)"
+        )
         log.error("web_unavailable", error=error)
         node.web_status = {"error": error}
         return

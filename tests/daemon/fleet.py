@@ -40,7 +40,7 @@ class Fleet:
             key.save(d / "node.key")
             issuer = ca or self.ca
             write_pem(d / "node.pem", issuer.issue(key.public_key, NOW))
-            write_pem(d / "ca.pem", self.ca.certificate)
+            write_pem(d / "ca.pem", issuer.certificate)  # another cluster: its own CA
         return d
 
     def control(self, name: str) -> Path:

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from ciuic_p2p.admission import ClusterCA
+from ciuic_p2p.admission import ClusterCA, write_pem
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.scenarios import load_scenario
 from tests.daemon.fleet import NOW, Fleet, free_port_block
@@ -167,6 +167,20 @@ def test_cli_join_leave_status_and_a_wrong_credential(fleet: Fleet, tmp_path: Pa
         20,
         "a sees b as left",
     )
+
+
+def test_a_node_whose_certificate_its_own_ca_did_not_issue_fails_at_start(
+    tmp_path: Path,
+) -> None:
+    fleet = Fleet(tmp_path)
+    d = fleet.state_dir("stray", ca=ClusterCA.create("other-cluster", NOW))
+    write_pem(d / "ca.pem", fleet.ca.certificate)  # trusts a CA that did not issue it
+    out = run("run", "--state-dir", str(d), "--listen", "127.0.0.1:0")
+    assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
+    assert f"certificate {d / 'node.pem'} fails against the cluster CA {d / 'ca.pem'}" in (
+        out.stderr
+    )
+    assert "O=other-cluster" in out.stderr and "O=test-fleet" in out.stderr
 
 
 def test_run_without_credentials_says_what_is_missing_and_how_to_make_it(tmp_path: Path) -> None:

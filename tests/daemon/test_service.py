@@ -306,3 +306,27 @@ def test_an_incarnation_raised_by_a_refutation_survives_a_restart(tmp_path: Path
         assert next_incarnation(tmp_path) == 4
 
     asyncio.run(main())
+
+
+def test_two_daemons_on_one_host_each_get_a_page_with_web_port(fleet: Fleet) -> None:
+    base = free_port_block(3)
+    for i, name in enumerate("ab"):
+        fleet.start(name, "--listen", f"127.0.0.1:{base + i}", "--web-port", "0")
+
+    def web(name: str) -> dict[str, str]:
+        status = fleet.status(name)
+        return status.get("web") or {} if status else {}
+
+    fleet.wait(lambda: all(web(n) for n in "ab"), 60, "both up, with their pages")
+    urls = [web(n)["url"] for n in "ab"]
+    ports = {int(u.rsplit(":", 1)[1].rstrip("/")) for u in urls}
+    assert len(ports) == 2 and 0 not in ports
+    for name, url in zip("ab", urls, strict=True):  # the chosen port, printed at start
+        events = [json.loads(line) for line in fleet.logs[name].read_text().splitlines()]
+        assert any(e["event"] == "web_started" and e.get("url") == url for e in events)
+    # A third on a taken port runs on, without a page, and says what to do.
+    taken = min(ports)
+    fleet.start("c", "--listen", f"127.0.0.1:{base + 2}", "--web-port", str(taken))
+    fleet.wait(lambda: bool(web("c")), 60, "c up, its page tried")
+    error = web("c")["error"]
+    assert f"cannot listen on 127.0.0.1:{taken}" in error and "--web-port" in error

@@ -55,14 +55,18 @@ class Trust:
         if not isinstance(ca_key, Ed25519PublicKey):
             raise AdmissionError("cluster CA key is not Ed25519")
         fields = _read_fields(cert)
+        ours = self.ca.subject.rfc4514_string()[:200]
         if fields.issuer != self.ca.subject:
             raise AdmissionError(
-                f"certificate issued by {fields.issuer_text}, not by this cluster's CA"
+                f"certificate issued by {fields.issuer_text}, not by this cluster's CA ({ours})"
             )
         try:
             ca_key.verify(fields.signature, fields.tbs)
         except InvalidSignature as exc:
-            raise AdmissionError("certificate not signed by this cluster's CA") from exc
+            raise AdmissionError(
+                f"certificate not signed by this cluster's CA ({ours}), though it names "
+                f"{fields.issuer_text} as its issuer"
+            ) from exc
         if not fields.not_before <= now <= fields.not_after:
             raise AdmissionError(
                 f"certificate valid {fields.not_before:%Y-%m-%d} to "
