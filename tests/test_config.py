@@ -13,6 +13,10 @@ def test_presets_differ_where_documented() -> None:
     assert Config.wan().preset == "wan" and Config.lan().preset == "lan"
     assert Config.wan().codec.chunk_payload_bytes < Config.lan().codec.chunk_payload_bytes
     assert Config.lan().codec.density > Config.wan().codec.density
+    local = config_from_toml('preset = "local"')
+    assert local == Config.local() and local.preset == "local"
+    assert local.web.port == 0 and Config.wan().web.port == 7947  # two daemons, one host
+    assert local.mesh.probe_timeout_max_s > Config.lan().mesh.probe_timeout_max_s
 
 
 def test_config_is_frozen() -> None:

@@ -83,10 +83,10 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class Config:
-    """Everything a node can be configured with. Build with :meth:`wan`, :meth:`lan`
-    or :func:`load_config`; change with :func:`dataclasses.replace`."""
+    """Everything a node can be configured with. Build with :meth:`wan`, :meth:`lan`,
+    :meth:`local` or :func:`load_config`; change with :func:`dataclasses.replace`."""
 
-    preset: Literal["lan", "wan"] = "wan"
+    preset: Literal["lan", "wan", "local"] = "wan"
     """Which preset the values started from (informational once built)."""
     node: NodeSection = field(default_factory=NodeSection)
     codec: CodecSection = field(default_factory=CodecSection)
@@ -130,8 +130,22 @@ class Config:
             ),
         )
 
+    @classmethod
+    def local(cls) -> Config:
+        """Several nodes on one machine (a tutorial, tests, a laptop): the LAN timings
+        with room for processes that share a few cores (a probe may wait 1 s before
+        suspicion), and each daemon's page on a free port, printed at start, so that
+        two daemons of one host never collide."""
+        lan = cls.lan()
+        return dataclasses.replace(
+            lan,
+            preset="local",
+            mesh=dataclasses.replace(lan.mesh, probe_interval_s=0.5, probe_timeout_max_s=1.0),
+            web=WebSection(port=0),
+        )
 
-_PRESETS = {"lan": Config.lan, "wan": Config.wan}
+
+_PRESETS = {"lan": Config.lan, "wan": Config.wan, "local": Config.local}
 
 SECTIONS = tuple(f.name for f in dataclasses.fields(Config) if f.name != "preset")
 ENV_PREFIX = "CIUIC_"

@@ -76,8 +76,8 @@ def example_toml() -> str:
         "# Check with `ciuic-node config check FILE`; regenerate with `ciuic-node config",
         "# example`. Precedence: this file < CIUIC_<SECTION>_<KEY> variables < flags.",
         "",
-        '# "wan" (nodes continents apart) or "lan" (one data centre); the keys set below',
-        "# override the preset.",
+        '# "wan" (nodes continents apart), "lan" (one data centre) or "local" (several',
+        "# nodes on one machine); the keys set below override the preset.",
         'preset = "wan"',
     ]
     for section in dataclasses.fields(cfg):

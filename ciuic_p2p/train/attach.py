@@ -19,7 +19,7 @@ from ciuic_p2p.config.locate import (
     not_found_hint,
     socket_candidates,
 )
-from ciuic_p2p.logsetup import configure_trainer_logging
+from ciuic_p2p.logsetup import configure_trainer_logging, get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel, LocalDaemon
 from ciuic_p2p.train.hook import MeshSync
 
@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from ciuic_p2p.train.localranks import LocalRanks
 
 __all__ = ["attach"]
+
+DAEMON_WAIT_S = 30.0
+"""How long attach waits for a daemon's trainer socket to appear."""
+log = get_logger("ciuic.train")
 
 
 @overload
@@ -168,15 +172,21 @@ def attach(
 
 
 def _connect(cfg: Config, socket_path: str | Path | None, file_named: bool) -> DaemonChannel:
-    """The daemon's trainer socket, where config.locate says (waiting up to 10 s for
-    one to appear: a daemon started beside the trainer is still coming up)."""
+    """The daemon's trainer socket, where config.locate says (waiting up to
+    ``DAEMON_WAIT_S`` for one to appear: a daemon started beside the trainer may still
+    be coming up)."""
     explicit = socket_path or cfg.train.socket_path
     if explicit:
         return DaemonChannel.connect(Path(explicit).expanduser())
     candidates = socket_candidates(runtime_dir(cfg), "trainer.sock", file_named)
-    deadline = time.monotonic() + 10.0
+    t0 = time.monotonic()
+    told = t0
     while (found := first_present(candidates)) is None:
-        if time.monotonic() > deadline:
+        now = time.monotonic()
+        if now - told >= 5.0:
+            told = now
+            log.info("waiting_for_daemon", looked_at=[str(c) for c in candidates])
+        if now - t0 > DAEMON_WAIT_S:
             raise ChannelError(
                 not_found_hint(
                     candidates,

@@ -55,6 +55,7 @@ from ciuic_p2p.train.channel import ChannelError, DaemonChannel, LocalDaemon
 from ciuic_p2p.train.encoder import Encoder, ThreadGate, flatten_parameters
 from ciuic_p2p.train.parallel import thread_parts
 from ciuic_p2p.train.statesync import StateKeeper
+from ciuic_p2p.train.stats import SyncStats
 
 __all__ = ["MeshSync", "flatten_parameters"]
 
@@ -431,7 +432,9 @@ class MeshSync:
     # -- reporting ---------------------------------------------------------------------------
 
     @property
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> SyncStats:
+        """This replica's figures (keys documented in train.stats and
+        docs/reference/api.md)."""
         r = self.replica
         s = r.stats
         return {
@@ -475,6 +478,17 @@ class MeshSync:
             "encoder_s": self.encoder.busy_s,
             "udp_bytes_sent": int(self.channel.stats.get("udp_bytes_sent", 0)),
         }
+
+    def summary(self) -> str:
+        """This replica's run in one line, for a person (``stats`` has the figures)."""
+        s = self.stats
+        refused = sum(s["refused"].values())
+        return (
+            f"step {s['step']}: {s['sends']} sends, {s['bytes_published'] / 1e6:.2f} MB "
+            f"published; applied {s['applied']} updates from {len(s['applied_from'])} "
+            f"peer(s); staleness p50 {s['staleness_p50']} p99 {s['staleness_p99']} steps; "
+            f"waited {s['wait_s']:.1f} s; {refused} refused"
+        )
 
     # -- the state and the store --------------------------------------------------------------
 
