@@ -177,6 +177,11 @@ def validate(cfg: Sections) -> None:
         (t.backlog_low_sends >= 0.0, "train.backlog_low_sends", "must be >= 0"),
         (0.0 <= t.consensus_mix <= 1.0, "train.consensus_mix", "must be in [0, 1]"),
         (t.update_norm_max_ratio > 1.0, "train.update_norm_max_ratio", "must be > 1"),
+        (
+            0.0 < t.params_distance_max_ratio <= 10.0,
+            "train.params_distance_max_ratio",
+            "must be in (0, 10]",
+        ),
         (t.norm_warmup_chunks >= 1, "train.norm_warmup_chunks", "must be >= 1"),
         (t.finish_timeout_s > 0, "train.finish_timeout_s", "must be > 0"),
         (t.stall_grace_s > 0, "train.stall_grace_s", "must be > 0"),

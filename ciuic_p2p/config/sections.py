@@ -314,6 +314,12 @@ class TrainSection:
     chunks (of the same bucket) is refused: a faulty node cannot blow up the model."""
     norm_warmup_chunks: int = 10
     """Own chunks seen before the norm bound applies."""
+    params_distance_max_ratio: float = 0.5
+    """A peer's consensus fragment whose RMS distance from this replica's parameters
+    exceeds this times their RMS is refused (parameters held against parameters: the
+    bound does not shrink as updates do near convergence; a faulty node sending zeros
+    is 1.0 away). ``update_norm_max_ratio`` times the own updates' RMS is the floor, for
+    parameters near zero."""
     finish_timeout_s: float = 60.0
     """How long :meth:`finish` waits for the other replicas' last chunks."""
     stall_grace_s: float = 0.5

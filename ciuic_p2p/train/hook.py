@@ -60,6 +60,9 @@ from ciuic_p2p.train.stats import SyncStats
 __all__ = ["MeshSync", "flatten_parameters"]
 
 JOIN_ANSWER_WAIT_S = 5.0
+FIRST_ANSWER_WAIT_S = 3.0
+"""How long attach listens for a run's replicas that are already training, when the
+mesh has other members and it needs no more replicas than itself."""
 WAIT_REPORT_INTERVAL_S = 5.0
 """How often attach says how many replicas joined while it waits for them."""
 log = get_logger("ciuic.train")
@@ -195,7 +198,13 @@ class MeshSync:
                     heard.setdefault("reported " + name[:12], round(now - t0, 3))
             if r.replicas >= count:
                 counted = counted or time.monotonic()
-                if all(p.reported for p in r.peers.values()):
+                # Enough replicas: go once those known said their step, and, when none
+                # answered yet while the mesh has other members, after one answer's
+                # time (a run under way must not be missed by a joiner that asked
+                # for fewer replicas than it has).
+                others = any(name != self.peer for name in self.channel.alive)
+                unheard = others and not r.peers and now - t0 < FIRST_ANSWER_WAIT_S
+                if all(p.reported for p in r.peers.values()) and not unheard:
                     break
                 if time.monotonic() - counted > JOIN_ANSWER_WAIT_S:
                     break
@@ -496,6 +505,21 @@ class MeshSync:
         """Write a checkpoint now (this thread, atomically); its path, or None when no
         checkpoint directory is set."""
         return self.state.checkpoint()
+
+    def begin_at(self, step: int) -> int:
+        """Count this replica's steps from ``step`` (a framework's step count restored
+        from its own checkpoint), if it started fresh: neither the mesh nor this node's
+        checkpoint gave it a state. Before the first :meth:`step`; the step it now
+        begins at (``start_step``, unchanged when it came from a state)."""
+        if self.replica.stats.steps:
+            raise RuntimeError("begin_at before the first step()")
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if self.restored.get("source") == "fresh" and step > self.start_step:
+            self.replica.start_at(step)
+            self.start_step = step
+            self.channel.publish(self._join())  # where it stands now
+        return self.start_step
 
     def install_sigterm(self) -> None:
         """On SIGTERM, the next :meth:`step` writes a checkpoint, closes and exits

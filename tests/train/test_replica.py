@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 
 import pytest
@@ -400,3 +401,34 @@ def test_a_join_that_comes_before_the_member_is_known_alive_is_taken_when_it_is(
     assert r.replicas == 2
     assert r.peers["p1"].reported and r.peers["p1"].step == 7 and r.joined == ["p1"]
     assert r.early_joins == {}
+
+
+def test_the_consensus_bound_holds_parameters_against_parameters() -> None:
+    """Near convergence a replica's own updates are tiny; a peer's parameters that
+    drifted by a little of their scale are still mixed, garbage is not."""
+    train = dataclasses.replace(
+        TRAIN, consensus_interval_steps=1, consensus_fragments=1, norm_warmup_chunks=1
+    )
+    a, b = replica(0, train=train), replica(1, train=train)
+    for r in (a, b):
+        r.set_alive(["p0", "p1"])
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):  # converged: updates of 1e-6, so 50x the own updates is 5e-5
+        local_update(a, gen, scale=1e-6)
+    rms = float(torch.linalg.vector_norm(a.buckets[0])) / math.sqrt(a.buckets[0].numel())
+    with torch.no_grad():  # b drifted by 2% of the parameters' scale (lost chunks)
+        b.buckets[0].add_(torch.randn(b.buckets[0].shape, generator=gen) * 0.02 * rms)
+    a.encode_params(a.snapshot_params(), a.step)  # a's own fragment of this step
+    for p in b.encode_params(b.snapshot_params(), a.step):
+        a.receive("p1", p)
+    assert a.stats.params_mixed == 1 and not a.stats.refused
+
+    for garbage in (3.0, 0.0):  # a faulty node: blown-up parameters, or zeros
+        a.step += 1
+        a.encode_params(a.snapshot_params(), a.step)
+        with torch.no_grad():
+            b.buckets[0].copy_(a.buckets[0] * garbage)
+        with pytest.raises(RefusedChunk, match="RMS away"):
+            for p in b.encode_params(b.snapshot_params(), a.step):
+                a.receive("p1", p)
+    assert a.stats.refused["norm"] == 2 and a.stats.params_mixed == 1

@@ -369,21 +369,25 @@ class Intake:
             ) from None
 
     def _check_params(self, origin: str, h: ChunkHeader, values: torch.Tensor) -> None:
-        """Parameters far from ours (RMS distance over the bound times our own
-        updates' RMS) come from a faulty node, not from drift: refused."""
-        ref = self.norms.rms[h.bucket]
-        if self.norms.count[h.bucket] < self.train.norm_warmup_chunks:
-            return
+        """Parameters far from ours, measured against our parameters' own scale (a
+        faulty node, not drift), are refused; see ``train.params_distance_max_ratio``."""
         fragment = self.own_params.get(h.step)
         own = None if fragment is None else fragment.slice_of(h.bucket, *_span(h))
         if own is None:
             own = self.parameters.buckets[h.bucket][h.range_start : h.range_start + h.range_len]
-        dist = float(torch.linalg.vector_norm(values - own)) / math.sqrt(max(1, h.range_len))
-        if dist > self.train.update_norm_max_ratio * ref:
+        n = math.sqrt(max(1, h.range_len))
+        dist = float(torch.linalg.vector_norm(values - own)) / n
+        scale = float(torch.linalg.vector_norm(own)) / n
+        t = self.train
+        floor = 0.0
+        if self.norms.count[h.bucket] >= t.norm_warmup_chunks:
+            floor = t.update_norm_max_ratio * self.norms.rms[h.bucket]
+        allowed = max(t.params_distance_max_ratio * scale, floor)
+        if not math.isfinite(dist) or (allowed > 0.0 and dist > allowed):
             raise RefusedChunk(
                 "norm",
-                f"parameters from {origin} (step {h.step}) are {dist:.3g} RMS away, over "
-                f"{self.train.update_norm_max_ratio:g} x this replica's own updates {ref:.3g}",
+                f"parameters from {origin} (step {h.step}) are {dist:.3g} RMS away from "
+                f"this replica's ({scale:.3g} RMS), over the {allowed:.3g} allowed",
                 origin,
                 PayloadKind.PARAMS,
             )
