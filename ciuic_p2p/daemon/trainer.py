@@ -50,7 +50,9 @@ from ciuic_p2p.core.mesh.broadcast import Delivery
 from ciuic_p2p.core.replica.messages import (
     PayloadKind,
     TrainWireError,
+    decode_done,
     decode_payload,
+    decode_presence,
     encode_presence,
     run_id_of,
 )
@@ -132,9 +134,10 @@ class TrainerServer:
         self.progress = TrainingProgress()
         """Each origin's steps as its chunks pass here, sign/verify times (daemon.metrics)."""
         self._members: list[str] = []
-        self._held: collections.deque[tuple[bool, tuple[bytes | memoryview, ...]]] = (
+        self._held: collections.deque[tuple[bool, bytes | None, tuple[bytes | memoryview, ...]]] = (
             collections.deque()
         )
+        """(droppable, the run it is of or None, frame parts) per held delivery."""
         self._held_bytes = 0
         self._prefetch: asyncio.Task[None] | None = None
         self.prefetch_info: dict[str, Any] | None = None
@@ -268,34 +271,43 @@ class TrainerServer:
                     counters["trainer_gone"] += 1
                 self._run_id = None
 
+    def _hello_frame(self, body: memoryview) -> None:
+        """A trainer says which run it trains: welcome it, and hand it what was held
+        for that run."""
+        d = self.daemon
+        run = parse_json(body).get("run")
+        if not isinstance(run, str) or not run:
+            raise TrainWireError("HELLO names no run")
+        self._run_id = run_id_of(run)
+        self.state_name = "state/" + self._run_id.hex()
+        self._remember_run(run)
+        self._done = False
+        self._sessions += 1
+        self._members = d.mesh.view()
+        self._hello = True
+        self._write(
+            json_frame(
+                TrainerFrame.WELCOME,
+                {
+                    "peer": d.peer_id,
+                    "public_key": d.key.public_key.hex(),
+                    "incarnation": (d.mesh.incarnation << 20) + self._sessions,
+                    "members": self._members,
+                },
+            )
+        )
+        while self._held:  # what came for this run while no trainer was here
+            droppable, held_run, parts = self._held.popleft()
+            if held_run is not None and held_run != self._run_id:
+                d.counters["deliveries_other_run"] += 1  # an ended or other run's
+                continue
+            self._write(*parts, droppable=droppable)
+        self._held_bytes = 0
+
     def _on_frame(self, ftype: TrainerFrame, body: memoryview) -> None:
         d = self.daemon
         if ftype is TrainerFrame.HELLO:
-            run = parse_json(body).get("run")
-            if not isinstance(run, str) or not run:
-                raise TrainWireError("HELLO names no run")
-            self._run_id = run_id_of(run)
-            self.state_name = "state/" + self._run_id.hex()
-            self._remember_run(run)
-            self._done = False
-            self._sessions += 1
-            self._members = d.mesh.view()
-            self._hello = True
-            self._write(
-                json_frame(
-                    TrainerFrame.WELCOME,
-                    {
-                        "peer": d.peer_id,
-                        "public_key": d.key.public_key.hex(),
-                        "incarnation": (d.mesh.incarnation << 20) + self._sessions,
-                        "members": self._members,
-                    },
-                )
-            )
-            while self._held:
-                droppable, parts = self._held.popleft()
-                self._write(*parts, droppable=droppable)
-            self._held_bytes = 0
+            self._hello_frame(body)
         elif ftype is TrainerFrame.PUBLISH:
             self._publish(body)
         elif ftype is TrainerFrame.STATS_REQUEST:
@@ -486,8 +498,13 @@ class TrainerServer:
 
     def deliver(self, delivery: Delivery) -> None:
         counters = self.daemon.counters
+        run: bytes | None = None
         try:
             msg = decode_payload(delivery.payload)
+            if msg.kind is PayloadKind.DONE:
+                run = decode_done(msg.body)[0]
+            elif msg.kind in (PayloadKind.JOIN, PayloadKind.GONE):
+                run = decode_presence(msg.body).run_id
             if msg.kind in (PayloadKind.UPDATE, PayloadKind.PARAMS):
                 # The mesh checked the origin's signature over the whole payload
                 # (core.mesh.broadcast): what is left is that the update is the origin's own.
@@ -496,6 +513,7 @@ class TrainerServer:
                 self.progress.verify.add(time.perf_counter() - t0)
                 if peer_id_of(header.origin) != delivery.origin:
                     raise CiuicError("chunk origin differs from the mesh origin")
+                run = header.run_id
                 self.progress.observe(delivery.origin, header.incarnation, header.step, delivery.at)
         except (TrainWireError, CiuicError) as exc:
             counters["deliveries_refused"] += 1
@@ -506,12 +524,16 @@ class TrainerServer:
             # old JOIN would tell it a step long past.
             counters["joins_not_held"] += 1
             return
+        if self._attached() and run is not None and run != self._run_id:
+            counters["deliveries_other_run"] += 1  # runs share the mesh, not trainers
+            return
         prefix = peer_prefix(delivery.origin)
         self._write(
             frame_header(TrainerFrame.DELIVER, len(prefix) + len(delivery.payload)),
             prefix,
             delivery.payload,
             droppable=msg.kind in (PayloadKind.UPDATE, PayloadKind.PARAMS),
+            run=run,
         )
 
     def direct(self, peer: str, payload: bytes) -> None:
@@ -523,14 +545,16 @@ class TrainerServer:
     def _attached(self) -> bool:
         return self.writer is not None and not self.writer.is_closing() and self._hello
 
-    def _write(self, *parts: bytes | memoryview, droppable: bool = False) -> None:
+    def _write(
+        self, *parts: bytes | memoryview, droppable: bool = False, run: bytes | None = None
+    ) -> None:
         writer = self.writer
         counters = self.daemon.counters
         if writer is None or not self._attached():
-            self._held.append((droppable, parts))
+            self._held.append((droppable, run, parts))
             self._held_bytes += sum(len(p) for p in parts)
             while len(self._held) > MAX_HELD or self._held_bytes > MAX_HELD_BYTES:
-                _, dropped = self._held.popleft()
+                _, _, dropped = self._held.popleft()
                 self._held_bytes -= sum(len(p) for p in dropped)
                 counters["deliveries_without_trainer"] += 1
                 self._prefetch_usable = False

@@ -131,3 +131,40 @@ def test_an_object_put_on_one_node_is_fetched_whole_by_another(tmp_path: Path) -
             await mesh.close()
 
     run_virtual(main())
+
+
+def test_a_trainer_gets_only_its_own_runs_chunks_never_an_ended_runs(tmp_path: Path) -> None:
+    """Chunks held while b has no trainer go to the next trainer only if it trains
+    their run; while attached, other runs' chunks are not delivered at all."""
+
+    async def main() -> None:
+        mesh = MemoryMesh(tmp_path, ["a", "b"])
+        trainers: list[StandInTrainer] = []
+        try:
+            await mesh.form()
+            a, b = (mesh.nodes[n].trainers for n in ("a", "b"))
+            assert a is not None and b is not None
+            old = StandInTrainer(a, run="ended-run")
+            trainers.append(old)
+            await old.attach()
+            for step in (1, 2):  # b's trainer is not there: b holds them
+                old.publish(step)
+            counters = mesh.nodes["b"].daemon.counters
+            await until(lambda: mesh.nodes["b"].daemon.counters["chunks_delivered"] >= 2, 30)
+            new = StandInTrainer(b, run="new-run")
+            trainers.append(new)
+            await new.attach()
+            other = StandInTrainer(a, run="new-run")  # a's trainer of the new run
+            trainers.append(other)
+            await old.close()
+            await other.attach()
+            other.publish(1)
+            await until(lambda: len(new.delivered) >= 1, 30)
+            assert [kind for _, kind, _ in new.delivered] == [PayloadKind.UPDATE]
+            assert counters["deliveries_other_run"] >= 2  # the ended run's two chunks
+        finally:
+            for t in trainers:
+                await t.close()
+            await mesh.close()
+
+    run_virtual(main())
