@@ -79,6 +79,9 @@ def _mesh() -> dict[str, bytes]:
         "ping_req": mw.PingReq(8, OTHER, "10.0.0.2:7946"),
         "nack": mw.Nack(8),
         "gossip": mw.Gossip(updates),
+        "gossip_named_alive": mw.Gossip(
+            (mw.Alive(PEER, 5, "10.0.0.1:7946", "eu-west", SIG, "frankfurt-1"),)
+        ),
         "sync": mw.Sync(True, updates),
         "chunk": mw.Chunk(PEER, (3 << 40) + 5, 2, b"payload" * 10, SIG),
         "heads": mw.Heads(((PEER, 9), (OTHER, (2 << 40) + 1))),

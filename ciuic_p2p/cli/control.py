@@ -172,18 +172,28 @@ def _print_status(status: dict[str, Any]) -> None:
         print("  " + ", ".join(f"{k} {v}" for k, v in sorted(counters.items())))
 
 
+def _label(name: str, peer: str) -> str:
+    """A member as a person reads it: its name and the start of its peer ID."""
+    return f"{name} ({peer[:12]})" if name else peer[:12]
+
+
 def _print_peers(status: dict[str, Any]) -> None:
+    names = {m["peer"]: m.get("name", "") for m in status["members"]}
     for m in status["members"]:
         rtt = "-" if m["rtt_ms"] is None else f"{m['rtt_ms']:.1f} ms ({m['rtt_source']})"
-        via = " via " + " > ".join(p[:12] for p in m["route"][1:-1]) if len(m["route"]) > 2 else ""
-        print(f"  {m['peer']:<40} {m['state']:<8} {m['address']:<22} {rtt}{via}")
+        hops = m["route"][1:-1]
+        via = " via " + " > ".join(_label(names.get(p, ""), p) for p in hops) if hops else ""
+        who = _label(m.get("name", ""), m["peer"])
+        print(f"  {who:<28} {m['state']:<8} {m['address']:<22} {rtt}{via}  {m['peer']}")
 
 
 def _print_routes(answer: dict[str, Any]) -> None:
     for r in answer["routes"]:
-        hops = " > ".join(p[:12] for p in r["path"])
+        names = r.get("path_names") or [""] * len(r["path"])
+        hops = " > ".join(_label(n, p) for n, p in zip(names, r["path"], strict=True))
         kind = "direct" if len(r["path"]) == 2 else f"relayed ({len(r['path']) - 2} hop)"
+        to = _label(r.get("to_name", ""), r["to"])
         print(
-            f"  {r['to']:<40} {kind:<18} {_ms(r['path_rtt_ms']):>10} "
+            f"  {to:<28} {kind:<18} {_ms(r['path_rtt_ms']):>10} "
             f"(direct {_ms(r['direct_rtt_ms'])})  {hops}"
         )

@@ -64,6 +64,11 @@ def validate(cfg: Sections) -> None:
         (c.residual_max_ratio >= 0.0, "codec.residual_max_ratio", "must be >= 0"),
         (0 <= cfg.node.listen_port <= 65535, "node.listen_port", "must be in [0, 65535]"),
         (bool(cfg.node.name.strip()), "node.name", "must not be empty"),
+        (
+            cfg.node.name.isprintable() and len(cfg.node.name.encode()) <= 64,
+            "node.name",
+            "must be printable text of at most 64 bytes (members see it)",
+        ),
         (cfg.transport.auth_timeout_s > 0, "transport.auth_timeout_s", "must be > 0"),
         (cfg.transport.idle_timeout_s > 0, "transport.idle_timeout_s", "must be > 0"),
         (cfg.transport.ping_interval_s > 0, "transport.ping_interval_s", "must be > 0"),

@@ -24,7 +24,8 @@ class NodeSection:
     """Who this node is and where it listens."""
 
     name: str = "node"
-    """Human-readable node name, unique within the mesh; shown in logs and status."""
+    """Human-readable node name, unique within the mesh; gossiped to the members, who
+    show it beside the peer ID (status, peers, routes, the page, metrics)."""
     region: str = ""
     """Free-form region label (e.g. ``aws:eu-central-1``); routing may use it as a hint."""
     listen_host: str = "127.0.0.1"

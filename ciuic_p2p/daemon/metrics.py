@@ -358,6 +358,16 @@ class DaemonCollector(Collector):
         for state in State:
             members.add_metric([state.name.lower()], by_state[state])
         yield members
+        # Names and regions by peer ID, to join onto the per-peer series in queries
+        # (`* on(peer) group_left(name) ciuic_peer_info`); members that are not alive
+        # or suspected have no series, so a departed peer's disappears.
+        info = InfoMetricFamily(
+            "ciuic_peer", "Each live member's name and region.", labels=["peer", "name"]
+        )
+        for peer, m in sorted(node.members().items()):
+            if m.state <= State.SUSPECT:
+                info.add_metric([peer, m.name], {"region": m.region})
+        yield info
         yield GaugeMetricFamily(
             "ciuic_health_score",
             "Lifeguard local health: 0 is healthy; higher stretches this node's timeouts.",

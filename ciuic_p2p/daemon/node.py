@@ -244,6 +244,7 @@ class MeshDaemon:
             self.clock(),
             identities=identities,
             region=self.config.node.region,
+            name=self.config.node.name,
             incarnation=incarnation,
             seed=zlib.crc32(self.key.public_key) ^ incarnation,
         )

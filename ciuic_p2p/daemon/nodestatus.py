@@ -46,6 +46,9 @@ def route_table(d: MeshDaemon) -> list[dict[str, Any]]:
     with the RTTs of the path and of the direct link as the map has them."""
     node = d.mesh
     rtt = node.rtt_s
+    members = node.members()
+    names = {p: m.name for p, m in members.items()}
+    names[d.peer_id] = d.config.node.name
     table = []
     for dest, path in sorted(node.routes().items()):
         legs = [rtt(a, b) for a, b in itertools.pairwise(path)]
@@ -53,7 +56,9 @@ def route_table(d: MeshDaemon) -> list[dict[str, Any]]:
         table.append(
             {
                 "to": dest,
+                "to_name": names.get(dest, ""),
                 "path": list(path),
+                "path_names": [names.get(p, "") for p in path],
                 "path_rtt_ms": None if None in legs else round(sum(legs) * 1e3, 2),  # type: ignore[arg-type]
                 "direct_rtt_ms": None if direct is None else round(direct * 1e3, 2),
             }
@@ -70,6 +75,7 @@ def status(d: MeshDaemon) -> dict[str, Any]:
         members.append(
             {
                 "peer": name,
+                "name": m.name,
                 "address": m.address,
                 "region": m.region,
                 "state": m.state.name.lower(),

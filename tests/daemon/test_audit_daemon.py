@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from ciuic_p2p.admission import ClusterCA
+from ciuic_p2p.admission import load_certificate, write_pem
 from ciuic_p2p.daemon.control import request
 from ciuic_p2p.train.channel import DaemonChannel
 from tests.daemon.fleet import NOW, Fleet, free_port_block
@@ -42,6 +42,11 @@ def test_audit_log_records_admissions_traffic_state_and_verifies(
 ) -> None:
     base = free_port_block(3)
     env = {"CIUIC_AUDIT_INTERVAL_S": "0.5"}
+    # A node whose certificate a's revocation list names (it does not know: it starts).
+    rogue = load_certificate(fleet.state_dir("rogue") / "node.pem")
+    write_pem(
+        fleet.state_dir("a") / "revoked.pem", fleet.ca.revocation_list([rogue.serial_number], NOW)
+    )
     fleet.start("a", "--listen", f"127.0.0.1:{base}", env=env)
     fleet.wait(lambda: fleet.status("a") is not None, 60, "a up")
     fleet.start("b", "--listen", f"127.0.0.1:{base + 1}", "--join", f"127.0.0.1:{base}", env=env)
@@ -73,8 +78,7 @@ def test_audit_log_records_admissions_traffic_state_and_verifies(
         )
     finally:
         channel.close()
-    # A node of another cluster is refused and recorded.
-    fleet.state_dir("rogue", ca=ClusterCA.create("other", NOW))
+    # The revoked node is refused and recorded.
     fleet.start("rogue", "--listen", f"127.0.0.1:{base + 2}", "--join", f"127.0.0.1:{base}")
     assert fleet.procs["rogue"].wait(60) == 1
     fleet.wait(

@@ -24,6 +24,12 @@ def test_members_join_agree_and_see_a_crash_and_a_leave(tmp_path: Path) -> None:
         mesh = MemoryMesh(tmp_path, NAMES)
         try:
             await mesh.form()
+            # Every member knows every other's name (signed in its ALIVE) and shows it.
+            for n in NAMES:
+                known = mesh.nodes[n].daemon.mesh.members()
+                assert {m.name for m in known.values()} == set(NAMES) - {n}
+            listed = mesh.nodes["a"].daemon.status()["members"]
+            assert sorted(m["name"] for m in listed) == ["b", "c", "d", "e"]
             crashed, leaver = mesh.nodes["d"].peer_id, mesh.nodes["e"].peer_id
             await mesh.crash("d")
             survivors = ["a", "b", "c", "e"]

@@ -51,8 +51,14 @@ coords = st.builds(
     st.floats(0, 1e3, width=32),
     st.floats(0, 1.5, width=32),
 )
+names = st.text(
+    st.characters(blacklist_categories=("Cc", "Cs", "Zl", "Zp", "Cf", "Co", "Cn", "Zs")),
+    min_size=1,
+    max_size=16,
+)
 updates = st.one_of(
     st.builds(Alive, ids, incarnations, ids, ids, sigs),
+    st.builds(Alive, ids, incarnations, ids, ids, sigs, names),
     st.builds(Suspect, ids, incarnations, ids),
     st.builds(Dead, ids, incarnations, ids),
     st.builds(Left, ids, incarnations, sigs),
@@ -183,3 +189,20 @@ def test_a_signature_covers_its_fields_and_is_valid_for_nothing_else() -> None:
     assert not ids.verify_chunk(Chunk("x", 10, 0, b"payload", chunk.signature))
     assert not ids.verify_chunk(Chunk("x", 9, 0, b"payloaD", chunk.signature))
     assert not ids.verify("stranger", alive)  # no credential, no key
+    named = signed(Alive("x", 3, "10.0.0.1:7946", "eu", name="tokyo-1"))
+    assert ids.verify("x", named)
+    renamed = Alive("x", 3, "10.0.0.1:7946", "eu", named.signature, "tokyo-2")
+    unnamed = Alive("x", 3, "10.0.0.1:7946", "eu", named.signature)
+    assert not ids.verify("x", renamed) and not ids.verify("x", unnamed)
+    assert not ids.verify("x", Alive("x", 3, "10.0.0.1:7946", "eu", alive.signature, "n"))
+
+
+@pytest.mark.parametrize("name", ["bad\x1b[31mred", "tab\there", "x" * 65])
+def test_a_name_that_would_garble_a_terminal_or_is_too_long_is_refused(name: str) -> None:
+    good = encode_message(Message("a", Gossip((Alive("n", 1, "h:1", "", b"s" * 64, "ok"),))))
+    raw = good.replace(b"\x02ok", bytes([len(name.encode())]) + name.encode())
+    assert raw != good
+    with pytest.raises(MeshDecodeError, match="name"):
+        decode_message(raw)
+    with pytest.raises(ValueError):
+        encode_update(Alive("n", 1, "h:1", "", b"s" * 64, "x" * 65))

@@ -48,6 +48,8 @@ class Member:
     """Its signed departure, once it left."""
     address_since: float = float("-inf")
     """When this node last took a new address for it (its first is not a change)."""
+    name: str = ""
+    """The name it signed in its newest ALIVE ("" when it gave none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,7 +86,7 @@ class MemberTable:
         if len(self.members) >= self.max_members and not self._make_room():
             return None
         m = Member(update.node, update.address, update.region, update.incarnation, State.DEAD, now)
-        m.alive = update
+        m.alive, m.name = update, update.name
         self.members[update.node] = m
         self.set_state(m, State.ALIVE, update.incarnation, now)
         return m
@@ -121,7 +123,7 @@ class MemberTable:
     def bootstrap(self, alive: list[Alive], now: float) -> None:
         for a in alive:
             self.members[a.node] = Member(
-                a.node, a.address, a.region, a.incarnation, State.ALIVE, now, alive=a
+                a.node, a.address, a.region, a.incarnation, State.ALIVE, now, alive=a, name=a.name
             )
             self._probe_order.append(a.node)
         self.rng.shuffle(self._probe_order)

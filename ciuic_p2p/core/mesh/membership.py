@@ -113,6 +113,7 @@ class Membership:
         *,
         identities: Identities,
         region: str = "",
+        name: str = "",
         incarnation: int = 0,
         seed: int = 0,
         coordinate: Callable[[], Coordinate] = Coordinate,
@@ -126,6 +127,7 @@ class Membership:
         self.node = node
         self.address = address
         self.region = region
+        self.name = name
         self.incarnation = min(max(0, incarnation), MAX_INCARNATION)
         self.settings = settings
         self.identities = identities
@@ -173,12 +175,13 @@ class Membership:
 
     def _self_alive(self) -> Alive:
         own = self._own_alive
-        if own is None or (own.incarnation, own.address, own.region) != (
+        if own is None or (own.incarnation, own.address, own.region, own.name) != (
             self.incarnation,
             self.address,
             self.region,
+            self.name,
         ):
-            unsigned = Alive(self.node, self.incarnation, self.address, self.region)
+            unsigned = Alive(self.node, self.incarnation, self.address, self.region, name=self.name)
             own = dataclasses.replace(unsigned, signature=self.identities.sign(unsigned))
             self._own_alive = own
         return own
@@ -276,6 +279,7 @@ class Membership:
                 return
             m.address_since = now
         m.address, m.region, m.alive, m.left = u.address, u.region, u, None
+        m.name = u.name
         self.table.set_state(m, State.ALIVE, u.incarnation, now)
         self.queue.put(u)
 

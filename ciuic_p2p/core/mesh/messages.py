@@ -20,7 +20,9 @@ bytes; ``sig`` 64 bytes (Ed25519); all integers little-endian. Bodies by kind:
 - ``WANT``: origin str8, count u16, seqs u64 each
 
 ``updates`` is a u16 count, then per update a u8 type and its fields:
-ALIVE (id, incarnation u64, address str8, region str8, sig), SUSPECT / DEAD (id,
+ALIVE (id, incarnation u64, address str8, region str8, sig), NAMED_ALIVE (the same
+with the node's name str8, of at most ``MAX_NAME_BYTES`` and no control characters,
+before the sig), SUSPECT / DEAD (id,
 incarnation u64, by str8), LEFT (id, incarnation u64, sig), LINKS (origin str8, version
 u32, u16 count, then peer str8, rtt_us u32, loss_permille u16 each, sig), CREDENTIAL
 (id, credential bytes16: the member's node certificate, DER). A coordinate is eight
@@ -56,6 +58,8 @@ from ciuic_p2p.core.codec.chunk import MAX_CHUNK_BYTES
 from ciuic_p2p.errors import CiuicError
 
 VERSION = 2
+MAX_NAME_BYTES = 64
+"""A node's name on the wire (UTF-8)."""
 MAX_MESSAGE_BYTES = 64 * 1024 - 16
 """Control messages fit one GOSSIP frame (core.link.frames)."""
 MAX_CHUNK_MESSAGE_BYTES = MAX_CHUNK_BYTES + 512
@@ -96,6 +100,8 @@ class UpdateType(enum.IntEnum):
     LEFT = 4
     LINKS = 5
     CREDENTIAL = 6
+    NAMED_ALIVE = 7
+    """An ALIVE with the node's name (appended in version 2 of the package's wire)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +123,9 @@ class Alive:
     address: str
     region: str = ""
     signature: bytes = b""
+    name: str = ""
+    """The name its operator gave it (``node.name``), shown beside its peer ID; sent
+    as NAMED_ALIVE when set."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +309,8 @@ def _signed_part(u: Alive | Left | Links) -> _Writer:
         w.u64(u.incarnation)
         w.str8(u.address)
         w.str8(u.region)
+        if u.name:
+            w.str8(u.name, MAX_NAME_BYTES, "name")
     elif isinstance(u, Left):
         w.str8(u.node)
         w.u64(u.incarnation)
@@ -322,6 +333,9 @@ _DOMAINS = {
 }
 
 
+NAMED_ALIVE_DOMAIN = b"ciuic-mesh-alive-named-v2\0"
+
+
 def payload_digest(payload: bytes | bytearray | memoryview) -> bytes:
     return hashlib.blake2b(payload, digest_size=32).digest()
 
@@ -334,13 +348,16 @@ def signed_bytes(u: Alive | Left | Links | Chunk, digest: bytes | None = None) -
         w.str8(u.origin)
         w.u64(u.seq)
         return _DOMAINS[Chunk] + b"".join(w.parts) + (digest or payload_digest(u.payload))
-    return _DOMAINS[type(u)] + b"".join(_signed_part(u).parts)
+    domain = NAMED_ALIVE_DOMAIN if isinstance(u, Alive) and u.name else _DOMAINS[type(u)]
+    return domain + b"".join(_signed_part(u).parts)
 
 
 def encode_update(u: Update) -> bytes:
     w = _Writer()
     if isinstance(u, Alive | Left | Links):
         kind = {Alive: UpdateType.ALIVE, Left: UpdateType.LEFT, Links: UpdateType.LINKS}[type(u)]
+        if isinstance(u, Alive) and u.name:
+            kind = UpdateType.NAMED_ALIVE
         w.u8(kind)
         w.parts += _signed_part(u).parts
         w.sig(u.signature)
@@ -433,6 +450,13 @@ class _Reader(Reader):
             raise MeshDecodeError("coordinate height or error negative")
         return Coordinate(tuple(values[:-2]), height, error)
 
+    def name(self) -> str:
+        """A node's name: shown in terminals and logs, so no control characters."""
+        value = self.str8(MAX_NAME_BYTES, "name")
+        if not value or not value.isprintable():
+            raise MeshDecodeError("a node name is printable text")
+        return value
+
     def incarnation(self) -> int:
         value = self.u64()
         if value > MAX_INCARNATION:
@@ -449,6 +473,12 @@ class _Reader(Reader):
         t = self.u8()
         if t == UpdateType.ALIVE:
             return Alive(self.str8(), self.incarnation(), self.str8(), self.str8(), self.sig())
+        if t == UpdateType.NAMED_ALIVE:
+            node, incarnation, address, region = (
+                self.str8(), self.incarnation(), self.str8(), self.str8()
+            )  # fmt: skip
+            name = self.name()
+            return Alive(node, incarnation, address, region, self.sig(), name)
         if t == UpdateType.SUSPECT:
             return Suspect(self.str8(), self.incarnation(), self.str8())
         if t == UpdateType.DEAD:

@@ -94,6 +94,7 @@ class MeshNode:
         *,
         identities: Identities,
         region: str = "",
+        name: str = "",
         incarnation: int = 0,
         seed: int = 0,
     ) -> None:
@@ -108,6 +109,7 @@ class MeshNode:
             now,
             identities=identities,
             region=region,
+            name=name,
             incarnation=incarnation,
             seed=seed,
             coordinate=lambda: self.rttmap.vivaldi.coordinate,
