@@ -23,18 +23,25 @@ Label ``peer`` is always a peer ID. Per-peer traffic is kept by address in the d
 from __future__ import annotations
 
 import collections
+import importlib.metadata
+import platform
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
+    HistogramMetricFamily,
     InfoMetricFamily,
-    SummaryMetricFamily,
 )
+from prometheus_client.gc_collector import GCCollector
 from prometheus_client.metrics_core import Metric
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector, CollectorRegistry
 
+from ciuic_p2p import __version__
 from ciuic_p2p.core.mesh.members import State
 from ciuic_p2p.daemon.node import MeshDaemon, PeerTraffic
 from ciuic_p2p.identity import peer_id_of
@@ -87,16 +94,32 @@ class StepRate:
         return (self.samples[-1][1] - first[1]) / elapsed_s
 
 
+TIMING_BUCKETS_S = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3)
+"""Histogram bounds for per-chunk work (signing, verifying): 10 us to 0.3 s."""
+
+
 @dataclass
 class Timing:
-    """A summary's count and sum, in seconds."""
+    """A histogram of durations, in seconds: per-bucket counts, count and sum."""
 
     count: int = 0
     total_s: float = 0.0
+    buckets: list[int] = field(default_factory=lambda: [0] * len(TIMING_BUCKETS_S))
 
     def add(self, seconds: float) -> None:
         self.count += 1
         self.total_s += seconds
+        for i, bound in enumerate(TIMING_BUCKETS_S):
+            if seconds <= bound:
+                self.buckets[i] += 1
+                break
+
+    def cumulative(self) -> list[tuple[str, float]]:
+        out, running = [], 0
+        for bound, n in zip(TIMING_BUCKETS_S, self.buckets, strict=True):
+            running += n
+            out.append((repr(bound), float(running)))
+        return [*out, ("+Inf", float(self.count))]
 
 
 TRAINER_FIGURES = {
@@ -119,6 +142,8 @@ class TrainingProgress:
         """Verifying delivered chunks before the trainer sees them (its decode side)."""
         self.trainer: dict[str, float] = {}
         """The attached trainer's reported totals (``TRAINER_FIGURES``)."""
+        self.run = ""
+        """The run the attached trainer trains (its HELLO): the ``run`` label."""
 
     def report(self, figures: dict[str, object]) -> None:
         """The trainer's own totals (its encoder thread, its decoding reader, its waits
@@ -210,6 +235,7 @@ class DaemonCollector(Collector):
         self.daemon = daemon
         self.training = training
         self.routes = routes or RouteWatch()
+        self.started_unix_s = time.time() - (daemon.clock() - daemon.started_at)
 
     def collect(self) -> Iterable[Metric]:
         d = self.daemon
@@ -226,8 +252,22 @@ class DaemonCollector(Collector):
         yield from self._faults()
         yield from self._counters()
 
+    def _live(self) -> set[str]:
+        """Members alive or suspected: the peers that have per-peer series."""
+        return {p for p, m in self.daemon.mesh.members().items() if m.state <= State.SUSPECT}
+
     def _node(self) -> Iterator[Metric]:
         d = self.daemon
+        build = InfoMetricFamily(
+            "ciuic_build", "The software this daemon runs.", labels=["version", "python", "quic"]
+        )
+        build.add_metric([__version__, platform.python_version(), _quic_version()], {})
+        yield build
+        yield GaugeMetricFamily(
+            "ciuic_start_time_seconds",
+            "When the daemon started, in seconds since the Unix epoch.",
+            self.started_unix_s,
+        )
         info = InfoMetricFamily("ciuic_node", "This node.", labels=["peer", "name", "address"])
         info.add_metric(
             [d.peer_id, d.config.node.name, d.address], {"region": d.config.node.region}
@@ -291,7 +331,10 @@ class DaemonCollector(Collector):
                 ("relayed_chunks", "Chunks of other origins queued onward to this peer."),
             )
         }
+        live = self._live()
         for name, t in sorted(traffic_by_peer(self.daemon).items()):
+            if name not in live:
+                continue  # a departed member's series go with it
             peer = [name]
             families["sent_bytes"].add_metric(peer, t.bytes_sent)
             families["received_bytes"].add_metric(peer, t.bytes_received)
@@ -378,7 +421,7 @@ class DaemonCollector(Collector):
             "RTT to each member as routing uses it, by source (measured, vivaldi).",
             labels=["peer", "source"],
         )
-        for peer in node.members():
+        for peer in self._live():
             value = node.rtt_s(d.peer_id, peer)
             if value is not None:
                 rtt.add_metric([peer, node.rtt_source(d.peer_id, peer)], value)
@@ -403,41 +446,48 @@ class DaemonCollector(Collector):
         yield relays
 
     def _training(self) -> Iterator[Metric]:
+        t = self.training
+        run = t.run if t is not None else ""
         step = GaugeMetricFamily(
-            "ciuic_trainer_step", "Newest step seen in each origin's chunks.", labels=["peer"]
+            "ciuic_trainer_step",
+            "Newest step seen in each origin's chunks of this node's run.",
+            labels=["peer", "run"],
         )
         rate = GaugeMetricFamily(
             "ciuic_trainer_steps_per_second",
-            f"Each origin's steps per second over the last {RATE_WINDOW_S:g} s of its chunks.",
-            labels=["peer"],
+            f"Each origin's steps per second over the last {RATE_WINDOW_S:g} s of its chunks "
+            "(rate(ciuic_trainer_step[...]) gives any other window).",
+            labels=["peer", "run"],
         )
         stale = GaugeMetricFamily(
             "ciuic_staleness_steps",
             "Steps each origin's newest chunk is behind this node's trainer.",
-            labels=["peer"],
+            labels=["peer", "run"],
         )
-        sign = SummaryMetricFamily(
-            "ciuic_chunk_sign_seconds", "Signing chunks our trainer published (encode side)."
+        sign = HistogramMetricFamily(
+            "ciuic_chunk_sign_seconds",
+            "Signing a chunk our trainer published (encode side).",
+            labels=["run"],
         )
-        verify = SummaryMetricFamily(
+        verify = HistogramMetricFamily(
             "ciuic_chunk_verify_seconds",
-            "Verifying delivered chunks for our trainer (decode side).",
+            "Verifying a delivered chunk for our trainer (decode side).",
+            labels=["run"],
         )
-        t = self.training
         if t is not None:
             for origin, row in t.rows(self.daemon.peer_id, self.daemon.clock()).items():
-                step.add_metric([origin], float(row["step"] or 0))
-                stale.add_metric([origin], float(row["staleness_steps"] or 0))
+                step.add_metric([origin, run], float(row["step"] or 0))
+                stale.add_metric([origin, run], float(row["staleness_steps"] or 0))
                 if row["steps_per_s"] is not None:
-                    rate.add_metric([origin], float(row["steps_per_s"]))
-            sign.add_metric([], t.sign.count, t.sign.total_s)
-            verify.add_metric([], t.verify.count, t.verify.total_s)
+                    rate.add_metric([origin, run], float(row["steps_per_s"]))
+            sign.add_metric([run], t.sign.cumulative(), t.sign.total_s)
+            verify.add_metric([run], t.verify.cumulative(), t.verify.total_s)
         yield from (step, rate, stale, sign, verify)
         for key, text in TRAINER_FIGURES.items():
             name = "ciuic_trainer_" + key.removesuffix("_s") + "_seconds"
-            family = CounterMetricFamily(name, text)
+            family = CounterMetricFamily(name, text, labels=["run"])
             if t is not None and key in t.trainer:
-                family.add_metric([], t.trainer[key])
+                family.add_metric([run], t.trainer[key])
             yield family
 
     def _faults(self) -> Iterator[Metric]:
@@ -487,7 +537,19 @@ class DaemonCollector(Collector):
 
 
 def new_registry(collector: DaemonCollector) -> CollectorRegistry:
-    """A registry of this daemon's collector alone (not the process-global one)."""
+    """A registry of this daemon's collector and the process's own (``process_*``:
+    CPU, memory, open files; ``python_*``: the interpreter and its garbage collector),
+    never the process-global registry."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(collector)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
     return registry
+
+
+def _quic_version() -> str:
+    try:
+        return "aioquic " + importlib.metadata.version("aioquic")
+    except importlib.metadata.PackageNotFoundError:
+        return "aioquic"

@@ -280,6 +280,7 @@ class TrainerServer:
             raise TrainWireError("HELLO names no run")
         self._run_id = run_id_of(run)
         self.state_name = "state/" + self._run_id.hex()
+        self.progress.run = run[:64]  # the metrics' run label
         self._remember_run(run)
         self._done = False
         self._sessions += 1

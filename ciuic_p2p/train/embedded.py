@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from cryptography import x509
 
+from ciuic_p2p.addresses import format_address
 from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import Config
 from ciuic_p2p.daemon.assembly import NodeAssembly
@@ -53,6 +54,10 @@ class EmbeddedDaemon:
         self.loop = new_event_loop()
         install_loop_handler(self.loop, self.daemon.guard)  # as `ciuic-node run` does
         self.address = ""
+        self.web_url: str | None = None
+        """The status page and ``/metrics`` of this daemon (``config.web``), once
+        started; None when disabled or its port was taken."""
+        self.web_error: str | None = None
         self._thread: threading.Thread | None = None
 
     def start(self, timeout_s: float = 30.0) -> str:
@@ -62,9 +67,24 @@ class EmbeddedDaemon:
         )
         self._thread.start()
         self.address = self._call(self.daemon.start(), timeout_s)
+        if self.config.web.enabled:
+            self._start_web(timeout_s)
         if self.join_address:
             self._call(self.daemon.join(self.join_address), timeout_s)
         return self.address
+
+    def _start_web(self, timeout_s: float) -> None:
+        """As the daemon process does: a port that is taken costs the page, not the
+        training (``web_error`` says why)."""
+        web = self.config.web
+        try:
+            port = self._call(
+                self.node.start_web(self.node.daemon.state_dir / "web.token"), timeout_s
+            )
+        except OSError as exc:
+            self.web_error = f"cannot listen on {web.listen_host}:{web.port}: {exc.strerror or exc}"
+            return
+        self.web_url = f"http://{format_address(web.listen_host, port)}/"
 
     def join(self, address: str, timeout_s: float = 30.0) -> None:
         self._call(self.daemon.join(address), timeout_s)
@@ -85,6 +105,8 @@ class EmbeddedDaemon:
             return
 
         async def _stop() -> None:
+            if self.node.web is not None:
+                await self.node.web.close()
             await self.server.close()
             await self.node.store.close()
             if leave and self.daemon.node is not None:

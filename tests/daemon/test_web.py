@@ -20,8 +20,10 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from ciuic_p2p import __version__
 from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import Config, WebSection
+from ciuic_p2p.core.mesh.members import State
 from ciuic_p2p.daemon.assembly import bare_daemon
 from ciuic_p2p.daemon.metrics import RouteWatch, StepRate
 from ciuic_p2p.daemon.trainer import TrainerServer
@@ -31,7 +33,7 @@ from ciuic_p2p.emulator.scenarios import load_scenario
 from ciuic_p2p.identity import NodeKey
 from ciuic_p2p.lab.daemons import DaemonMesh
 from tests.daemon.fleet import NOW
-from tests.daemon.standin import StandInTrainer
+from tests.daemon.standin import RUN, StandInTrainer
 
 pytestmark = pytest.mark.network
 
@@ -159,6 +161,22 @@ async def test_metrics_of_a_running_mesh_carry_every_family_with_per_peer_labels
             assert not families["ciuic_trainer_wait_seconds"].samples  # not reported
             signed = {s.name: s.value for s in families["ciuic_chunk_sign_seconds"].samples}
             assert signed["ciuic_chunk_sign_seconds_count"] == 5
+            assert families["ciuic_chunk_sign_seconds"].type == "histogram"
+            buckets = [
+                s
+                for s in families["ciuic_chunk_sign_seconds"].samples
+                if s.name.endswith("_bucket")
+            ]
+            assert buckets[-1].labels["le"] == "+Inf" and buckets[-1].value == 5
+            assert all(s.labels["run"] == RUN for s in buckets)  # the trainer's run
+            assert families["ciuic_trainer_encode_seconds"].samples[0].labels["run"] == RUN
+            (build,) = families["ciuic_build_info"].samples
+            assert build.labels["version"] == __version__ and build.labels["quic"]
+            assert families["ciuic_start_time_seconds"].samples[0].value > 1.7e9
+            for name in ("process_cpu_seconds", "process_resident_memory_bytes", "python_info"):
+                assert name in families, name
+            named = {s.labels["peer"] for s in families["ciuic_peer_info"].samples}
+            assert named == others
             chunks = {s.labels["event"] for s in families["ciuic_dissemination_chunks"].samples}
             assert chunks == {"duplicate", "repaired", "lost", "stale", "unknown_origin"}
             alive = {s.labels["state"]: s.value for s in families["ciuic_members"].samples}
@@ -175,6 +193,16 @@ async def test_metrics_of_a_running_mesh_carry_every_family_with_per_peer_labels
             assert len(page_data["links"]) == 3  # every pair of a 3-node mesh
             assert set(page_data["traffic"]) == others
             assert page_data["training"][daemons[1].peer_id]["step"] == 5
+            # A member that left has no per-peer series any more.
+            gone = daemons[2]
+            await gone.leave()
+            del mesh.daemons[NAMES[2]], mesh.nodes[NAMES[2]]
+            await mesh.until(lambda: a.mesh.state_of(gone.peer_id) is State.LEFT, 15)
+            _, text = await scrape(port, "/metrics")
+            after = {f.name: f for f in text_string_to_metric_families(text)}
+            for name in [*TRAFFIC, "peer_rtt_seconds", "peer_info"]:
+                peers = {s.labels["peer"] for s in after["ciuic_" + name].samples}
+                assert gone.peer_id not in peers, name
         finally:
             await web.close()
             for t in trainers:

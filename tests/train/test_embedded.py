@@ -8,6 +8,7 @@ import dataclasses
 import datetime as dt
 import os
 import threading
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -34,6 +35,7 @@ def test_three_embedded_replicas_train_and_apply_every_chunk_once(tmp_path: Path
         base,
         node=dataclasses.replace(base.node, listen_port=0),
         codec=dataclasses.replace(base.codec, density=0.05, dense_below_numel=0),
+        web=dataclasses.replace(base.web, port=0),
     )
     daemons: list[EmbeddedDaemon] = []
     syncs: list[MeshSync] = []
@@ -107,6 +109,11 @@ def test_three_embedded_replicas_train_and_apply_every_chunk_once(tmp_path: Path
         for daemon in daemons:  # the hook's figures reached its daemon (sent with chunks)
             figures = daemon.server.progress.trainer
             assert figures["hook_s"] > 0 and figures["encode_s"] > 0 and figures["decode_s"] > 0
+            # Embedded too, the daemon serves its metrics, the run named.
+            assert daemon.web_url is not None, daemon.web_error
+            with urllib.request.urlopen(daemon.web_url + "metrics", timeout=10) as answer:
+                text = answer.read().decode()
+            assert 'ciuic_trainer_hook_seconds_total{run="t"}' in text
         assert last < 0.2 * first / 3
         assert consensus_distance([s.buckets for s in syncs]) < 0.05
     finally:
