@@ -22,8 +22,8 @@ demo: $(STAMP)
 	$(VENV)/bin/ciuic-node demo $(DEMO_ARGS)
 
 lint: $(STAMP)
-	$(VENV)/bin/ruff check ciuic_p2p tests bench docs
-	$(VENV)/bin/ruff format --check ciuic_p2p tests bench docs
+	$(VENV)/bin/ruff check ciuic_p2p tests bench docs/generate_reference.py
+	$(VENV)/bin/ruff format --check ciuic_p2p tests bench docs/generate_reference.py
 
 typecheck: $(STAMP)
 	$(VENV)/bin/mypy
