@@ -288,6 +288,7 @@ def summarize(
         ),
         "snapshots_sent": sum(t["snapshots_sent"] for t in trainers),
         "slow_steps": [x for t in trainers for x in t.get("slow_steps", [])][:40],
+        "rss_jumps_in_step": [x for t in trainers for x in t.get("rss_jumps", [])][:40],
         "hook_ms_p50": quantile([h * 1e3 for t in trainers for h in t["hook_s"]], 0.5),
         "compute_ms_p50": quantile([c * 1e3 for t in trainers for c in t["compute_s"]], 0.5),
         "merged_steps": sum(t["merged_steps"] for t in trainers),

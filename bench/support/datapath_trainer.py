@@ -102,6 +102,7 @@ def main() -> int:
     hook_s: list[float] = []
     wait_s: list[float] = []
     slow: list[dict[str, Any]] = []
+    rss_jumps: list[dict[str, Any]] = []
     compute_s: list[float] = []
     rss_peak = 0
     traffic0 = sends0 = merged0 = 0
@@ -115,6 +116,7 @@ def main() -> int:
             t_start = time.monotonic()
         c = compute()
         time.sleep(max(0.0, args.step_s - c))
+        rss0 = rss_bytes()
         t0 = time.perf_counter()
         waited0 = sync.wait_s
         idle0 = sync.encoder.idle.is_set()
@@ -125,6 +127,9 @@ def main() -> int:
         if step >= args.warmup:
             hook_s.append(dt)
             wait_s.append(sync.wait_s - waited0)
+            grown = rss_bytes() - rss0
+            if grown > 64 << 20:  # what the hook held on to in that step
+                rss_jumps.append({"step": step, "mb": round(grown / 2**20), "mix": mix0})
             if dt > 0.25 * args.step_s:  # what a slow step was doing
                 slow.append(
                     {
@@ -152,6 +157,7 @@ def main() -> int:
         "hook_s": hook_s,
         "wait_s": wait_s,
         "slow_steps": slow,
+        "rss_jumps": rss_jumps,
         "encode_busy_s": sync.encoder.busy_s,
         "compute_s": compute_s,
         "elapsed_s": elapsed,

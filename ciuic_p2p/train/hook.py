@@ -240,12 +240,16 @@ class MeshSync:
         if self.channel.closed:
             self._daemon_gone()
         self.encoder.check()
+        # Peers' chunks first: their adds then run before this step's encoder job
+        # starts its scan, not beside it (on a busy host the two fought for the cores
+        # and for the gate).
+        self._apply_arrived()
         r = self.replica
         update_due = r.local_step()
         facts = self._facts(update_due=update_due, params_due=r.wants_params())
         for action in self.schedule.after_step(facts, time.monotonic()):
             self._carry_out(action)
-        self.poll()
+        self._between_steps()  # after the update: a snapshot never delays it
         self._wait_while_blocked()
         self.hook_s += time.perf_counter() - t0
 
@@ -344,6 +348,11 @@ class MeshSync:
 
     def poll(self) -> int:
         """Apply every peer chunk that has arrived (each exactly once); how many."""
+        n = self._apply_arrived()
+        self._between_steps()
+        return n
+
+    def _apply_arrived(self) -> int:
         r = self.replica
         ch = self.channel
         if ch.alive is not self._alive_seen:
@@ -360,12 +369,15 @@ class MeshSync:
                 continue
             n += self._apply_one(arrived)
         r.settle()  # and flushes what was applied
+        return n
+
+    def _between_steps(self) -> None:
+        r = self.replica
         for action in self.schedule.between_steps(self._facts()):
             self._carry_out(action)  # a joiner is waiting for the state
         if r.joined:  # a replica that just joined learns of this one, and where it is
             r.joined.clear()
-            ch.publish(self._join())
-        return n
+            self.channel.publish(self._join())
 
     def _apply_one(self, arrived: Any) -> int:
         r = self.replica

@@ -156,14 +156,12 @@ class Parameters:
     def _flush(self) -> None:
         with torch.no_grad():
             for (bucket, w), parts in self._queued.items():
-                if len(parts) == 1:
-                    positions, values = parts[0]
-                else:
-                    positions = torch.cat([p for p, _ in parts])
-                    values = torch.cat([v for _, v in parts])
-                self.buckets[bucket].index_add_(0, positions, values, alpha=w)
-                self.traffic_bytes += values.numel() * (8 + 4 + 8)
-                self._base_pending.append((bucket, positions, 0, values, w))
+                # Each chunk's own adds: concatenating them first cost as much as the
+                # adds (fresh buffers of 12 bytes per value, measured at 100M, 1%).
+                for positions, values in parts:
+                    self.buckets[bucket].index_add_(0, positions, values, alpha=w)
+                    self.traffic_bytes += values.numel() * (8 + 4 + 8)
+                    self._base_pending.append((bucket, positions, 0, values, w))
             for bucket, _, start, values, w in self._queued_dense:
                 self.buckets[bucket][start : start + values.numel()].add_(values, alpha=w)
                 self.traffic_bytes += values.numel() * (4 + 8)
