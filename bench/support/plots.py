@@ -1,5 +1,5 @@
 """PNG plots of bench/compare.py's JSON (matplotlib, from ``make bench-deps``): one per
-workload found in it. The README's results section shows these files."""
+workload found in it. docs/benchmarks.md shows these files."""
 
 from __future__ import annotations
 

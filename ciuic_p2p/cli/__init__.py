@@ -7,6 +7,7 @@ User mistakes end in one clear line on stderr and a non-zero exit, never a trace
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
 import json
 import os
@@ -299,6 +300,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    except BrokenPipeError:  # `ciuic-node ... | head`: the reader has what it wanted
+        # What is still buffered goes nowhere at exit, not into a second traceback
+        # (the recipe of Python's signal documentation).
+        with contextlib.suppress(OSError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 0
     except OSError as exc:  # a path the user gave: missing, unwritable, a directory...
         where = f"{exc.filename}: " if exc.filename else ""
         print(f"ciuic-node: error: {where}{exc.strerror or exc}", file=sys.stderr)

@@ -273,7 +273,7 @@ class MeshSection:
 class TrainSection:
     """The training hook and the daemon's trainer socket (ciuic_p2p.train).
 
-    The update rule (docs/architecture.md, "The update rule"): each local step's
+    The update rule (docs/concepts/update-rule.md): each local step's
     optimizer delta goes through the error-feedback codec (``codec`` section); every
     replica, its own included, adds ``1/N`` of each chunk it applies, N being the
     number of training replicas it knows alive. Derived values:

@@ -28,7 +28,7 @@ Why settle late: a replica must answer its own gradient at once and in full. A r
 that applied the own update at weight ``w`` at once and the peers' when they came
 would leave ``1 - w`` of every step's restoring force late; with late settlement the
 late part is the difference between the peers' updates and one's own, which
-averages out (the measurements behind both: docs/update-rule.md).
+averages out (the measurements behind both: docs/concepts/update-rule.md).
 
 This is delayed averaging of local updates: each replica runs local SGD and the
 average reaches it late, as in asynchronous decentralized SGD (AD-PSGD, Lian et al.
