@@ -10,6 +10,7 @@ import pytest
 
 from ciuic_p2p import __version__
 from ciuic_p2p.cli import main
+from ciuic_p2p.cli.control import _print_peers
 
 pytestmark = pytest.mark.processes
 
@@ -193,3 +194,13 @@ def test_control_commands_say_where_they_looked_and_how_to_name_a_daemon(
     assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr
     assert f"looked at {tmp_path / 'none' / 'control.sock'}" in out.stderr
     assert "--state-dir DIR" in out.stderr and "--config FILE" in out.stderr
+
+
+def test_a_members_address_cannot_write_escapes_to_the_terminal(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    hostile = {"peer": "ciuicx", "name": "n\x1b[2J", "address": "\x1b]0;pwned\x07:1",
+               "state": "alive", "rtt_ms": None, "rtt_source": None, "route": []}  # fmt: skip
+    _print_peers({"members": [hostile]})
+    out = capsys.readouterr().out
+    assert "\x1b" not in out and "\x07" not in out and "\\x1b" in out

@@ -172,9 +172,16 @@ def _print_status(status: dict[str, Any]) -> None:
         print("  " + ", ".join(f"{k} {v}" for k, v in sorted(counters.items())))
 
 
+def _safe(text: object) -> str:
+    """A member's word (its address, name, ID) as printable text: escapes shown, never
+    sent to the terminal."""
+    s = str(text)
+    return s if s.isprintable() else s.encode("unicode_escape").decode("ascii")
+
+
 def _label(name: str, peer: str) -> str:
     """A member as a person reads it: its name and the start of its peer ID."""
-    return f"{name} ({peer[:12]})" if name else peer[:12]
+    return _safe(f"{name} ({peer[:12]})" if name else peer[:12])
 
 
 def _print_peers(status: dict[str, Any]) -> None:
@@ -184,7 +191,8 @@ def _print_peers(status: dict[str, Any]) -> None:
         hops = m["route"][1:-1]
         via = " via " + " > ".join(_label(names.get(p, ""), p) for p in hops) if hops else ""
         who = _label(m.get("name", ""), m["peer"])
-        print(f"  {who:<28} {m['state']:<8} {m['address']:<22} {rtt}{via}  {m['peer']}")
+        address, peer = _safe(m["address"]), _safe(m["peer"])
+        print(f"  {who:<28} {m['state']:<8} {address:<22} {rtt}{via}  {peer}")
 
 
 def _print_routes(answer: dict[str, Any]) -> None:

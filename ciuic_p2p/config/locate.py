@@ -8,6 +8,7 @@ name the daemon it means."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -24,7 +25,7 @@ def node_config_file(named: str | Path | None, environ: Mapping[str, str]) -> Pa
     chosen = named or environ.get("CIUIC_CONFIG")
     if chosen:
         return Path(chosen).expanduser()
-    return SERVICE_CONFIG if SERVICE_CONFIG.exists() else None
+    return SERVICE_CONFIG if _exists(SERVICE_CONFIG) else None
 
 
 def socket_candidates(socket_dir: Path, name: str, file_named: bool) -> list[Path]:
@@ -39,7 +40,14 @@ def socket_candidates(socket_dir: Path, name: str, file_named: bool) -> list[Pat
 
 
 def first_present(candidates: list[Path]) -> Path | None:
-    return next((c for c in candidates if c.exists()), None)
+    return next((c for c in candidates if _exists(c)), None)
+
+
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists; False also where a directory on the way may not be
+    searched (the service's 0750 directories, to a user outside its group), which
+    ``Path.exists`` raises for on Python 3.11."""
+    return os.path.exists(path)
 
 
 def not_found_hint(candidates: list[Path], what: str, how: str) -> str:

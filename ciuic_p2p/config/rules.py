@@ -65,9 +65,9 @@ def validate(cfg: Sections) -> None:
         (0 <= cfg.node.listen_port <= 65535, "node.listen_port", "must be in [0, 65535]"),
         (bool(cfg.node.name.strip()), "node.name", "must not be empty"),
         (
-            cfg.node.name.isprintable() and len(cfg.node.name.encode()) <= 64,
+            cfg.node.name.isascii() and cfg.node.name.isprintable() and len(cfg.node.name) <= 64,
             "node.name",
-            "must be printable text of at most 64 bytes (members see it)",
+            "must be printable ASCII of at most 64 characters (members see it)",
         ),
         (cfg.transport.auth_timeout_s > 0, "transport.auth_timeout_s", "must be > 0"),
         (cfg.transport.idle_timeout_s > 0, "transport.idle_timeout_s", "must be > 0"),

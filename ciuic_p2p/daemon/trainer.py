@@ -150,6 +150,9 @@ class TrainerServer:
         self._hello = False
         self._sessions = 0
         self._run_id: bytes | None = None
+        self._expected_run: bytes | None = None
+        """The run the last trainer here trained (RUN_FILE): while none is attached,
+        only its deliveries are held (others' cannot push them out)."""
         self._done = False
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -164,6 +167,8 @@ class TrainerServer:
         run = None
         with contextlib.suppress(OSError, UnicodeDecodeError):
             run = (self.daemon.state_dir / RUN_FILE).read_text().strip() or None
+        if run is not None:
+            self._expected_run = run_id_of(run)
         if run is None or not self.daemon.config.store.prefetch_state:
             return
         name = "state/" + run_id_of(run).hex()
@@ -278,7 +283,7 @@ class TrainerServer:
         run = parse_json(body).get("run")
         if not isinstance(run, str) or not run:
             raise TrainWireError("HELLO names no run")
-        self._run_id = run_id_of(run)
+        self._run_id = self._expected_run = run_id_of(run)
         self.state_name = "state/" + self._run_id.hex()
         self.progress.run = run[:64]  # the metrics' run label
         self._remember_run(run)
@@ -525,7 +530,8 @@ class TrainerServer:
             # old JOIN would tell it a step long past.
             counters["joins_not_held"] += 1
             return
-        if self._attached() and run is not None and run != self._run_id:
+        wanted = self._run_id if self._attached() else self._expected_run
+        if run is not None and wanted is not None and run != wanted:
             counters["deliveries_other_run"] += 1  # runs share the mesh, not trainers
             return
         prefix = peer_prefix(delivery.origin)

@@ -47,7 +47,7 @@ class MeshSyncCallback(TrainerCallback):
     ) -> None:
         model, optimizer = kwargs["model"], _torch_optimizer(kwargs["optimizer"])
         sync = attach_with_state(model, optimizer, state.global_step, self.attach_kwargs)
-        behind = sync.start_step - state.global_step
+        behind = min(sync.start_step - state.global_step, state.max_steps - state.global_step)
         if behind > 0:  # joined a run already under way: its step, its schedule
             state.global_step = sync.start_step
             advance_schedule(kwargs.get("lr_scheduler"), behind)

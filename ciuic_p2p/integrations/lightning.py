@@ -55,6 +55,8 @@ class MeshSyncCallback(pl.Callback):
             raise TypeError(f"the optimizer is a {type(inner).__name__}")
         sync = attach_with_state(pl_module, inner, trainer.global_step, self.attach_kwargs)
         behind = sync.start_step - trainer.global_step
+        if trainer.max_steps > 0:  # never past the end the user set
+            behind = min(behind, trainer.max_steps - trainer.global_step)
         if behind > 0:  # joined a run already under way: its step, its schedule
             _advance_global_step(trainer, behind)
             for config in trainer.lr_scheduler_configs:

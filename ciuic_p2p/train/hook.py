@@ -152,6 +152,8 @@ class MeshSync:
         self._ready = False
         """True once the state is restored: only then may peers have it."""
         self._layout_said_at = -1.0
+        self.layout_mismatch: str | None = None
+        """The last JOIN of this run refused for another parameter layout."""
         self._early: list[Any] = []
         """Peer chunks that arrived before the state was restored, applied after it
         (applied before, they went into weights the restored state then replaced)."""
@@ -225,6 +227,7 @@ class MeshSync:
                     f"only {self.replica.replicas} of {count} replicas of this run joined "
                     f"within {timeout_s:g} s"
                     + (f" ({self.channel.error})" if self.channel.error else "")
+                    + (f"; {self.layout_mismatch}" if self.layout_mismatch else "")
                 )
             self.channel.wait_any(0.1)
             self.poll()
@@ -394,8 +397,11 @@ class MeshSync:
                 if now - self._layout_said_at >= 1.0:  # at most once a second, whoever asks
                     self._layout_said_at = now
                     self.channel.publish(self._join())
-                if not self._ready:
-                    raise ChannelError(str(exc)) from None  # attach fails, naming both
+                # Named when attach gives up and logged now; never fatal at once: the
+                # claim is another member's, who must not be able to stop this one.
+                self.layout_mismatch = str(exc)
+                log.error("layout_mismatch", step=r.step, error=str(exc))
+                return 0
             log.warning("chunk_refused", step=r.step, reason=exc.reason, error=str(exc))
             return 0
 

@@ -104,7 +104,12 @@ class StateKeeper:
                 meta = unpack_state(data, self.layout.layout_id, self.buckets, opt)
             except StateFormatError as exc:
                 raise ChannelError(f"the run's state does not fit this model: {exc}") from None
-            start = max(int(got["version"]), peer_step)
+            # The state's own step, or the replicas' claims where they are a little
+            # further on (their chunks since are held for this trainer); a claim
+            # beyond the staleness bound is no replica's word to start from.
+            version = int(got["version"])
+            ahead = min(peer_step, version + self.config.train.staleness_bound_steps)
+            start = max(version, ahead)
             applied = meta.get("applied", {})
             info = {**info, "source": "mesh", "step": start, "state_version": got["version"]}
             info.update(got)

@@ -432,3 +432,19 @@ def test_the_consensus_bound_holds_parameters_against_parameters() -> None:
             for p in b.encode_params(b.snapshot_params(), a.step):
                 a.receive("p1", p)
     assert a.stats.refused["norm"] == 2 and a.stats.params_mixed == 1
+
+    # Where this replica's parameters are all zero and no floor exists yet, a peer
+    # cannot move them at all (a zero-initialised bias is no licence for 1e18).
+    fresh = dataclasses.replace(train, norm_warmup_chunks=100)
+    c, d = replica(2, train=fresh), replica(3, train=fresh)
+    for r in (c, d):
+        r.set_alive(["p2", "p3"])
+        with torch.no_grad():
+            r.buckets[0].zero_()
+    c.encode_params(c.snapshot_params(), c.step)
+    with torch.no_grad():
+        d.buckets[0].fill_(1e18)
+    with pytest.raises(RefusedChunk, match="RMS away"):
+        for p in d.encode_params(d.snapshot_params(), c.step):
+            c.receive("p3", p)
+    assert float(c.buckets[0].abs().max()) == 0.0

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from ciuic_p2p.core.replica.messages import (
     MAX_PRESENCE_BODY,
+    MAX_STEP,
     LayoutSummary,
     PayloadKind,
     TrainWireError,
@@ -56,6 +57,13 @@ def test_a_join_states_its_layout_and_older_or_newer_joins_still_decode() -> Non
             decode_presence(body[:cut])
     with pytest.raises(TrainWireError, match="JOIN/GONE body"):
         decode_presence(memoryview(bytes(body) + bytes(MAX_PRESENCE_BODY)))
+    # A step no run reaches is refused: a joiner would start from it.
+    huge = bytearray(body)
+    huge[16:24] = (MAX_STEP + 1).to_bytes(8, "little")
+    with pytest.raises(TrainWireError, match="exceeds"):
+        decode_presence(memoryview(bytes(huge)))
+    with pytest.raises(ValueError):
+        encode_presence(PayloadKind.JOIN, run, MAX_STEP + 1)
 
 
 @pytest.mark.parametrize(

@@ -91,7 +91,7 @@ opt = torch.optim.SGD(model.parameters(), lr=0.05)
 try:
     sync = attach(model, opt, run="wrappers", socket_path=socket_path,
                   config=load_config(config_path), min_replicas=int(sys.argv[5]),
-                  join_timeout_s=90)
+                  join_timeout_s=float(sys.argv[6]) if len(sys.argv) > 6 else 90)
 except ChannelError as exc:
     print(json.dumps({"kind": kind, "error": str(exc)}), flush=True)
     sys.exit(3)
@@ -118,8 +118,9 @@ consensus_interval_steps = 0
 
 
 def _trainer(
-    cluster: LocalCluster, name: str, script: Path, kind: str, width: int, replicas: int, port: int
-) -> subprocess.Popen[str]:
+    cluster: LocalCluster, name: str, script: Path, kind: str, width: int, replicas: int, port: int,
+    timeout_s: float = 90.0,
+) -> subprocess.Popen[str]:  # fmt: skip
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     args = [str(cluster.trainer_socket(name)), str(cluster.config_path), kind, str(width)]
@@ -130,7 +131,7 @@ def _trainer(
     else:
         head = [sys.executable]
     return subprocess.Popen(
-        [*head, str(script), *args, str(replicas)],
+        [*head, str(script), *args, str(replicas), str(timeout_s)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -187,12 +188,13 @@ def test_replicas_of_different_models_fail_at_attach_naming_both_layouts(
     with LocalCluster(None, ["n0", "n1"], tmp_path / "c", CONFIG) as cluster:
         cluster.start()
         procs = [
-            _trainer(cluster, "n0", script, "plain", 32, 2, 0),
-            _trainer(cluster, "n1", script, "plain", 16, 2, 0),
+            _trainer(cluster, "n0", script, "plain", 32, 2, 0, timeout_s=15),
+            _trainer(cluster, "n1", script, "plain", 16, 2, 0, timeout_s=15),
         ]
         results = _results(procs, 150)
     for r in results:
         assert r["returncode"] == 3, r
+        assert r["error"].startswith("only 1 of 2 replicas of this run joined"), r
         assert r["error"].count("parameter layout") == 2, r
         assert "(3 tensors" not in r["error"]  # both have 4: the ids tell them apart
         assert "must train the same model" in r["error"]

@@ -21,7 +21,7 @@ bytes; ``sig`` 64 bytes (Ed25519); all integers little-endian. Bodies by kind:
 
 ``updates`` is a u16 count, then per update a u8 type and its fields:
 ALIVE (id, incarnation u64, address str8, region str8, sig), NAMED_ALIVE (the same
-with the node's name str8, of at most ``MAX_NAME_BYTES`` and no control characters,
+with the node's name str8, of at most ``MAX_NAME_BYTES`` of printable ASCII,
 before the sig), SUSPECT / DEAD (id,
 incarnation u64, by str8), LEFT (id, incarnation u64, sig), LINKS (origin str8, version
 u32, u16 count, then peer str8, rtt_us u32, loss_permille u16 each, sig), CREDENTIAL
@@ -453,8 +453,10 @@ class _Reader(Reader):
     def name(self) -> str:
         """A node's name: shown in terminals and logs, so no control characters."""
         value = self.str8(MAX_NAME_BYTES, "name")
-        if not value or not value.isprintable():
-            raise MeshDecodeError("a node name is printable text")
+        # ASCII: what is printable in Unicode differs between Python versions' tables,
+        # and a name one member accepts must not make another drop its messages.
+        if not value or not (value.isascii() and value.isprintable()):
+            raise MeshDecodeError("a node name is printable ASCII")
         return value
 
     def incarnation(self) -> int:

@@ -383,7 +383,8 @@ class Intake:
         if self.norms.count[h.bucket] >= t.norm_warmup_chunks:
             floor = t.update_norm_max_ratio * self.norms.rms[h.bucket]
         allowed = max(t.params_distance_max_ratio * scale, floor)
-        if not math.isfinite(dist) or (allowed > 0.0 and dist > allowed):
+        # Where ours are all zero and no floor exists yet, nothing is allowed to move.
+        if not math.isfinite(dist) or dist > allowed:
             raise RefusedChunk(
                 "norm",
                 f"parameters from {origin} (step {h.step}) are {dist:.3g} RMS away from "

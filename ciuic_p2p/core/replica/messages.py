@@ -40,6 +40,8 @@ MAX_PAYLOAD_BYTES = ENVELOPE_LEN + MAX_CHUNK_BYTES
 _DONE = struct.Struct(f"<{RUN_ID_LEN}sQQ")
 _STEP_FLAGS = struct.Struct("<QB")
 _LAYOUT = struct.Struct("<QIQ")
+MAX_STEP = 1 << 40
+"""A step a replica may claim (a trillion steps: no run has that many)."""
 MAX_PRESENCE_BODY = 256
 """A JOIN body: run_id, step and flags, the layout (appended later); fields appended
 by later versions are skipped, up to this size."""
@@ -122,6 +124,8 @@ def encode_presence(
         raise ValueError("JOIN or GONE, with a 16-byte run_id")
     if kind is PayloadKind.GONE or step is None:
         return envelope(kind) + run_id
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be in [0, {MAX_STEP}], got {step}")
     tail = _STEP_FLAGS.pack(step, int(ask))
     if layout is not None:
         tail += _LAYOUT.pack(layout.layout_id, layout.tensors, layout.params)
@@ -139,6 +143,8 @@ def decode_presence(body: memoryview) -> Presence:
     if n == RUN_ID_LEN:
         return Presence(run_id, 0, False, None)
     step, flags = _STEP_FLAGS.unpack_from(body, RUN_ID_LEN)
+    if step > MAX_STEP:
+        raise TrainWireError(f"JOIN step {step} exceeds {MAX_STEP}")
     layout = None
     if n >= with_layout:
         layout = LayoutSummary(*_LAYOUT.unpack_from(body, with_step))
