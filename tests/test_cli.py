@@ -199,8 +199,15 @@ def test_control_commands_say_where_they_looked_and_how_to_name_a_daemon(
 def test_a_members_address_cannot_write_escapes_to_the_terminal(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    hostile = {"peer": "ciuicx", "name": "n\x1b[2J", "address": "\x1b]0;pwned\x07:1",
-               "state": "alive", "rtt_ms": None, "rtt_source": None, "route": []}  # fmt: skip
+    hostile: dict[str, object] = {
+        "peer": "ciuicx",
+        "name": "n\x1b[2J",
+        "address": "\x1b]0;pwned\x07:1",
+        "state": "alive",
+        "rtt_ms": None,
+        "rtt_source": None,
+        "route": [],
+    }
     _print_peers({"members": [hostile]})
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "\\x1b" in out
