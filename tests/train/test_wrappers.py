@@ -72,7 +72,7 @@ def test_names_that_collide_once_unwrapped_are_refused() -> None:
 
 
 TRAINER = r"""
-import json, os, sys, torch
+import json, os, sys, time, torch
 from ciuic_p2p.config import load_config
 from ciuic_p2p.train.attach import attach
 from ciuic_p2p.train.channel import ChannelError
@@ -102,6 +102,10 @@ for step in range(60):
     loss = (model(x) - x @ w).pow(2).mean()
     opt.zero_grad(); loss.backward(); opt.step()
     sync.step()
+    # A step of a real model takes time: without it, the replicas that attach first
+    # can be done (their updates all held by the state a slower joiner fetches)
+    # before a torchrun replica on a loaded machine takes its first step.
+    time.sleep(0.1)
 complete = sync.finish(60)
 st = sync.stats
 print(json.dumps({"kind": kind, "complete": complete, "refused": st["refused"],
