@@ -17,12 +17,13 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
 NAME = re.compile(r"\b((?:ciuic|process|python)_[a-z_]+)\b")
-SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "info": ("_info",)}
+HISTOGRAM_SERIES = ("_bucket", "_sum", "_count")
 
 
 def served_metrics() -> set[str]:
-    """Every series name a daemon serves: the reference's table with each type's
-    suffixes, and the process and platform collectors' families."""
+    """Every series name a daemon serves: the reference's table (it names counters
+    with _total and infos with _info already) with each histogram's series, and the
+    process and platform collectors' families."""
     names = {"up"}
     rows = re.findall(
         r"^\| `([a-z_]+)` \| (\w+) \|", (REPO / "docs/reference/metrics.md").read_text(), re.M
@@ -30,10 +31,8 @@ def served_metrics() -> set[str]:
     assert len(rows) > 20
     for name, kind in rows:
         names.add(name)
-        for suffix in SUFFIXES.get(kind, ()):
-            names.add(name.removesuffix(suffix) + suffix)
         if kind == "histogram":
-            names |= {name + s for s in SUFFIXES["histogram"]}
+            names |= {name + s for s in HISTOGRAM_SERIES}
     names |= {"process_cpu_seconds_total", "process_resident_memory_bytes", "python_info"}
     return names
 

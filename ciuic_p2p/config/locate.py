@@ -12,11 +12,14 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
+from ciuic_p2p.config.sections import NodeSection
+
 SERVICE_CONFIG = Path("/etc/ciuic/node.toml")
 """The config file of the systemd service (systemd/ciuic-node.service)."""
 SERVICE_RUNTIME_DIR = Path("/run/ciuic")
 """The service's RuntimeDirectory: its sockets."""
-DEFAULT_STATE_DIR = Path("/var/lib/ciuic")
+DEFAULT_STATE_DIR = Path(NodeSection().state_dir)
+"""Where a node keeps its state (and its sockets) when nothing says otherwise."""
 
 
 def node_config_file(named: str | Path | None, environ: Mapping[str, str]) -> Path | None:
