@@ -151,6 +151,7 @@ def _print_status(status: dict[str, Any]) -> None:
     service = status.get("service") or {}
     print(
         f"{status['name']} {status['peer']} at {status['address']} "
+        f"over QUIC ({status.get('quic_backend', 'aioquic')}) "
         f"(incarnation {status['incarnation']}, {status['alive']} alive, "
         f"{service.get('state', 'running')}, up {status['uptime_s']:.0f} s)"
     )

@@ -95,11 +95,9 @@ def validate(cfg: Sections) -> None:
             "must be in [0, 1e12]",
         ),
         (
-            # transport.backend.OFFERED: qh3 is measured by bench/transport.py but fails
-            # hostile-peer transport tests, so no node may run it yet.
-            cfg.transport.quic_backend == "aioquic",
-            "transport.quic_backend",
-            "qh3 is not offered yet (it fails the hostile-peer transport tests); use aioquic",
+            cfg.transport.quic_backend == "aioquic" or cfg.transport.congestion_control == "cubic",
+            "transport.congestion_control",
+            "qh3 always runs CUBIC; only aioquic offers another",
         ),
         (
             1200 <= cfg.transport.max_datagram_size <= 65527,

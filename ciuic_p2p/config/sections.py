@@ -122,11 +122,12 @@ class TransportSection:
     while the loop is busy, and each overflow reads as a congestion loss. The kernel
     grants at most ``net.core.rmem_max`` / ``wmem_max``; the daemon logs what it got
     when that is less (raise those sysctls, as for quic-go)."""
-    quic_backend: QuicBackendName = "aioquic"
-    """The QUIC library. Only ``aioquic`` is offered: ``qh3`` (an aioquic fork with its
-    packet protection, TLS and connection core in Rust) runs behind the same interface
-    and bench/transport.py measures it, but it fails some hostile-peer transport tests
-    (transport.backend), so the config refuses it for now."""
+    quic_backend: QuicBackendName = "qh3"
+    """The QUIC library: ``qh3`` (aioquic's connection logic with its packet protection
+    and TLS crypto in Rust: about 0.6x aioquic's CPU per MB sent, bench/transport.py)
+    or ``aioquic`` (pure Python). Both are installed and interoperate, so a mesh may mix
+    them; every transport test runs on both. qh3 always runs CUBIC. The daemon refuses
+    to start on qh3 2.x, which cannot yet accept aioquic peers."""
     congestion_control: CongestionControl = "cubic"
     """QUIC congestion control (aioquic's). After a loss CUBIC (RFC 9438) regrows its
     window with time rather than per round trip, so a long path recovers in seconds

@@ -90,6 +90,7 @@ def status(d: MeshDaemon) -> dict[str, Any]:
         "name": d.config.node.name,
         "region": d.config.node.region,
         "address": d.address,
+        "quic_backend": d.config.transport.quic_backend,
         "incarnation": node.incarnation,
         "joined": node.joined,
         "uptime_s": round(d.clock() - d.started_at, 1),

@@ -1,5 +1,5 @@
-"""The QUIC implementation behind transport.quic: aioquic (pure Python) or qh3 (an
-aioquic fork whose packet protection, TLS and connection core are in Rust), chosen by
+"""The QUIC implementation behind transport.quic: aioquic (pure Python) or qh3 1.x (an
+aioquic fork whose packet protection and TLS crypto are in Rust), chosen by
 ``transport.quic_backend``. Both are sans-I/O and speak the same connection API; what
 differs is reached only through this module: how a configuration takes our node
 certificate, the peer's certificate, the connection ID the server chose (bound into
@@ -24,12 +24,13 @@ from ciuic_p2p.identity import NodeKey
 
 BackendName = Literal["aioquic", "qh3"]
 BACKENDS: tuple[BackendName, ...] = ("aioquic", "qh3")
-OFFERED: tuple[BackendName, ...] = ("aioquic",)
-"""What a node's config may choose. qh3 2.1.0 is not offered yet: with it, 14 of the
-30 transport tests fail (its ``datagrams_to_send`` raises "packet builder capacity
-exhausted" on accepted connections after a peer misbehaves, so the hostile-peer
-tests time out); bench/transport.py measures it, ``CIUIC_TEST_QH3=1`` runs the
-transport tests on it."""
+OFFERED: tuple[BackendName, ...] = ("aioquic", "qh3")
+"""What a node's config may choose. Every transport test runs on each. qh3 is taken in
+its 1.x line: 2.x (connection core in Rust too) raises "packet builder capacity
+exhausted" building its first flight to any aioquic client, so it could not accept an
+aioquic node, nor the hostile-peer tests' client; :func:`supported` refuses it."""
+QH3_SUPPORTED = (1, 9)
+"""The qh3 line this module was written and tested against (1.9 up to 2)."""
 CONTROL_STREAM = 0
 ED25519_SIGNATURE = 0x0807
 """TLS 1.3's code point for Ed25519 (RFC 8446, 4.2.3)."""
@@ -44,6 +45,23 @@ def available(name: str) -> bool:
     return True
 
 
+def unsupported_reason(name: str) -> str | None:
+    """Why the installed package cannot serve as the backend, or None when it can."""
+    if not available(name):
+        return f"{name} is not installed (pip install {name!r}, a dependency of ciuic-p2p)"
+    if name == "qh3":
+        from importlib.metadata import version  # noqa: PLC0415
+
+        found = version("qh3")
+        major_minor = tuple(int(p) for p in found.split(".")[:2] if p.isdigit())
+        if not QH3_SUPPORTED <= major_minor < (2, 0):
+            return (
+                f"qh3 {found} is installed; the qh3 backend needs 1.9 <= qh3 < 2 "
+                "(qh3 2.x cannot accept aioquic peers)"
+            )
+    return None
+
+
 class QuicBackend:
     """One QUIC library, behind the few calls that differ between them."""
 
@@ -51,15 +69,15 @@ class QuicBackend:
         if name not in BACKENDS:
             raise ValueError(f"unknown QUIC backend {name!r} (one of {', '.join(BACKENDS)})")
         self.name = name
+        reason = unsupported_reason(name)
+        if reason is not None:
+            raise ValueError(f"transport.quic_backend = {name!r}, but {reason}")
         try:
             self._configuration = importlib.import_module(f"{name}.quic.configuration")
             self._connection = importlib.import_module(f"{name}.quic.connection")
             self.events: ModuleType = importlib.import_module(f"{name}.quic.events")
-        except ImportError as exc:
-            raise ValueError(
-                f"transport.quic_backend = {name!r}, but {name} is not installed "
-                f"(pip install {name})"
-            ) from exc
+        except ImportError as exc:  # unsupported_reason checked it is installed
+            raise ValueError(f"transport.quic_backend = {name!r}: {exc}") from exc
 
     def configuration(
         self,
@@ -121,35 +139,25 @@ class QuicBackend:
 
     def server_cid(self, quic: Any) -> bytes:
         """On a client: the connection ID the server chose for itself."""
-        if self.name == "aioquic":
-            return bytes(quic._peer_cid.cid)
-        return bytes(quic._tls.remote_initial_source_connection_id)
+        return bytes(quic._peer_cid.cid)
 
     def rtt(self, quic: Any) -> tuple[float, float, float] | None:
-        """QUIC's RTT estimate: min, smoothed, variance (qh3 gives the smoothed and the
-        latest sample; the variance is then the spread between them)."""
-        if self.name == "aioquic":
-            loss = quic._loss
-            if loss._rtt_min == float("inf"):
-                return None
-            return (loss._rtt_min, loss._rtt_smoothed, loss._rtt_variance)
-        core = quic._core
-        if core is None or core.smoothed_rtt is None:
+        """QUIC's RTT estimate: min, smoothed, variance (qh3 1.x keeps aioquic's loss
+        recovery state)."""
+        loss = quic._loss
+        if loss._rtt_min == float("inf"):
             return None
-        smoothed = float(core.smoothed_rtt)
-        latest = float(core.latest_rtt or smoothed)
-        return (min(smoothed, latest), smoothed, abs(latest - smoothed))
+        return (loss._rtt_min, loss._rtt_smoothed, loss._rtt_variance)
 
     def unacked_bytes(self, quic: Any, stream_id: int | None = None) -> int:
         """Stream bytes sent or queued and not acknowledged yet (one stream, or all).
-        aioquic keeps them in each stream's sender buffer; qh3 reports the queued
-        bytes and the bytes in flight of the whole connection."""
+        aioquic keeps them in each stream's sender buffer; qh3's sender (in Rust)
+        shows only the ranges still to send, so its bytes in flight (the whole
+        connection's) are added when all streams are asked for."""
+        streams = quic._streams
+        chosen = streams.values() if stream_id is None else [streams.get(stream_id)]
+        senders = [s.sender for s in chosen if s is not None]
         if self.name == "aioquic":
-            streams = quic._streams
-            chosen = streams.values() if stream_id is None else [streams.get(stream_id)]
-            return sum(len(getattr(s.sender, "_buffer", b"")) for s in chosen if s is not None)
-        core = quic._core
-        if core is None:
-            return 0
-        queued = int(core.get_send_buffer_size(stream_id))
-        return queued + (int(core.bytes_in_flight) if stream_id is None else 0)
+            return sum(len(getattr(sender, "_buffer", b"")) for sender in senders)
+        queued = sum(int(stop) - int(start) for s in senders for start, stop in s._pending)
+        return queued + (int(quic._loss.bytes_in_flight) if stream_id is None else 0)

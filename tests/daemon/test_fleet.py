@@ -75,8 +75,12 @@ def test_eight_processes_join_fail_restart_and_heal(fleet: Fleet, tmp_path: Path
     base = free_port_block(len(order))
     start = time.monotonic()
 
+    # Half the mesh runs the default QUIC backend (qh3), half aioquic: they interoperate.
+    on_aioquic = set(NAMES[1::2])
+
     def launch(name: str, *extra: str) -> None:
         port = base + order.index(name)
+        env = {"CIUIC_TRANSPORT_QUIC_BACKEND": "aioquic"} if name in on_aioquic else {}
         fleet.start(
             name,
             "--listen", f"127.0.0.1:{port}",
@@ -85,6 +89,7 @@ def test_eight_processes_join_fail_restart_and_heal(fleet: Fleet, tmp_path: Path
             "--emulate-ports", str(base),
             "--emulate-start", repr(start),
             *extra,
+            env=env,
         )  # fmt: skip
 
     seed = f"127.0.0.1:{base + order.index('Tokyo')}"
@@ -101,6 +106,9 @@ def test_eight_processes_join_fail_restart_and_heal(fleet: Fleet, tmp_path: Path
         ]
 
     fleet.wait(lambda: alive_counts() == [8] * 8, 40, "all eight agree")
+    backends = {n: (fleet.status(n) or {}).get("quic_backend") for n in NAMES}
+    assert {n for n, b in backends.items() if b == "aioquic"} == on_aioquic, backends
+    assert set(backends.values()) == {"aioquic", "qh3"}, backends
 
     frankfurt = fleet.status("Frankfurt")
     assert frankfurt is not None

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime as dt
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
@@ -41,11 +40,8 @@ def cluster() -> Cluster:
 NodeFactory = Callable[..., Awaitable[QuicTransport]]
 
 
-BACKENDS = list(backend.OFFERED) + (
-    ["qh3"] if os.environ.get("CIUIC_TEST_QH3") == "1" and backend.available("qh3") else []
-)
-"""Every transport test runs on every QUIC backend offered (transport.backend);
-``CIUIC_TEST_QH3=1`` adds the experimental qh3 backend, which fails some of them."""
+BACKENDS = list(backend.OFFERED)
+"""Every transport test runs on every QUIC backend offered (transport.backend)."""
 
 
 @pytest.fixture(params=BACKENDS)
