@@ -72,6 +72,7 @@ from ciuic_p2p.transport.base import (
 )
 from ciuic_p2p.transport.errors import DuplicateLinkError, TransportError
 from ciuic_p2p.transport.gate import Drop, InitialGate, Reply
+from ciuic_p2p.transport.gso import SegmentedSender, gso_supported
 from ciuic_p2p.transport.link import (
     ALPN,
     BULK_STREAM,
@@ -146,6 +147,10 @@ class QuicTransport(Transport):
         self.wallclock = wallclock
         self.wrap_udp = wrap_udp
         self._udp: asyncio.DatagramTransport | None = None
+        self._segmented: SegmentedSender | None = None
+        """Sends a transmit's datagrams in few system calls (transport.gso); None when
+        ``transport.udp_gso`` is off, off this platform, or sends are shaped by
+        ``wrap_udp`` (the emulator must see every datagram)."""
         self.udp_bytes_sent = 0
         """Every UDP payload byte this node's socket sent (all links, all frames)."""
         self.socket_buffers = (0, 0)
@@ -189,9 +194,20 @@ class QuicTransport(Transport):
             transport.get_extra_info("socket"), self.settings.socket_buffer_bytes
         )
         self._udp = transport if self.wrap_udp is None else self.wrap_udp(transport)
+        if self.settings.udp_gso and self.wrap_udp is None and gso_supported():
+            # Both loops' datagram transports have it; asyncio's interface does not.
+            queued: Callable[[], int] = getattr(transport, "get_write_buffer_size", lambda: 0)
+            self._segmented = SegmentedSender(
+                transport.get_extra_info("socket").fileno(), transport.sendto, queued
+            )
         sock = self._udp.get_extra_info("sockname")
         self.host, self.port = sock[0], sock[1]
         return (self.host, self.port)
+
+    @property
+    def segmented_datagrams(self) -> int:
+        """Datagrams this node sent in UDP GSO groups (transport.gso), not one by one."""
+        return 0 if self._segmented is None else self._segmented.datagrams
 
     @property
     def address(self) -> Address:
@@ -302,9 +318,18 @@ class QuicTransport(Transport):
         udp = self._udp
         if udp is None:
             return
-        for data, addr in link.quic.datagrams_to_send(now=self.clock()):
+        datagrams = link.quic.datagrams_to_send(now=self.clock())
+        for data, _ in datagrams:
             link.bytes_sent += len(data)
             self.udp_bytes_sent += len(data)
+        segmented = self._segmented
+        if segmented is not None and len(datagrams) > 1 and segmented.active:
+            first = datagrams[0][1]
+            if all(addr == first for _, addr in datagrams):
+                segmented.send([data for data, _ in datagrams], first)
+                self._arm_timer(link)
+                return
+        for data, addr in datagrams:
             udp.sendto(data, addr)
         self._arm_timer(link)
 
@@ -621,6 +646,9 @@ class QuicTransport(Transport):
         self._maintained.clear()
         for link in list(self._by_cid.values()) + list(self._book.links.values()):
             self._close_link(link, "node shutting down")
+        if self._segmented is not None:
+            self._segmented.close()
+            self._segmented = None
         if self._udp is not None:
             self._udp.close()
             self._udp = None
