@@ -10,6 +10,7 @@ measured in one run with one thread count, each figure the median of --reps:
 - the codec's encode (error feedback, selection, quantization, index coding,
   framing) and decode (parse, dequantize, add into a dense tensor), with sizes,
   bits per selected value against the information bound, and errors;
+- the selected values in INT8, INT4, INT2 and fp16, each against its bound;
 - dense fp16 and plain uniform INT8 (no sparsity) as reference rows;
 - index codings side by side (raw int32, LEB128 varints, fixed-width bit-packing,
   zlib, split Rice) and INT8 block sizes side by side.
@@ -130,7 +131,16 @@ def codec_row(
         "encoded_bytes": int(nbytes),
         "bits_per_value": nbytes * 8 / selected if selected else 0.0,
         "index_bound_bits": bound,
-        "bits_limit": 1.15 * (8 + bound) if codec is Codec.SPARSE_INT8 else None,
+        "value_bits": codec.value_bits,
+        # The information bound at this density: the positions' log2 C(n, k) / k plus
+        # the value's own bits (its block's scale excluded).
+        "bound_bits": bound + codec.value_bits if codec.is_sparse else None,
+        "bits_over_bound": nbytes * 8 / selected / (bound + codec.value_bits)
+        if codec.is_sparse and selected
+        else None,
+        "bits_limit": 1.15 * (codec.value_bits + bound)
+        if codec.has_scales and codec.is_sparse
+        else None,
         "ratio_vs_fp32": n * 4 / nbytes,
         "rel_error_step": statistics.median(rel_err),
         "rel_error_sent_values": statistics.median(q_err),
@@ -221,6 +231,8 @@ def main() -> int:
             row["encode_speedup_vs_topk"] = row["topk_ms"] / row["encode_ms"]
             rows.append(row)
         rows.append(codec_row(n, Codec.SPARSE_FP16, densities[0], reps, gen))
+        for packed in (Codec.SPARSE_INT4, Codec.SPARSE_INT2):
+            rows.append(codec_row(n, packed, densities[0], reps, gen))
         rows.append(codec_row(n, Codec.DENSE_FP16, 1.0, reps, gen))
         rows.append(codec_row(n, Codec.DENSE_INT8, 1.0, reps, gen))
 
@@ -248,6 +260,7 @@ def main() -> int:
             "selected_over_k",
             "bits_per_value",
             "index_bound_bits",
+            "bits_over_bound",
             "ratio_vs_fp32",
             "rel_error_sent_values",
         ],
@@ -292,6 +305,23 @@ def main() -> int:
             "ratio_at_least_150": head["ratio_vs_fp32"] >= 150,
         },
         "rows": rows,
+        "value_widths": {
+            r["codec"]: {
+                k: r[k]
+                for k in (
+                    "bits_per_value",
+                    "bound_bits",
+                    "bits_over_bound",
+                    "rel_error_sent_values",
+                    "ratio_vs_fp32",
+                )
+            }
+            for r in rows
+            if r["n"] == base_n
+            and r["density"] == densities[0]
+            and r["value_bits"] <= 16
+            and r["codec"].startswith("sparse")
+        },
         "index_coding": idx_rows,
         "block_sizes": blk_rows,
         "threads": torch.get_num_threads(),

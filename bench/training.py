@@ -63,6 +63,12 @@ def main() -> int:
     ap.add_argument("--rate-scale", type=float, default=0.1)
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--send-interval", type=int, default=2)
+    ap.add_argument(
+        "--value-mode",
+        choices=["int8", "int4", "int2", "fp16"],
+        default="int8",
+        help="codec.value_mode: the selected values' encoding",
+    )
     ap.add_argument("--staleness-bound", type=int, default=64)
     ap.add_argument("--skip-dense", action="store_true", help="async and single only")
     ap.add_argument("--trainer-nice", type=int, default=0, help="trainers' CPU niceness")
@@ -82,7 +88,7 @@ def main() -> int:
         send_interval=args.send_interval,
         max_interval=max(args.send_interval, min(16, args.staleness_bound // 2)),
         bound=args.staleness_bound,
-    )
+    ).replace("[codec]\n", f'[codec]\nvalue_mode = "{args.value_mode}"\n', 1)
     per_seed: list[dict[str, Any]] = []
     t0 = time.monotonic()
     with LocalCluster(
@@ -142,6 +148,8 @@ def main() -> int:
         "density": args.density,
         "trainer_nice": args.trainer_nice,
         "send_interval_steps": args.send_interval,
+        "value_mode": args.value_mode,
+        "value_bits": {"int8": 8, "int4": 4, "int2": 2, "fp16": 16}[args.value_mode],
         "async_eval_loss": mean("async", "eval_loss"),
         "dense_eval_loss": mean("dense", "eval_loss"),
         "single_eval_loss": mean("single", "eval_loss"),

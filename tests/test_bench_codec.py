@@ -37,5 +37,11 @@ def test_codec_benchmark_prints_one_json_object_last() -> None:
         < result["bits_per_value"]
         < 1.15 * (8 + result["index_bound_bits"])
     )
+    widths = result["value_widths"]
+    assert set(widths) == {"sparse_int8", "sparse_fp16", "sparse_int4", "sparse_int2"}
+    bits = [widths[f"sparse_int{b}"]["bits_per_value"] for b in (8, 4, 2)]
+    assert bits[0] > bits[1] > bits[2] > result["index_bound_bits"]
+    errors = [widths[f"sparse_int{b}"]["rel_error_sent_values"] for b in (8, 4, 2)]
+    assert errors[0] < errors[1] < errors[2] < 1
     coders = {row["coder"] for row in result["index_coding"]}
     assert "rice_split (ciuic)" in coders and "raw_int32" in coders

@@ -48,7 +48,7 @@ def test_integer_is_accepted_where_a_float_is_expected() -> None:
         ("[nodes]\nname = 'a'\n", "nodes: unknown key"),
         ("[codec]\ndensity = 'high'\n", "codec.density: must be a number"),
         ("[codec]\ndensity = 2.0\n", "codec.density: must be in (0, 1]"),
-        ("[codec]\nvalue_mode = 'int4'\n", "codec.value_mode: must be one of"),
+        ("[codec]\nvalue_mode = 'int3'\n", "codec.value_mode: must be one of"),
         ("[node]\nlisten_port = 70000\n", "node.listen_port"),
         ("[node]\nlisten_port = true\n", "node.listen_port: must be an integer"),
         ("preset = 'moon'\n", "preset: must be one of"),

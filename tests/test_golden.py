@@ -51,6 +51,8 @@ def _chunks() -> list[bytes]:
         (Codec.SPARSE_FP16, 0.05),
         (Codec.DENSE_FP16, 1.0),
         (Codec.DENSE_INT8, 1.0),
+        (Codec.SPARSE_INT4, 0.05),
+        (Codec.SPARSE_INT2, 0.05),
     ):
         spec = BucketSpec(codec=codec, density=density, exact=True, chunk_payload_bytes=4096)
         # Exact integers of distinct magnitudes: no transcendental function (whose

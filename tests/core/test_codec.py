@@ -47,7 +47,10 @@ def test_what_was_sent_plus_the_residual_is_the_input(
         assert enc.stats.selected == n
 
 
-@pytest.mark.parametrize("codec", [Codec.SPARSE_INT8, Codec.SPARSE_FP16, Codec.DENSE_INT8])
+@pytest.mark.parametrize(
+    "codec",
+    [Codec.SPARSE_INT8, Codec.SPARSE_FP16, Codec.SPARSE_INT4, Codec.SPARSE_INT2, Codec.DENSE_INT8],
+)
 def test_error_feedback_loses_nothing_over_many_steps(codec: Codec) -> None:
     n, steps = 20_000, 200
     enc = encoder(n, codec, density=0.01, sample_size=4096)
@@ -243,3 +246,32 @@ def test_fp16_values_beyond_range_stay_in_the_residual() -> None:
     sent = sent_by(enc.encode(update, 0), 4)
     assert enc.residual is not None
     assert float(sent[0]) == 65504.0 and float(enc.residual[0]) == pytest.approx(1e6 - 65504.0)
+
+
+@pytest.mark.parametrize(
+    ("codec", "first", "mask"),
+    [
+        (Codec.SPARSE_INT4, True, 0x0F),  # the first code becomes 15
+        (Codec.SPARSE_INT4, False, 0xF0),  # the spare half of the last byte
+        (Codec.SPARSE_INT2, False, 0xC0),  # the spare quarter of the last byte
+    ],
+)
+def test_packed_codes_off_the_grid_or_in_the_padding_are_refused(
+    codec: Codec, first: bool, mask: int
+) -> None:
+    """A 4-bit code of 15 has no level, and bits past the last code must be zero: a
+    chunk carrying either (with a valid checksum) is refused, nothing applied."""
+    from ciuic_p2p.core.codec.chunk import _checksum, fixed_sections, parse_chunk  # noqa: PLC0415
+    from ciuic_p2p.errors import InconsistentChunkError  # noqa: PLC0415
+
+    enc = encoder(1000, codec, density=0.003, exact=True)  # 3 values: a spare code slot
+    (chunk,) = enc.encode(heavy_tailed(1000, 4), step=1)
+    header, payload = parse_chunk(chunk)
+    scale_len, value_len = fixed_sections(header)
+    values_at = len(chunk) - len(payload) + scale_len
+    chunk[values_at if first else values_at + value_len - 1] |= mask
+    chunk[116:120] = _checksum(memoryview(chunk)).to_bytes(4, "little")
+    target = torch.zeros(1000)
+    with pytest.raises(InconsistentChunkError, match="outside the grid, or padding set"):
+        apply_chunk(chunk, target)
+    assert not target.any()

@@ -23,7 +23,7 @@ from ciuic_p2p.train.encoder import ThreadGate, flatten_parameters
 from tests.conftest import devices
 from tests.core.helpers import SOURCE, heavy_tailed
 
-SPARSE = [Codec.SPARSE_INT8, Codec.SPARSE_FP16]
+SPARSE = [Codec.SPARSE_INT8, Codec.SPARSE_FP16, Codec.SPARSE_INT4, Codec.SPARSE_INT2]
 
 
 def progress_encoder(
@@ -69,7 +69,7 @@ def test_what_was_sent_plus_params_minus_base_is_all_the_progress(
 
 @pytest.mark.parametrize("codec", SPARSE)
 def test_the_sent_records_are_what_receivers_decode(codec: Codec) -> None:
-    n = 200_000
+    n = 200_000 * 8 // min(8, codec.value_bits)  # several 4 KiB chunks on every codec
     enc = progress_encoder(n, codec, density=0.01, chunk_payload_bytes=4096)
     params = heavy_tailed(n, 1)
     base = torch.zeros(n)

@@ -46,7 +46,15 @@ from ciuic_p2p.core.codec.chunk import (
     fixed_sections,
     parse_chunk,
 )
-from ciuic_p2p.core.codec.quant import INT8_LEVELS, dequantize_int8, quantize_int8, to_fp16
+from ciuic_p2p.core.codec.quant import (
+    INT8_LEVELS,
+    dequantize_int8,
+    dequantize_packed,
+    quantize_int8,
+    quantize_packed,
+    to_fp16,
+    unpack,
+)
 from ciuic_p2p.core.codec.select import ApproxTopK, RunParts, exact_topk, sequential
 from ciuic_p2p.errors import (
     ChunkMismatchError,
@@ -71,6 +79,13 @@ _DENSE_DTYPES = {
     Codec.DENSE_BF16: torch.bfloat16,
 }
 _DENSE_BY_NAME = {"fp32": Codec.DENSE_FP32, "fp16": Codec.DENSE_FP16, "bf16": Codec.DENSE_BF16}
+_SPARSE_BY_MODE = {
+    "int8": Codec.SPARSE_INT8,
+    "fp16": Codec.SPARSE_FP16,
+    "int4": Codec.SPARSE_INT4,
+    "int2": Codec.SPARSE_INT2,
+}
+_PACKED_BITS = {Codec.SPARSE_INT4: 4, Codec.SPARSE_INT2: 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +127,7 @@ class BucketSpec:
         """The spec for a bucket of ``numel`` elements: sparse buckets use the value
         mode, dense ones the dense dtype; small sparse buckets select exactly."""
         if sparse:
-            codec = Codec.SPARSE_INT8 if section.value_mode == "int8" else Codec.SPARSE_FP16
+            codec = _SPARSE_BY_MODE[section.value_mode]
         else:
             codec = _DENSE_BY_NAME[section.dense_dtype]
         return cls(
@@ -339,6 +354,11 @@ class BucketEncoder:
                 dequantize_int8(codes, scales, spec.block_size, out=sent[a:b])
                 sections = [scales, codes, rem, unary]
                 block = spec.block_size
+            elif spec.codec in _PACKED_BITS:
+                bits = _PACKED_BITS[spec.codec]
+                packed, scales, sent[a:b] = quantize_packed(vals, spec.block_size, bits)
+                sections = [scales, packed, rem, unary]
+                block = spec.block_size
             else:
                 codes16 = to_fp16(vals)
                 sent[a:b] = codes16
@@ -476,7 +496,7 @@ class BucketEncoder:
         if k == 0:
             return [(0, 0)]
         spec = self.spec
-        fixed = r + 1 + 8 * spec.codec.value_bytes
+        fixed = r + 1 + spec.codec.value_bits
         if spec.codec.has_scales:
             fixed += -(-SCALE_BYTES * 8 // spec.block_size)
         budget = (spec.chunk_payload_bytes - 16) * 8
@@ -605,6 +625,12 @@ def decode_chunk(
         raise InconsistentChunkError("scale negative, non-finite or too large")
     if codec is Codec.SPARSE_INT8 or codec is Codec.DENSE_INT8:
         values = dequantize_int8(value_bytes.view(torch.int8), scales, header.block_size)
+    elif codec in _PACKED_BITS:
+        bits = _PACKED_BITS[codec]
+        codes = unpack(value_bytes, header.count, bits)
+        if codes is None or (bits == 4 and bool((codes == 15).any())):
+            raise InconsistentChunkError(f"{bits}-bit code outside the grid, or padding set")
+        values = dequantize_packed(codes, scales, header.block_size, bits)
     elif codec is Codec.SPARSE_FP16:
         values = value_bytes.view(torch.float16).to(torch.float32)
     elif codec is Codec.DENSE_BF16:

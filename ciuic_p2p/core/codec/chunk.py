@@ -107,27 +107,42 @@ class Codec(enum.IntEnum):
     """Selected elements: INT8 values with one fp32 scale per block, indices coded."""
     SPARSE_FP16 = 6
     """Selected elements: fp16 values, indices coded."""
+    SPARSE_INT4 = 7
+    """Selected elements: 4-bit codes packed two a byte, one fp32 scale per block."""
+    SPARSE_INT2 = 8
+    """Selected elements: 2-bit codes packed four a byte, one fp32 scale per block."""
 
     @property
     def is_sparse(self) -> bool:
-        return self in (Codec.SPARSE_INT8, Codec.SPARSE_FP16)
+        return self in _SPARSE
 
     @property
     def has_scales(self) -> bool:
-        return self in (Codec.DENSE_INT8, Codec.SPARSE_INT8)
+        return self in _SCALED
+
+    @property
+    def value_bits(self) -> int:
+        return _VALUE_BITS[self]
 
     @property
     def value_bytes(self) -> int:
-        return _VALUE_BYTES[self]
+        """Bytes per value of a whole-byte codec (the dense ones, INT8, fp16)."""
+        if self.value_bits % 8:
+            raise ValueError(f"{self.name} packs {self.value_bits}-bit values")
+        return self.value_bits // 8
 
 
-_VALUE_BYTES = {
-    Codec.DENSE_FP32: 4,
-    Codec.DENSE_FP16: 2,
-    Codec.DENSE_BF16: 2,
-    Codec.DENSE_INT8: 1,
-    Codec.SPARSE_INT8: 1,
-    Codec.SPARSE_FP16: 2,
+_SPARSE = frozenset({Codec.SPARSE_INT8, Codec.SPARSE_FP16, Codec.SPARSE_INT4, Codec.SPARSE_INT2})
+_SCALED = frozenset({Codec.DENSE_INT8, Codec.SPARSE_INT8, Codec.SPARSE_INT4, Codec.SPARSE_INT2})
+_VALUE_BITS = {
+    Codec.DENSE_FP32: 32,
+    Codec.DENSE_FP16: 16,
+    Codec.DENSE_BF16: 16,
+    Codec.DENSE_INT8: 8,
+    Codec.SPARSE_INT8: 8,
+    Codec.SPARSE_FP16: 16,
+    Codec.SPARSE_INT4: 4,
+    Codec.SPARSE_INT2: 2,
 }
 
 SCALE_BYTES = 4  # fp32 scales
@@ -194,7 +209,7 @@ def scale_count(codec: Codec, count: int, block_size: int) -> int:
 def fixed_sections(header: ChunkHeader) -> tuple[int, int]:
     """Lengths of the scale and value sections that the header fixes."""
     scales = scale_count(header.codec, header.count, header.block_size) * SCALE_BYTES
-    return scales, header.count * header.codec.value_bytes
+    return scales, -(-header.count * header.codec.value_bits // 8)
 
 
 def build_chunk(header: ChunkHeader, sections: Sequence[memoryview | bytes]) -> bytearray:

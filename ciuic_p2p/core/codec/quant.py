@@ -9,6 +9,18 @@ of a block could overflow the grid; at 64 values per block an fp32 scale costs
 residual (core.codec.bucket), so it is delayed, not dropped.
 
 fp16: values beyond ±65504 are clamped (the excess, again, stays in the residual).
+
+INT4 and INT2 (selected values only), packed low bits first, ``8 / bits`` values a
+byte, with one fp32 scale per block as INT8:
+
+- INT4 is INT8's symmetric grid with 7 levels each side: codes -7..7 are sent as
+  0..14 (15 is never produced, and refused on input).
+- INT2 is a mid-rise grid of four levels, ``(u - 1.5) * scale`` for u in 0..3 with
+  ``scale = max|v| / 1.5``: top-k values are the largest of their bucket, so a level
+  at zero (a mid-tread grid: three levels, 1.58 bits of four) would be wasted on
+  values that are never small.
+
+A block of zeros has scale 0 and decodes to zeros on every grid.
 """
 
 from __future__ import annotations
@@ -17,6 +29,10 @@ import torch
 
 INT8_LEVELS = 127
 FP16_MAX = 65504.0
+LOW_BITS = (4, 2)
+"""The packed widths offered (core.codec.chunk's SPARSE_INT4 and SPARSE_INT2)."""
+_INT4_LEVELS = 7
+_INT2_HALF_RANGE = 1.5
 
 
 def quantize_int8(values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -32,6 +48,79 @@ def quantize_int8(values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, 
     inverse = torch.where(absmax > 0, INT8_LEVELS / absmax, torch.zeros_like(absmax))
     codes = torch.round(blocks * inverse.unsqueeze(1)).clamp_(-INT8_LEVELS, INT8_LEVELS)
     return codes.to(torch.int8).view(-1)[:k], scales
+
+
+def _blocks(values: torch.Tensor, block_size: int) -> torch.Tensor:
+    k = values.numel()
+    nblocks = -(-k // block_size)
+    padded = values
+    if nblocks * block_size != k:
+        padded = torch.nn.functional.pad(values, (0, nblocks * block_size - k))
+    return padded.view(nblocks, block_size)
+
+
+def _grid(bits: int) -> tuple[float, float]:
+    """(levels of max|v| on the grid's top code, code offset) of a packed width."""
+    if bits == 4:
+        return float(_INT4_LEVELS), float(_INT4_LEVELS)
+    if bits == 2:
+        return _INT2_HALF_RANGE, _INT2_HALF_RANGE
+    raise ValueError(f"packed values are 4 or 2 bits, not {bits}")
+
+
+def quantize_packed(
+    values: torch.Tensor, block_size: int, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """fp32 values (1-D) → (packed uint8 codes of ``ceil(k * bits / 8)`` bytes, fp32
+    scales of ``ceil(k / block_size)`` blocks, the values as receivers decode them)."""
+    k = values.numel()
+    top, offset = _grid(bits)
+    blocks = _blocks(values, block_size)
+    absmax = blocks.abs().amax(dim=1)
+    scales = absmax / top
+    inverse = torch.where(absmax > 0, top / absmax, torch.zeros_like(absmax))
+    scaled = blocks * inverse.unsqueeze(1)
+    if bits == 4:
+        codes = torch.round(scaled).clamp_(-top, top).add_(offset)
+    else:  # the nearest of the four mid-rise levels
+        codes = torch.floor(scaled.add_(offset + 0.5)).clamp_(0, 2 * offset)
+    sent = ((codes - offset) * scales.unsqueeze(1)).view(-1)[:k]
+    return pack(codes.to(torch.uint8).view(-1)[:k], bits), scales, sent
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """uint8 codes below ``2**bits`` → bytes, ``8 // bits`` codes each, the first in
+    the low bits; the last byte's unused bits are zero."""
+    per_byte = 8 // bits
+    k = codes.numel()
+    nbytes = -(-k // per_byte)
+    padded = codes
+    if nbytes * per_byte != k:
+        padded = torch.nn.functional.pad(codes, (0, nbytes * per_byte - k))
+    lanes = padded.view(nbytes, per_byte).to(torch.int32)
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
+    return (lanes << shifts).sum(dim=1).to(torch.uint8)
+
+
+def unpack(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor | None:
+    """The first ``count`` codes of ``packed`` as uint8; None when a bit past them is
+    set (a well-formed chunk leaves them zero)."""
+    per_byte = 8 // bits
+    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
+    lanes = (packed.to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    codes = lanes.view(-1)
+    if codes.numel() != -(-count // per_byte) * per_byte or bool((codes[count:] != 0).any()):
+        return None
+    return codes[:count].to(torch.uint8)
+
+
+def dequantize_packed(
+    codes: torch.Tensor, scales: torch.Tensor, block_size: int, bits: int
+) -> torch.Tensor:
+    """Unpacked codes and per-block scales → fp32 values."""
+    _, offset = _grid(bits)
+    per_value = scales.repeat_interleave(block_size)[: codes.numel()]
+    return (codes.to(torch.float32) - offset) * per_value
 
 
 def dequantize_int8(
