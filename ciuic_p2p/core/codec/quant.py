@@ -97,21 +97,21 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     padded = codes
     if nbytes * per_byte != k:
         padded = torch.nn.functional.pad(codes, (0, nbytes * per_byte - k))
-    lanes = padded.view(nbytes, per_byte).to(torch.int32)
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=codes.device)
-    return (lanes << shifts).sum(dim=1).to(torch.uint8)
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=codes.device)
+    # The shifted codes occupy disjoint bits, so their sum is their bitwise or.
+    return (padded.view(nbytes, per_byte) << shifts).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack(packed: torch.Tensor, count: int, bits: int) -> torch.Tensor | None:
     """The first ``count`` codes of ``packed`` as uint8; None when a bit past them is
     set (a well-formed chunk leaves them zero)."""
     per_byte = 8 // bits
-    shifts = torch.arange(0, 8, bits, dtype=torch.int32, device=packed.device)
-    lanes = (packed.to(torch.int32).unsqueeze(1) >> shifts) & ((1 << bits) - 1)
-    codes = lanes.view(-1)
+    # uint8 throughout: a hostile chunk's codes cost one byte each here, not four.
+    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
+    codes = ((packed.unsqueeze(1) >> shifts) & ((1 << bits) - 1)).view(-1)
     if codes.numel() != -(-count // per_byte) * per_byte or bool((codes[count:] != 0).any()):
         return None
-    return codes[:count].to(torch.uint8)
+    return codes[:count]
 
 
 def dequantize_packed(
