@@ -28,7 +28,8 @@ OFFERED: tuple[BackendName, ...] = ("aioquic", "qh3")
 """What a node's config may choose. Every transport test runs on each. qh3 is taken in
 its 1.x line: 2.x (connection core in Rust too) raises "packet builder capacity
 exhausted" building its first flight to any aioquic client, so it could not accept an
-aioquic node, nor the hostile-peer tests' client; :func:`supported` refuses it."""
+aioquic node, nor the hostile-peer tests' client; :func:`unsupported_reason` refuses
+it."""
 QH3_SUPPORTED = (1, 9)
 """The qh3 line this module was written and tested against (1.9 up to 2)."""
 CONTROL_STREAM = 0
@@ -50,10 +51,15 @@ def unsupported_reason(name: str) -> str | None:
     if not available(name):
         return f"{name} is not installed (pip install {name!r}, a dependency of ciuic-p2p)"
     if name == "qh3":
-        from importlib.metadata import version  # noqa: PLC0415
+        import importlib.metadata  # noqa: PLC0415
+        import re  # noqa: PLC0415
 
-        found = version("qh3")
-        major_minor = tuple(int(p) for p in found.split(".")[:2] if p.isdigit())
+        try:
+            found = importlib.metadata.version("qh3")
+        except importlib.metadata.PackageNotFoundError:
+            return "qh3 is importable but not installed as a package (no version to check)"
+        parts = re.match(r"(\d+)\.(\d+)", found)  # 1.10rc1 is 1.10
+        major_minor = (int(parts[1]), int(parts[2])) if parts else (0, 0)
         if not QH3_SUPPORTED <= major_minor < (2, 0):
             return (
                 f"qh3 {found} is installed; the qh3 backend needs 1.9 <= qh3 < 2 "
@@ -138,8 +144,11 @@ class QuicBackend:
         return None if theirs is None else x509.load_der_x509_certificate(theirs.public_bytes())
 
     def server_cid(self, quic: Any) -> bytes:
-        """On a client: the connection ID the server chose for itself."""
-        return bytes(quic._peer_cid.cid)
+        """On a client: the connection ID the server chose for itself, as its first
+        packet stated it (the peer CID in use may change once the server issues
+        others)."""
+        chosen = quic._remote_initial_source_connection_id
+        return bytes(quic._peer_cid.cid if chosen is None else chosen)
 
     def rtt(self, quic: Any) -> tuple[float, float, float] | None:
         """QUIC's RTT estimate: min, smoothed, variance (qh3 1.x keeps aioquic's loss

@@ -14,6 +14,7 @@ for good after the kernel refuses GSO once.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import struct
@@ -32,6 +33,9 @@ MAX_SEGMENTS = 64
 """The kernel's ``UDP_MAX_SEGMENTS``: more in one send is refused."""
 MAX_BATCH_BYTES = 65_000
 """Below the 65,507-byte payload limit of one IPv4 UDP send (IPv6: 65,487)."""
+GSO_REFUSED = frozenset({errno.EIO, errno.EINVAL, errno.ENOPROTOOPT, errno.EOPNOTSUPP, 524})
+"""Errors that say the kernel or the device cannot segment (524: ENOTSUPP); any other
+error concerns one destination or one moment, and GSO stays on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,7 +99,12 @@ class SegmentedSender:
         queued: Callable[[], int],
     ) -> None:
         # Given a descriptor, socket() reads its family and type from the kernel.
-        self._sock: socket.socket | None = socket.socket(fileno=os.dup(fileno))
+        duplicate = os.dup(fileno)
+        try:
+            self._sock: socket.socket | None = socket.socket(fileno=duplicate)
+        except OSError:
+            os.close(duplicate)
+            raise
         self._sock.setblocking(False)
         self._fallback = fallback
         self._queued = queued
@@ -128,8 +137,9 @@ class SegmentedSender:
                     self._one_by_one(rest, addr)
                 return
             except OSError as exc:
-                log.info("udp_gso_off", reason=str(exc))
-                self.close()
+                if exc.errno in GSO_REFUSED:
+                    log.info("udp_gso_off", reason=str(exc))
+                    self.close()
                 self._one_by_one(batch, addr)
                 continue
             self.sends += 1

@@ -197,9 +197,12 @@ class QuicTransport(Transport):
         if self.settings.udp_gso and self.wrap_udp is None and gso_supported():
             # Both loops' datagram transports have it; asyncio's interface does not.
             queued: Callable[[], int] = getattr(transport, "get_write_buffer_size", lambda: 0)
-            self._segmented = SegmentedSender(
-                transport.get_extra_info("socket").fileno(), transport.sendto, queued
-            )
+            try:
+                self._segmented = SegmentedSender(
+                    transport.get_extra_info("socket").fileno(), transport.sendto, queued
+                )
+            except OSError as exc:  # out of descriptors: plain sends do the same job
+                log.info("udp_gso_off", reason=str(exc))
         sock = self._udp.get_extra_info("sockname")
         self.host, self.port = sock[0], sock[1]
         return (self.host, self.port)

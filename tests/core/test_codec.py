@@ -275,3 +275,18 @@ def test_packed_codes_off_the_grid_or_in_the_padding_are_refused(
     with pytest.raises(InconsistentChunkError, match="outside the grid, or padding set"):
         apply_chunk(chunk, target)
     assert not target.any()
+
+
+@pytest.mark.parametrize("codec", [Codec.SPARSE_INT8, Codec.SPARSE_INT4, Codec.SPARSE_INT2])
+def test_the_largest_finite_values_decode_as_sent(codec: Codec) -> None:
+    """Each grid's scale bound fits its own largest code: a block whose largest value
+    is near FLT_MAX is applied, as its sender recorded it."""
+    update = torch.zeros(1000)
+    update[10], update[500] = 3e38, -1e37
+    enc = encoder(1000, codec, density=0.002, exact=True)
+    target = torch.zeros(1000)
+    for chunk in enc.encode(update, step=1):
+        apply_chunk(chunk, target)
+    assert bool(torch.isfinite(target).all()) and target[10] > 1e38
+    assert enc.residual is not None
+    torch.testing.assert_close(target + enc.residual, update)

@@ -17,7 +17,8 @@ def test_both_backends_are_offered_and_installed() -> None:
 
 
 @pytest.mark.parametrize(
-    ("found", "refused"), [("1.9.4", False), ("1.12.0", False), ("2.1.0", True), ("1.8.1", True)]
+    ("found", "refused"),
+    [("1.9.4", False), ("1.12.0", False), ("1.10rc1", False), ("2.1.0", True), ("1.8.1", True)],
 )
 def test_qh3_is_taken_only_in_its_tested_line(
     monkeypatch: pytest.MonkeyPatch, found: str, refused: bool
@@ -36,3 +37,13 @@ def test_reno_needs_aioquic() -> None:
         config_from_toml('[transport]\ncongestion_control = "reno"\n')
     cfg = config_from_toml('[transport]\ncongestion_control = "reno"\nquic_backend = "aioquic"\n')
     assert cfg.transport.congestion_control == "reno"
+
+
+def test_qh3_without_package_metadata_is_refused_with_the_reason(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def missing(name: str) -> str:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", missing)
+    assert "no version to check" in str(backend.unsupported_reason("qh3"))

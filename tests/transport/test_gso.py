@@ -4,6 +4,8 @@ arrives as the same datagrams, in order (loopback)."""
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import socket
 from typing import Any
 
@@ -77,17 +79,33 @@ def test_datagrams_go_by_the_loop_while_it_holds_queued_ones(pair: Any) -> None:
     sender.close()
 
 
-def test_a_refused_group_turns_gso_off_and_loses_nothing(pair: Any) -> None:
+class _Refusing:
+    """A socket whose sendmsg fails with one errno (the kernel's answers)."""
+
+    def __init__(self, code: int) -> None:
+        self.code = code
+
+    def sendmsg(self, *args: Any) -> int:
+        raise OSError(self.code, os.strerror(self.code))
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("code", "stays_on"), [(errno.EIO, False), (errno.ENOBUFS, True)])
+def test_a_refused_group_goes_one_by_one_and_only_incapacity_turns_gso_off(
+    pair: Any, code: int, stays_on: bool
+) -> None:
     tx, rx = pair
     fallback: list[bytes] = []
     sender = SegmentedSender(tx.fileno(), lambda d, a: fallback.append(d), lambda: 0)
-    # Segments over the path's MTU with GSO are refused by the kernel (EINVAL); an
-    # address of the wrong family is refused everywhere.
+    real = sender._sock
+    sender._sock = _Refusing(code)  # type: ignore[assignment]
     datagrams = [b"r" * 1452] * 3
-    sender.send(datagrams, ("::1", 9))
-    assert fallback == datagrams and not sender.active
     sender.send(datagrams, rx.getsockname())
-    assert fallback == datagrams * 2
+    assert fallback == datagrams and sender.active == stays_on
+    if real is not None:
+        real.close()
 
 
 @pytest.mark.network

@@ -50,6 +50,7 @@ from ciuic_p2p.core.codec.quant import (
     INT8_LEVELS,
     dequantize_int8,
     dequantize_packed,
+    max_code,
     quantize_int8,
     quantize_packed,
     to_fp16,
@@ -71,7 +72,14 @@ if not np.little_endian:  # pragma: no cover - every supported platform is
 #: (a header costs 184-188 bytes, about 1500 bits).
 GAP_BREAK_BITS = 2048
 
-_MAX_SCALE = torch.finfo(torch.float32).max / INT8_LEVELS
+_FLT_MAX = torch.finfo(torch.float32).max
+_MAX_SCALE = {
+    # A scale above FLT_MAX / (the grid's largest code) would turn a code into Inf.
+    Codec.DENSE_INT8: _FLT_MAX / INT8_LEVELS,
+    Codec.SPARSE_INT8: _FLT_MAX / INT8_LEVELS,
+    Codec.SPARSE_INT4: _FLT_MAX / max_code(4),
+    Codec.SPARSE_INT2: _FLT_MAX / max_code(2),
+}
 
 _DENSE_DTYPES = {
     Codec.DENSE_FP32: torch.float32,
@@ -620,8 +628,7 @@ def decode_chunk(
     codec = header.codec
     scales = raw[:scale_len].view(torch.float32)
     value_bytes = raw[scale_len : scale_len + value_len]
-    # A scale above FLT_MAX / 127 would turn a finite code into Inf.
-    if codec.has_scales and not bool(((scales >= 0) & (scales <= _MAX_SCALE)).all()):
+    if codec.has_scales and not bool(((scales >= 0) & (scales <= _MAX_SCALE[codec])).all()):
         raise InconsistentChunkError("scale negative, non-finite or too large")
     if codec is Codec.SPARSE_INT8 or codec is Codec.DENSE_INT8:
         values = dequantize_int8(value_bytes.view(torch.int8), scales, header.block_size)

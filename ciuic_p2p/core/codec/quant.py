@@ -68,6 +68,11 @@ def _grid(bits: int) -> tuple[float, float]:
     raise ValueError(f"packed values are 4 or 2 bits, not {bits}")
 
 
+def max_code(bits: int) -> float:
+    """The largest level of a packed grid, in steps (INT4: 7; INT2: 1.5)."""
+    return _grid(bits)[0]
+
+
 def quantize_packed(
     values: torch.Tensor, block_size: int, bits: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -78,7 +83,9 @@ def quantize_packed(
     blocks = _blocks(values, block_size)
     absmax = blocks.abs().amax(dim=1)
     scales = absmax / top
-    inverse = torch.where(absmax > 0, top / absmax, torch.zeros_like(absmax))
+    inverse = top / absmax
+    # A zero block, and one so small that top / absmax overflows, send zeros.
+    inverse = torch.where(torch.isfinite(inverse), inverse, torch.zeros_like(inverse))
     scaled = blocks * inverse.unsqueeze(1)
     if bits == 4:
         codes = torch.round(scaled).clamp_(-top, top).add_(offset)
