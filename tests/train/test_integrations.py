@@ -212,14 +212,18 @@ def test_framework_trains_two_nodes_resumes_and_takes_a_late_joiner(
             assert [r["global_step"] for r in first] == [20, 20]
 
             # Both resume from the framework's checkpoint of step 20 (its optimizer
-            # state restored before the callback attaches) and go on to 30.
-            procs = [t.start(n, i, 30, 2, "first", resume=True) for i, n in enumerate(names[:2])]
+            # state restored before the callback attaches) and go on to 40, slowly
+            # enough (0.2 s a step) that a replica whose restore is slow under load
+            # still trains beside the other.
+            procs = [
+                t.start(n, i, 40, 2, "first", resume=True, pause_s=0.2)
+                for i, n in enumerate(names[:2])
+            ]
             resumed = [t.result(p, 240) for p in procs]
             trained_together(resumed)
-            # (one may start from the other's state some steps on, from the mesh,
-            # when its process is slower to start under load)
-            assert all(20 <= r["started_at"] < 30 for r in resumed), resumed
-            assert [r["global_step"] for r in resumed] == [30, 30]
+            # (one may start from the other's state some steps on, from the mesh)
+            assert all(20 <= r["started_at"] < 40 for r in resumed), resumed
+            assert [r["global_step"] for r in resumed] == [40, 40]
 
             # A third node joins a run under way: the run's step, and the schedule
             # there (the learning rate decays linearly to 0 at the last step).
