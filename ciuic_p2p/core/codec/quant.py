@@ -38,11 +38,7 @@ _INT2_HALF_RANGE = 1.5
 def quantize_int8(values: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """fp32 values (1-D) → (int8 codes, fp32 scales of ``ceil(k / block_size)`` blocks)."""
     k = values.numel()
-    nblocks = -(-k // block_size)
-    padded = values
-    if nblocks * block_size != k:
-        padded = torch.nn.functional.pad(values, (0, nblocks * block_size - k))
-    blocks = padded.view(nblocks, block_size)
+    blocks = _blocks(values, block_size)
     absmax = blocks.abs().amax(dim=1)
     scales = absmax / INT8_LEVELS
     inverse = torch.where(absmax > 0, INT8_LEVELS / absmax, torch.zeros_like(absmax))
