@@ -188,6 +188,13 @@ def validate(cfg: Sections) -> None:
         (t.norm_warmup_chunks >= 1, "train.norm_warmup_chunks", "must be >= 1"),
         (t.finish_timeout_s > 0, "train.finish_timeout_s", "must be > 0"),
         (t.stall_grace_s > 0, "train.stall_grace_s", "must be > 0"),
+        (1 <= t.inner_steps <= 10_000, "train.inner_steps", "must be in [1, 10000]"),
+        (t.mode != "outer" or t.staleness_bound_steps >= 2 * t.inner_steps,
+         "train.staleness_bound_steps",
+         "must be >= 2 x train.inner_steps in outer mode (a round travels while the next "
+         "computes)"),
+        (0.0 < t.outer_lr <= 10.0, "train.outer_lr", "must be in (0, 10]"),
+        (0.0 <= t.outer_momentum < 1.0, "train.outer_momentum", "must be in [0, 1)"),
     ]  # fmt: skip
     st = cfg.store
     checks += [

@@ -17,6 +17,8 @@ LogFormat = Literal["auto", "json", "console"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 QuicBackendName = Literal["aioquic", "qh3"]
 CongestionControl = Literal["cubic", "reno"]
+TrainMode = Literal["step", "outer"]
+OuterOptimizer = Literal["average", "nesterov"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -314,7 +316,9 @@ class TrainSection:
     """High backlog mark, in units of this replica's mean update send."""
     backlog_low_sends: float = 1.0
     consensus_interval_steps: int = 8
-    """Steps between two consensus rounds, each of one fragment."""
+    """Steps between two consensus rounds, each of one fragment (0: no mix). In
+    ``outer`` mode rounded up to whole rounds (a fragment goes with a round). A round
+    of the mix costs ``1/consensus_fragments`` byte per parameter."""
     consensus_fragments: int = 64
     """The parameters are mixed in this many fragments, one per round in turn (a
     round then costs about 0.8 of a 1% update, and all of the model is mixed every
@@ -335,6 +339,23 @@ class TrainSection:
     refused them; 0.8 still refuses zeros, and ``staleness_bound_steps`` keeps honest
     drift below it. ``update_norm_max_ratio`` times the own updates' RMS is the floor,
     for parameters near zero."""
+    mode: TrainMode = "step"
+    """``step``: every ``send_interval_steps`` steps the local progress goes out and
+    peers' chunks are added at ``1/N`` (the rule above). ``outer``: rounds of
+    ``inner_steps`` steps of the user's optimizer; at the end of each, the round's
+    progress (the pseudo-gradient, with error feedback) goes out, and the mean of the
+    replicas' round goes in through an outer step (``outer_optimizer``) as it arrives,
+    one round late, while the next round computes (docs/concepts/outer-steps.md)."""
+    inner_steps: int = 30
+    """``outer`` mode: steps per round (H). ``staleness_bound_steps`` must be at least
+    twice this: a round travels while the next one computes."""
+    outer_optimizer: OuterOptimizer = "average"
+    """``outer`` mode: ``average`` moves every replica by ``outer_lr`` times the mean of
+    the rounds (SparseLoCo); ``nesterov`` runs Nesterov momentum (``outer_momentum``)
+    on it (DiLoCo: lr 0.7, momentum 0.9)."""
+    outer_lr: float = 1.0
+    outer_momentum: float = 0.9
+    """``nesterov`` only. The momentum buffer is dense: 4 bytes per parameter more."""
     finish_timeout_s: float = 60.0
     """How long :meth:`finish` waits for the other replicas' last chunks."""
     stall_grace_s: float = 0.5

@@ -350,13 +350,17 @@ class LocalCluster:
         timeout_s: float = 1800.0,
         evals: int = 20,
         time_limit_s: float = 0.0,
+        step_s: float = 0.0,
+        env: dict[str, str] | None = None,
     ) -> list[dict[str, Any]]:
-        """Run one trainer per node (``single``: one trainer, no daemon); the results
-        in node order."""
-        names = self.names[:1] if mode == "single" else self.names
-        world = len(names)
+        """Run one trainer per node (``single`` and ``ddp``: one trainer, no daemon);
+        the results in node order. ``step_s``: pad each step to this accelerator time;
+        ``env``: more variables for the trainers (``CIUIC_TRAIN_MODE=outer``: their
+        config over the nodes' file)."""
+        names = self.names[:1] if mode in ("single", "ddp") else self.names
+        world = len(self.names) if mode == "ddp" else len(names)
         run = f"{mode}-{task}-{seed}-{time.time_ns()}"
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         procs: dict[int, tuple[str, subprocess.Popen[bytes]]] = {}
         sel = selectors.DefaultSelector()
         for rank, name in enumerate(names):
@@ -365,8 +369,9 @@ class LocalCluster:
                 "--mode", mode, "--task", task, "--steps", str(steps), "--seed", str(seed),
                 "--rank", str(rank), "--world", str(world), "--run", run,
                 "--config", str(self.config_path), "--out", str(out), "--evals", str(evals),
+                "--step-s", repr(step_s),
             ]  # fmt: skip
-            if mode != "single":
+            if mode not in ("single", "ddp"):
                 cmd += ["--socket", str(self.trainer_socket(name))]
             if mode == "dense":
                 cmd += ["--ring", ",".join(self.ring_peers())]

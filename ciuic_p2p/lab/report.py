@@ -61,7 +61,28 @@ def summarize(results: list[dict[str, Any]], target: float | None = None) -> dic
     return out
 
 
-def plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> Path | None:
+COLORS = {
+    "async": "tab:blue",
+    "step": "tab:blue",
+    "outer": "tab:green",
+    "diloco": "tab:orange",
+    "ddp": "tab:red",
+    "dense": "tab:red",
+    "single": "tab:gray",
+}
+LABELS = {
+    "async": "ciuic async sparse",
+    "dense": "dense sync all-reduce",
+    "single": "one node alone",
+}
+
+
+def plot(
+    runs: dict[str, list[dict[str, Any]]],
+    path: Path,
+    title: str,
+    labels: dict[str, str] | None = None,
+) -> Path | None:
     """Loss against time and against bytes sent, one line per node and run; None when
     matplotlib is missing (``pip install 'ciuic-p2p[demo]'``)."""
     try:
@@ -71,12 +92,8 @@ def plot(runs: dict[str, list[dict[str, Any]]], path: Path, title: str) -> Path 
         import matplotlib.pyplot as plt  # noqa: PLC0415
     except ImportError:
         return None
-    colors = {"async": "tab:blue", "dense": "tab:red", "single": "tab:gray"}
-    labels = {
-        "async": "ciuic async sparse",
-        "dense": "dense sync all-reduce",
-        "single": "one node alone",
-    }
+    colors = COLORS
+    labels = {**LABELS, **(labels or {})}
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
     for mode, results in runs.items():
         for i, r in enumerate(results):

@@ -2,11 +2,16 @@
 reporting progress as JSON lines on stdout and its result in ``OUT/result-RANK.json``
 (with its final parameters in ``OUT/params-RANK.pt``).
 
-- ``async``: the hook (``ciuic_p2p.attach``) on the node's daemon;
+- ``async``: the hook (``ciuic_p2p.attach``) on the node's daemon (its config file,
+  with ``CIUIC_*`` variables over it: ``CIUIC_TRAIN_MODE=outer`` runs the outer step);
 - ``dense``: synchronous ring all-reduce of fp32 gradients through the same daemon;
+- ``ddp``: what dense data parallelism computes, in one process, no network: each step
+  the exact mean of the gradients of the ``--world`` replicas' batches (the same
+  batches, per rank, as the other modes draw);
 - ``single``: one trainer alone, no network (give it N times the steps).
 
-Step time is split into compute (forward, backward, optimizer), evaluation (with the
+Step time is split into compute (forward, backward, optimizer; with ``--step-s``, the
+step padded to that accelerator time by a sleep before the hook), evaluation (with the
 byte count for the plot), and the rest: the wait (hook, network, staleness bound). The
 learning rate follows a cosine from ``task.lr`` to zero over the run, the same for
 every mode.
@@ -29,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ciuic_p2p.config import Config, load_config
+from ciuic_p2p.config import Config, load_layered
 from ciuic_p2p.core.codec.layout import BucketLayout
 from ciuic_p2p.lab.ring import RingAllReduce
 from ciuic_p2p.lab.tasks import make_task
@@ -133,6 +138,8 @@ class _Run:
             if args.mode == "async"
             else _set_up_without_hook(args, task, model)
         )
+        self.gens: list[torch.Generator] = []
+        """``ddp``: each simulated replica's own batch stream."""
         ring = self.parts.ring
         self.dense = _DenseGradients(model, ring) if ring is not None else None
         self.bytes0 = self._bytes_sent()
@@ -167,9 +174,12 @@ class _Run:
         c0 = time.perf_counter()
         for g, lr in zip(optimizer.param_groups, base_lr, strict=True):
             g["lr"] = lr * scale
-        loss = self.task.loss(self.model, self.task.batch(args.rank, args.world, gen))
         optimizer.zero_grad(set_to_none=False)
-        loss.backward()
+        if args.mode == "ddp":
+            loss = self._ddp_backward(gen)
+        else:
+            loss = self.task.loss(self.model, self.task.batch(args.rank, args.world, gen))
+            loss.backward()
         stop_votes = 0.0
         if self.dense is not None:
             c1 = time.perf_counter()
@@ -179,7 +189,10 @@ class _Run:
             stop_votes = self.dense.mean_(step, vote)
             c0 += time.perf_counter() - c1  # the all-reduce is not compute
         optimizer.step()
-        self.compute_s += time.perf_counter() - c0
+        computed_s = time.perf_counter() - c0
+        if args.step_s > computed_s:  # the accelerator's step time, before the hook
+            time.sleep(args.step_s - computed_s)
+        self.compute_s += max(computed_s, args.step_s)
         if self.parts.sync is not None:
             self.parts.sync.step()
         stepped_at = time.perf_counter()
@@ -191,6 +204,21 @@ class _Run:
         lf = float(loss.detach())
         self.train_loss = lf if math.isnan(self.train_loss) else 0.9 * self.train_loss + 0.1 * lf
         return stop_votes
+
+    def _ddp_backward(self, gen: torch.Generator) -> torch.Tensor:
+        """Gradients of every replica's batch, averaged: DDP's exact mean."""
+        args = self.args
+        if not self.gens:
+            self.gens = [gen] + [
+                torch.Generator().manual_seed(args.seed * 1000 + r + 1)
+                for r in range(1, args.world)
+            ]
+        total = torch.zeros(())
+        for r, g in enumerate(self.gens):
+            loss = self.task.loss(self.model, self.task.batch(r, args.world, g)) / args.world
+            loss.backward()
+            total += loss.detach()
+        return total
 
     def progress(self, now: float, step: int) -> dict[str, Any]:
         info: dict[str, Any] = {
@@ -254,6 +282,7 @@ class _Run:
             "seed": args.seed,
             "steps": done_steps,
             "start_step": start,
+            "params": sum(p.numel() for p in self.model.parameters()),
             "eval_loss": final_loss,
             "accuracy": final_acc,
             "wall_s": wall_s,
@@ -278,7 +307,7 @@ class _Run:
 
 
 def _config(args: argparse.Namespace) -> Config:
-    return load_config(args.config) if args.config else Config.wan()
+    return load_layered(args.config, os.environ) if args.config else Config.wan()
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -305,7 +334,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ciuic_p2p.lab.worker")
-    p.add_argument("--mode", choices=["async", "dense", "single"], default="async")
+    p.add_argument("--mode", choices=["async", "dense", "ddp", "single"], default="async")
     p.add_argument("--task", default="digits")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
@@ -326,6 +355,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--stop-file", help="stop after the step during which this file appears")
     p.add_argument("--ring", help="dense: the ring's peer IDs in order (default: sorted)")
     p.add_argument("--switch-interval-s", type=float, default=0.0005)
+    p.add_argument(
+        "--step-s", type=float, default=0.0, help="pad each step to this accelerator time"
+    )
     args = p.parse_args(argv)
     result = run(args)
     _emit({k: v for k, v in result.items() if k not in ("curve", "sync")})

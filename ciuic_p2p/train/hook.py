@@ -504,6 +504,8 @@ class MeshSync:
             "hook_s": self.hook_s,
             "encoder_s": self.encoder.busy_s,
             "udp_bytes_sent": int(self.channel.stats.get("udp_bytes_sent", 0)),
+            "mode": self.config.train.mode,
+            "rounds_completed": r.outer.rounds_completed if r.outer is not None else 0,
         }
 
     def summary(self) -> str:

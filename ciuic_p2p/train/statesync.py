@@ -101,7 +101,9 @@ class StateKeeper:
             info["while_waiting_s"] = round(t0 - asked_at, 3)  # fetched during attach's wait
             t0 = asked_at
             try:
-                meta = unpack_state(data, self.layout.layout_id, self.buckets, opt)
+                meta = unpack_state(
+                    data, self.layout.layout_id, self.buckets, opt, self._momentum()
+                )
             except StateFormatError as exc:
                 raise ChannelError(f"the run's state does not fit this model: {exc}") from None
             # The state's own step, or the replicas' claims where they are a little
@@ -116,7 +118,9 @@ class StateKeeper:
             info["daemon_s"] = got.get("seconds")  # query and transfer; "seconds": all
         elif ckpt is not None:
             try:
-                meta = unpack_state(ckpt.state, self.layout.layout_id, self.buckets, opt)
+                meta = unpack_state(
+                    ckpt.state, self.layout.layout_id, self.buckets, opt, self._momentum()
+                )
             except StateFormatError as exc:
                 raise ChannelError(f"{ckpt.path} does not fit this model: {exc}") from None
             start = ckpt.step
@@ -134,7 +138,12 @@ class StateKeeper:
         self.replica.flush()
         opt = self.optimizer if self.config.store.sync_optimizer_state else None
         meta = {"applied": self.replica.applied_steps()}
-        return pack_state(self.layout.layout_id, self.replica.shared_params(), opt, meta)
+        r = self.replica
+        return pack_state(self.layout.layout_id, r.shared_params(), opt, meta, r.shared_momentum())
+
+    def _momentum(self) -> list[torch.Tensor]:
+        outer = self.replica.outer
+        return outer.buffers if outer is not None else []
 
     def hand_state(self, write_checkpoint_too: bool) -> None:
         """Snapshot the state (training thread: a consistent copy) and hand it to the

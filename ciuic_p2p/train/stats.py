@@ -46,6 +46,8 @@ class SyncStats(TypedDict):
     hook_s: float
     encoder_s: float
     udp_bytes_sent: int
+    mode: str
+    rounds_completed: int
 
 
 STATS_DOC: dict[str, str] = {
@@ -92,4 +94,7 @@ STATS_DOC: dict[str, str] = {
     "hook_s": "seconds spent in `step()` in all",
     "encoder_s": "seconds the encoder thread was busy",
     "udp_bytes_sent": "UDP bytes this node's daemon sent (all traffic)",
+    "mode": "`train.mode`: `step` or `outer`",
+    "rounds_completed": "outer mode: rounds every live replica has sent, whose outer step "
+    "is in this replica (0 in step mode)",
 }

@@ -4,6 +4,8 @@ loopback. Bounded: each run has a timeout; every process is ended by its PID."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import signal
 import subprocess
@@ -15,9 +17,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from ciuic_p2p.lab import worker
 from ciuic_p2p.lab.cluster import LocalCluster, spread_nodes
 from ciuic_p2p.lab.demo import DEMO_CONFIG
 from ciuic_p2p.lab.report import final_consensus, summarize
+from ciuic_p2p.lab.tasks import make_task
 
 pytestmark = pytest.mark.processes
 
@@ -136,3 +140,62 @@ def test_demo_ctrl_c_leaves_no_process_behind(tmp_path: Path) -> None:
     assert proc.returncode == 130, seen + rest
     assert "no process left behind" in rest
     assert not [pid for pid in started if _alive(pid)]
+
+
+def test_outer_step_mode_completes_every_round_on_every_replica(cluster: LocalCluster) -> None:
+    """``train.mode = "outer"`` through the daemons: 12 rounds of 5 steps, Nesterov,
+    sparse 4-bit pseudo-gradients; every replica completes every round, applies every
+    chunk once and ends beside the others."""
+    out = cluster.workdir / "outer"
+    env = {
+        "CIUIC_TRAIN_MODE": '"outer"',
+        "CIUIC_TRAIN_INNER_STEPS": "5",
+        "CIUIC_TRAIN_OUTER_OPTIMIZER": '"nesterov"',
+        "CIUIC_TRAIN_OUTER_LR": "0.7",
+        "CIUIC_TRAIN_OUTER_MOMENTUM": "0.5",
+        "CIUIC_CODEC_DENSITY": "0.05",
+        "CIUIC_CODEC_VALUE_MODE": '"int4"',
+    }
+    results = cluster.train("async", "digits", 60, 0, out, timeout_s=240, env=env)
+    late = any((r["sync"]["restored"] or {}).get("source") == "mesh" for r in results)
+    for r in results:
+        sync = r["sync"]
+        assert sync["mode"] == "outer"
+        assert sync["sends"] == 12 and sync["send_interval"] == 5
+        assert late or sync["rounds_completed"] == 12, (r["node"], sync["rounds_completed"])
+        assert sync["refused"] == {}
+        assert r["accuracy"] >= 0.85, (r["node"], r["accuracy"])
+    assert summarize(results)["exactly_once"]
+    assert final_consensus(out, len(results)) <= 0.05
+
+
+def test_ddp_baseline_is_the_exact_mean_of_the_replicas_gradients(tmp_path: Path) -> None:
+    """The benchmark's DDP row: one process, the mean of N replicas' gradients each step,
+    equal to one model trained on the N batches together (equal batch sizes); and the
+    pad makes each step take the accelerator's step time."""
+    steps, world, seed = 3, 4, 7
+    args = [
+        "--mode", "ddp", "--task", "digits", "--steps", str(steps), "--seed", str(seed),
+        "--world", str(world), "--out", str(tmp_path), "--evals", "1", "--step-s", "0.05",
+    ]  # fmt: skip
+    assert worker.main(args) == 0
+    got = torch.load(tmp_path / "params-0.pt")
+    task = make_task("digits")
+    torch.manual_seed(seed)
+    model = task.model()
+    opt = task.optimizer(list(model.parameters()))
+    gens = [torch.Generator().manual_seed(seed * 1000 + r + 1) for r in range(world)]
+    base_lr = [g["lr"] for g in opt.param_groups]
+    for step in range(1, steps + 1):
+        for g, lr in zip(opt.param_groups, base_lr, strict=True):
+            g["lr"] = lr * 0.5 * (1 + math.cos(math.pi * (step - 1) / steps))
+        batches = [task.batch(r, world, g) for r, g in enumerate(gens)]
+        x = torch.cat([b[0] for b in batches])
+        y = torch.cat([b[1] for b in batches])
+        opt.zero_grad()
+        torch.autograd.backward(task.loss(model, (x, y)))
+        opt.step()
+    want = torch.cat([p.detach().flatten() for p in model.parameters()])
+    torch.testing.assert_close(torch.cat([b.flatten() for b in got]), want, rtol=1e-5, atol=1e-6)
+    result = json.loads((tmp_path / "result-0.json").read_text())
+    assert result["compute_s"] >= steps * 0.05

@@ -32,6 +32,7 @@ from ciuic_p2p.core.replica.messages import (
     decode_payload,
     decode_presence,
 )
+from ciuic_p2p.core.replica.outer import OuterStep
 from ciuic_p2p.core.replica.parameters import Fragment, Parameters
 from ciuic_p2p.core.replica.roster import Roster
 from ciuic_p2p.errors import CiuicError, CodecError, ReplayedChunkError
@@ -135,9 +136,11 @@ class Intake:
         source: ChunkSource,
         train: TrainSection,
         stats: ReplicaStats,
+        outer: OuterStep | None = None,
     ) -> None:
         """``own_params``: this replica's consensus fragments at the steps it sent them
-        (the consensus mix compares a peer's of step s with ours of step s)."""
+        (the consensus mix compares a peer's of step s with ours of step s);
+        ``outer``: the outer step, in ``outer`` mode (each chunk's coefficient)."""
         self.layout = layout
         self.parameters = parameters
         self.roster = roster
@@ -146,6 +149,7 @@ class Intake:
         self.source = source
         self.train = train
         self.stats = stats
+        self.outer = outer
         self._updates = ReplayWindow(window_steps=1 << 16)
         self._params = ReplayWindow(window_steps=1 << 16)
         self.floors: dict[str, int] = {}
@@ -331,7 +335,13 @@ class Intake:
             if state is not None:
                 state.held_by_state += 1
             return
-        self.parameters.add(h, item.positions, item.values, self.chunk_weight(h))
+        w = self.chunk_weight(h)
+        if self.outer is None:
+            self.parameters.add(h, item.positions, item.values, w)
+        else:
+            coefficient = self.outer.coefficient(h.step)
+            self.parameters.add(h, item.positions, item.values, w * coefficient)
+            self.outer.record(h.bucket, h.range_start, item.positions, item.values, w, h.step)
         if state is not None:
             state.step = max(state.step, h.step)
             state.applied += 1

@@ -84,6 +84,7 @@ from ciuic_p2p.core.replica.intake import (
     ReplicaStats,
 )
 from ciuic_p2p.core.replica.messages import PayloadKind, envelope
+from ciuic_p2p.core.replica.outer import OuterStep
 from ciuic_p2p.core.replica.parameters import (
     AccessGate,
     Fragment,
@@ -161,6 +162,8 @@ class Replica:
         self.roster = Roster(peer, train.staleness_bound_steps)
         self.norms = OwnNorms(len(layout.buckets))
         self.stats = ReplicaStats()
+        self.outer = OuterStep(self.buckets, train) if train.mode == "outer" else None
+        """Rounds and the outer optimizer (``train.mode = "outer"``; core.replica.outer)."""
         self.intake = Intake(
             layout=layout,
             parameters=self.parameters,
@@ -170,6 +173,7 @@ class Replica:
             source=source,
             train=train,
             stats=self.stats,
+            outer=self.outer,
         )
         self.encoders = [
             BucketEncoder(
@@ -189,7 +193,7 @@ class Replica:
         """Running mean of the bytes one update send publishes (the backlog marks are
         multiples of it)."""
         self.density = codec.density
-        self.send_interval = train.send_interval_steps
+        self.send_interval = train.inner_steps if self.outer else train.send_interval_steps
         self.step = 0
         self.last_send_step = 0
 
@@ -233,6 +237,7 @@ class Replica:
         """Bytes of the tensors the update rule holds beyond the model itself."""
         held = sum(b.numel() * b.element_size() for b in self.base)
         held += sum(e.held_bytes() for e in self.encoders)
+        held += self.outer.held_bytes() if self.outer is not None else 0
         held += sum(
             v.numel() * v.element_size() for f in self.own_params.values() for v in f.values
         )
@@ -276,6 +281,8 @@ class Replica:
         """Count one local step; True when an update is due (take and encode it)."""
         self.step += 1
         self.stats.steps += 1
+        if self.outer is not None:  # rounds end at the same steps everywhere
+            return self.outer.is_due(self.step)
         return self.step - self.last_send_step >= self.send_interval
 
     def take_update(self) -> TakenUpdate:
@@ -302,11 +309,20 @@ class Replica:
             )
         n = 0
         debts = self._debts
+        outer = self.outer
         while debts and debts[0][0] <= floor:
-            _, w, bucket, start, length, positions, values = debts.popleft()
-            if w < 1.0:
-                self.parameters.add(Range(bucket, start, length), positions, values, w - 1.0)
+            step, w, bucket, start, length, positions, values = debts.popleft()
+            if outer is not None:
+                weight = w * outer.coefficient(step)
+                outer.record(bucket, start, positions, values, w, step)
+            else:
+                weight = w
+            if weight != 1.0:
+                self.parameters.add(Range(bucket, start, length), positions, values, weight - 1.0)
             n += 1
+        if outer is not None:
+            for kick in outer.complete_through(floor):
+                self.parameters.add_slice(kick.bucket, kick.start, kick.values)
         self.flush(wait=everything)
         return n
 
@@ -349,7 +365,7 @@ class Replica:
         the model), kept to compare with the peers' of the same step."""
         self.flush()
         fragments = max(1, self.train.consensus_fragments)
-        interval = max(1, self.train.consensus_interval_steps)
+        interval = max(1, self._consensus_interval())
         index = (self.step // interval) % fragments
         starts = []
         values = []
@@ -380,8 +396,18 @@ class Replica:
                     ]
         return payloads
 
-    def wants_params(self) -> bool:
+    def _consensus_interval(self) -> int:
+        """Steps between consensus fragments: in outer mode a whole number of rounds
+        (at least one), so that a fragment goes with a round, at the same steps
+        everywhere."""
         n = self.train.consensus_interval_steps
+        if self.outer is None or n <= 0:
+            return n
+        h = self.outer.inner_steps
+        return h * max(1, -(-n // h))
+
+    def wants_params(self) -> bool:
+        n = self._consensus_interval()
         return n > 0 and self.replicas > 1 and self.step % n == 0
 
     def backlog_marks(self) -> tuple[float, float]:
@@ -401,7 +427,8 @@ class Replica:
         high, low = self.backlog_marks()
         if backlog_bytes > high:
             self.stats.backoffs += 1
-            self.send_interval = min(t.max_send_interval_steps, self.send_interval * 2)
+            if self.outer is None:  # rounds keep their length: only the density gives
+                self.send_interval = min(t.max_send_interval_steps, self.send_interval * 2)
             self.density = max(t.min_density, self.density / 2)
         elif backlog_bytes < low:
             self.send_interval = max(t.send_interval_steps, self.send_interval // 2)
@@ -440,15 +467,37 @@ class Replica:
         encoder idle; the tensors are fresh copies."""
         self.parameters.flush(wait=True)
         self.parameters.settle_base()
+        outer = self.outer
         with torch.no_grad():
             out = [b.clone() for b in self.base]
-            for _, w, bucket, start, _length, positions, values in self._debts:
-                if w >= 1.0:
+            if outer is not None:  # the kick every replica adds at the next completion
+                for b, kick in zip(out, outer.held, strict=False):
+                    b.add_(kick)
+            for step, w, bucket, start, _length, positions, values in self._debts:
+                weight = w * outer.coefficient(step) if outer is not None else w
+                if weight == 1.0:
                     continue
                 if positions is None:
-                    out[bucket][start : start + values.numel()].add_(values, alpha=w - 1.0)
+                    out[bucket][start : start + values.numel()].add_(values, alpha=weight - 1.0)
                 else:
-                    out[bucket].index_add_(0, positions + start, values, alpha=w - 1.0)
+                    out[bucket].index_add_(0, positions + start, values, alpha=weight - 1.0)
+        return out
+
+    def shared_momentum(self) -> list[torch.Tensor]:
+        """The outer momentum as every replica will hold it once the unsettled own
+        chunks are settled (empty without momentum): it travels beside
+        :meth:`shared_params`. Call with the encoder idle; fresh copies."""
+        outer = self.outer
+        if outer is None or not outer.buffers:
+            return []
+        with torch.no_grad():
+            out = [m.clone() for m in outer.buffers]
+            for step, w, bucket, start, _length, positions, values in self._debts:
+                factor = w * outer.momentum_factor(step)
+                if positions is None:
+                    out[bucket][start : start + values.numel()].add_(values, alpha=factor)
+                else:
+                    out[bucket].index_add_(0, positions + start, values, alpha=factor)
         return out
 
     def start_at(self, step: int, applied: dict[str, int] | None = None) -> None:
@@ -461,6 +510,8 @@ class Replica:
         self.intake.set_floors(applied or {})
         self.step = self.last_send_step = step
         self.parameters.rebase()
+        if self.outer is not None:
+            self.outer.start_at(step)
 
     def _record_own(self, sent: SentChunk) -> None:
         h = sent.header

@@ -9,7 +9,8 @@ Layout (version 1)::
 The header lists each tensor as ``[key, dtype, shape, offset, nbytes]`` (offsets from
 the start of the tensor area): ``bucket/I`` for the parameter buckets (core.codec.layout)
 and, when the optimizer's state travels too, ``opt/P/NAME`` for state NAME of the
-optimizer's P-th parameter. The header depends only on the model's layout and the
+optimizer's P-th parameter, and ``outer/I`` for the outer step's momentum of bucket I
+(``train.mode = "outer"`` with ``nesterov``). The header depends only on the model's layout and the
 optimizer's kind, never on values or the step, so two replicas' states of one run
 have the same header, and the same offsets: its digest is the state's ``compat``
 (core.store.fetch mixes pieces only within one compat). The meta area has a fixed size for
@@ -73,14 +74,17 @@ def pack_state(
     buckets: Sequence[torch.Tensor],
     optimizer: torch.optim.Optimizer | None = None,
     meta: dict[str, Any] | None = None,
+    momentum: Sequence[torch.Tensor] = (),
 ) -> tuple[bytearray, bytes]:
     """(state bytes, compat digest). Copies each tensor to the host once; ``meta``
-    (JSON, at most ``META_BYTES`` - 4 encoded) travels in the meta area."""
+    (JSON, at most ``META_BYTES`` - 4 encoded) travels in the meta area; ``momentum``:
+    the outer step's buffers, one per bucket (core.replica.outer)."""
     meta_raw = json.dumps(meta or {}, separators=(",", ":")).encode()
     if len(meta_raw) > META_BYTES - _LEN.size:
         raise StateFormatError(f"state meta of {len(meta_raw)} bytes is over the limit")
     tensors = [(f"bucket/{i}", b.detach()) for i, b in enumerate(buckets)]
     tensors += _optimizer_tensors(optimizer)
+    tensors += [(f"outer/{i}", m.detach()) for i, m in enumerate(momentum)]
     entries = []
     offset = 0
     for key, t in tensors:
@@ -142,10 +146,11 @@ def unpack_state(
     layout_id: int,
     buckets: Sequence[torch.Tensor],
     optimizer: torch.optim.Optimizer | None = None,
+    momentum: Sequence[torch.Tensor] = (),
 ) -> dict[str, Any]:
     """Copy a state into the buckets (and the optimizer, when it carries one and
-    ``optimizer`` is given); its meta. Everything is checked before anything
-    changes."""
+    ``optimizer`` is given, and the outer momentum buffers ``momentum``: zeroed when
+    the state has none); its meta. Everything is checked before anything changes."""
     view = memoryview(data)
     header, start = read_header(view)
     if header.get("layout") != f"{layout_id:016x}":
@@ -155,6 +160,10 @@ def unpack_state(
         t = found.get(f"bucket/{i}")
         if t is None or t.shape != bucket.shape or t.dtype != bucket.dtype:
             raise StateFormatError(f"bucket {i} is missing or of another shape")
+    for i, m in enumerate(momentum):
+        t = found.get(f"outer/{i}")
+        if t is not None and (t.shape != m.shape or t.dtype != m.dtype):
+            raise StateFormatError(f"outer momentum {i} is of another shape")
     opt_state = _optimizer_state(found)
     meta = _read_meta(view, start)
     if optimizer is not None and opt_state:
@@ -164,6 +173,9 @@ def unpack_state(
     with torch.no_grad():
         for i, bucket in enumerate(buckets):
             bucket.copy_(found[f"bucket/{i}"])
+        for i, m in enumerate(momentum):
+            t = found.get(f"outer/{i}")
+            m.copy_(t) if t is not None else m.zero_()
     if optimizer is not None and opt_state:
         groups = optimizer.state_dict()["param_groups"]
         optimizer.load_state_dict({"state": opt_state, "param_groups": groups})
