@@ -238,3 +238,12 @@ def test_outer_mode_config_rules() -> None:
     ):
         with pytest.raises(ConfigError):
             config_from_mapping({"train": bad})
+
+
+def test_backlog_lowers_the_density_but_never_changes_the_round_length() -> None:
+    r = _replica(0, SPARSE, NESTEROV)
+    high, _ = r.backlog_marks()
+    r.adapt(int(high) + 1)
+    assert r.send_interval == H and r.density == SPARSE.density / 2
+    r.adapt(0)
+    assert r.send_interval == H and r.density == SPARSE.density

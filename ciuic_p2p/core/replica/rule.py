@@ -431,7 +431,8 @@ class Replica:
                 self.send_interval = min(t.max_send_interval_steps, self.send_interval * 2)
             self.density = max(t.min_density, self.density / 2)
         elif backlog_bytes < low:
-            self.send_interval = max(t.send_interval_steps, self.send_interval // 2)
+            if self.outer is None:
+                self.send_interval = max(t.send_interval_steps, self.send_interval // 2)
             self.density = min(self.codec.density, self.density * 2)
 
     def blocking(self) -> list[str]:
