@@ -13,12 +13,13 @@ import torch
 from ciuic_p2p.config import CodecSection, TrainSection, config_from_mapping
 from ciuic_p2p.core.codec.bucket import ChunkSource
 from ciuic_p2p.core.codec.layout import BucketLayout
-from ciuic_p2p.core.replica.messages import PayloadKind, encode_presence, run_id_of
+from ciuic_p2p.core.replica.messages import run_id_of
 from ciuic_p2p.core.replica.outer import OuterStep
-from ciuic_p2p.core.replica.rule import Replica
+from ciuic_p2p.core.replica.rule import RefusedChunk, Replica
 from ciuic_p2p.core.store.statefile import pack_state, unpack_state
 from ciuic_p2p.errors import ConfigError
 from ciuic_p2p.train.hook import flatten_parameters
+from tests.train.test_replica import _introduce
 
 H = 4
 DENSE = CodecSection(dense_below_numel=1 << 30, dense_dtype="fp32")
@@ -48,15 +49,6 @@ def _replica(i: int, codec: CodecSection, train: TrainSection, incarnation: int 
     buckets = flatten_parameters(m, layout)
     source = ChunkSource(run_id_of("run"), bytes([i + 1]) * 32, incarnation, layout.layout_id)
     return Replica(layout, buckets, source, f"p{i}", codec, train, seed=i)
-
-
-def _introduce(reps: list[Replica]) -> None:
-    names = [r.peer for r in reps]
-    for r in reps:
-        r.set_alive(names)
-        for other in names:
-            if other != r.peer:
-                r.receive(other, encode_presence(PayloadKind.JOIN, run_id_of("run")))
 
 
 def _progress(i: int, step: int, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -247,3 +239,26 @@ def test_backlog_lowers_the_density_but_never_changes_the_round_length() -> None
     assert r.send_interval == H and r.density == SPARSE.density / 2
     r.adapt(0)
     assert r.send_interval == H and r.density == SPARSE.density
+
+
+def test_a_chunk_claiming_a_far_future_round_is_refused_before_anything_changes() -> None:
+    """A member's claimed step is range-checked: the outer coefficients raise the
+    momentum to the power of the rounds ahead, and no live peer can be further ahead
+    than the staleness bound."""
+    me, peer = _replica(0, DENSE, NESTEROV), _replica(1, DENSE, NESTEROV)
+    _introduce([me, peer])
+    with torch.no_grad():
+        for b in peer.buckets:
+            b.add_(0.01)
+    far = peer.encode_update(peer.take_update(), step=1 << 40)
+    before = [b.clone() for b in me.buckets]
+    assert me.outer is not None
+    momentum = [m.clone() for m in me.outer.buffers]
+    for p in far:
+        with pytest.raises(RefusedChunk) as exc:
+            me.receive("p1", p)
+        assert exc.value.reason == "range"
+    me.flush(wait=True)
+    assert all(torch.equal(a, b) for a, b in zip(me.buckets, before, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(me.outer.buffers, momentum, strict=True))
+    assert me.stats.refused["range"] == len(far)

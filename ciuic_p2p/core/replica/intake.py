@@ -329,6 +329,15 @@ class Intake:
                 origin,
                 PayloadKind.UPDATE,
             )
+        outer = self.outer
+        if outer is not None and not outer.accepts(h.step, step, self.train.staleness_bound_steps):
+            raise RefusedChunk(
+                "range",
+                f"chunk from {origin} claims step {h.step}, more than the staleness bound "
+                f"and a round ahead of this replica's {step}",
+                origin,
+                PayloadKind.UPDATE,
+            )
         self._check_once(self._updates, origin, h)
         if h.step <= self.floors.get(origin, -1):  # the restored state holds it already
             self.stats.before_state += 1

@@ -91,12 +91,18 @@ class OuterStep:
         if mu == 0.0:
             return lr
         s, n = self.round_of(step), self.next_round
-        kicks = 0.0
+        # Geometric sums in closed form: O(1) however late a chunk is.
         if s >= n:  # completions of rounds n .. s-1 will kick it early: take that back
-            kicks = -sum(mu ** (r - s) for r in range(n, s))
+            kicks = -(mu ** (n - s) - 1.0) / (1.0 - mu)  # sum of mu^-j, j = 1 .. s-n
         else:  # rounds s .. n-1 completed without it: the kicks it missed
-            kicks = sum(mu ** (r - s) for r in range(s, n))
+            kicks = (1.0 - mu ** (n - s)) / (1.0 - mu)  # sum of mu^j, j = 0 .. n-s-1
         return base + lr * mu * mu * kicks
+
+    def accepts(self, step: int, own_step: int, bound_steps: int) -> bool:
+        """A chunk of ``step`` is no further ahead of this replica's ``own_step`` than a
+        live peer can be (the staleness bound and one round): a claimed step beyond
+        would be weighted by ``mu`` to a power no honest chunk needs."""
+        return step <= own_step + bound_steps + self.inner_steps
 
     def momentum_factor(self, step: int) -> float:
         """What a chunk of ``step`` adds to ``m`` over its ``w`` (0 without momentum)."""
