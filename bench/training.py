@@ -27,6 +27,8 @@ over its steps; ``control_bytes_per_step`` is the same mesh's traffic while no o
 trains (measured before each seed's runs, over the same wall time per step). Wait
 fraction: the trainer's wall time minus its padded compute, over wall time (evaluations
 excluded); utilization: steps x step time over wall time.
+``<mode>_mesh_bytes_per_step_by_kind`` splits the same runs' mesh messages by kind
+(CHUNK, HEADS, WANT, PING, ACK, GOSSIP, SYNC), before the transport's framing.
 
     python bench/training.py --json --task shakespeare
 """
@@ -34,6 +36,7 @@ excluded); utilization: steps x step time over wall time.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import statistics
 import sys
@@ -203,6 +206,15 @@ def _control_rate(cluster: LocalCluster, window_s: float, settle_s: float) -> fl
     return (sent() - a) / (time.monotonic() - t0)
 
 
+def _mesh_bytes(cluster: LocalCluster) -> collections.Counter[str]:
+    """Mesh message bytes the nodes have sent, summed, by message kind (before the
+    transport's framing: the UDP count is the total)."""
+    total: collections.Counter[str] = collections.Counter()
+    for st in cluster.status().values():
+        total.update((st or {}).get("mesh_bytes_sent", {}))
+    return total
+
+
 def _params_of(results: list[dict[str, Any]]) -> int:
     return int(results[0].get("params", 0))
 
@@ -220,8 +232,10 @@ def _seed_row(
     row: dict[str, Any] = {"seed": seed}
     control = _control_rate(cluster, args.control_window_s, args.control_settle_s)
     runs: dict[str, list[dict[str, Any]]] = {}
+    by_kind: dict[str, dict[str, float]] = {}
     for mode in modes:
         worker_mode = "async" if mode in envs else mode
+        before = _mesh_bytes(cluster)
         runs[mode] = cluster.train(
             worker_mode,
             args.task,
@@ -231,6 +245,11 @@ def _seed_row(
             step_s=0.0 if mode == "ddp" else args.step_s,
             env=envs.get(mode),
         )
+        after, steps_run = _mesh_bytes(cluster), max(1, runs[mode][0]["steps"])
+        by_kind[mode] = {
+            kind: (after[kind] - before.get(kind, 0)) / len(runs[mode]) / steps_run
+            for kind in after
+        }
     if args.measured_ring:
         runs["dense"] = cluster.train(
             "dense", args.task, steps, seed, out / f"dense-{seed}", step_s=args.step_s
@@ -267,6 +286,7 @@ def _seed_row(
             row[mode]["consensus_distance"] = final_consensus(out / f"{mode}-{seed}", len(results))
             wall_per_step = statistics.fmean(r["wall_s"] / r["steps"] for r in results)
             row[mode]["control_bytes_per_step"] = control * wall_per_step
+            row[mode]["mesh_bytes_per_step_by_kind"] = by_kind[mode]
     return row, runs
 
 
@@ -363,6 +383,16 @@ def _result(
         name = "dense" if mode == "ddp" else ("ring" if mode == "dense" else mode)
         for key in keys:
             result[f"{name}_{key}"] = mean(mode, key)
+        kinds = [
+            r[mode]["mesh_bytes_per_step_by_kind"]
+            for r in per_seed
+            if mode in r and "mesh_bytes_per_step_by_kind" in r[mode]
+        ]
+        if kinds:
+            result[f"{name}_mesh_bytes_per_step_by_kind"] = {
+                k: round(statistics.fmean(d.get(k, 0.0) for d in kinds), 1)
+                for k in sorted(set().union(*kinds))
+            }
         if any(mode in r and "staleness_p99" in r[mode] for r in per_seed):
             result[f"{name}_staleness_p99_steps"] = max(
                 r[mode]["staleness_p99"] for r in per_seed if mode in r

@@ -54,6 +54,7 @@ def test_integer_is_accepted_where_a_float_is_expected() -> None:
         ("preset = 'moon'\n", "preset: must be one of"),
         ("[codec\n", "not valid TOML"),
         ("codec = 3\n", "codec: must be a table"),
+        ("[mesh]\nheads_idle_interval_s = 0.1\n", "mesh.heads_idle_interval_s: must be >= heads"),
     ],
 )
 def test_bad_config_names_the_key_and_why(text: str, message: str) -> None:

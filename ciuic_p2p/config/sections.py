@@ -272,7 +272,11 @@ class MeshSection:
     tree_chunk_bytes: int = 4096
     """Chunk size the trees are optimised for (serialization per hop)."""
     heads_interval_s: float = 0.25
-    """How often a node tells ``heads_fanout`` members what chunks it holds."""
+    """How soon after what it holds changed a node tells ``heads_fanout`` members (its
+    highest chunk per origin), and how often it checks for chunks to ask again for."""
+    heads_idle_interval_s: float = 4.0
+    """How often a node repeats those announcements while what it holds is unchanged
+    (for the members a lost message or a random pick left out)."""
     heads_fanout: int = 2
     repair_after_s: float = 0.3
     """A chunk known to exist but missing this long is requested from a holder."""

@@ -342,6 +342,17 @@ class DaemonCollector(Collector):
             families["received_chunks"].add_metric(peer, t.chunks_received)
             families["relayed_chunks"].add_metric(peer, t.chunks_relayed)
         yield from families.values()
+        by_kind = {
+            what: CounterMetricFamily(f"ciuic_mesh_sent_{what}", doc, labels=["kind"])
+            for what, doc in (
+                ("bytes", "Mesh message bytes sent, by kind, before the transport's framing."),
+                ("messages", "Mesh messages sent, by kind."),
+            )
+        }
+        for kind in sorted(self.daemon.mesh_bytes_sent):
+            by_kind["bytes"].add_metric([kind], self.daemon.mesh_bytes_sent[kind])
+            by_kind["messages"].add_metric([kind], self.daemon.mesh_messages_sent[kind])
+        yield from by_kind.values()
 
     def _queues(self) -> Iterator[Metric]:
         d = self.daemon

@@ -204,6 +204,10 @@ class MeshDaemon:
         self.banned: set[str] = set()
         """Peers dropped by a revocation list reloaded while they were linked."""
         self.counters: collections.Counter[str] = collections.Counter()
+        # Mesh message bytes (before transport framing) and counts sent, by kind: what
+        # the mesh's own upkeep costs beside the chunks it carries.
+        self.mesh_bytes_sent: collections.Counter[str] = collections.Counter()
+        self.mesh_messages_sent: collections.Counter[str] = collections.Counter()
         self.traffic: collections.defaultdict[str, PeerTraffic] = collections.defaultdict(
             PeerTraffic
         )
@@ -373,6 +377,8 @@ class MeshDaemon:
             except ValueError as exc:  # our own message over a limit: a bug, not fatal
                 log.error("mesh_message_too_large", kind=msg.kind.name, error=str(exc))
                 continue
+            self.mesh_bytes_sent[msg.kind.name] += len(data)
+            self.mesh_messages_sent[msg.kind.name] += 1
             body = msg.body
             if isinstance(body, Chunk):
                 if body.hops == 255 and self._bulk_queued(address) > REPAIR_QUEUE_BYTES:

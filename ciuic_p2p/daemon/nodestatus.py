@@ -30,6 +30,8 @@ class MeshDaemon(Protocol):
     guard: Guard
     banned: set[str]
     counters: collections.Counter[str]
+    mesh_bytes_sent: collections.Counter[str]
+    mesh_messages_sent: collections.Counter[str]
     clock: Callable[[], float]
 
     @property
@@ -100,6 +102,8 @@ def status(d: MeshDaemon) -> dict[str, Any]:
         "banned": sorted(d.banned),
         "counters": dict(d.counters),
         "udp_bytes_sent": d.transport.udp_bytes_sent,
+        "mesh_bytes_sent": dict(d.mesh_bytes_sent),
+        "mesh_messages_sent": dict(d.mesh_messages_sent),
         "backlog_bytes": d.backlog_bytes(),
         "internal_errors": internal_errors(d),
         "strangers": strangers(d),

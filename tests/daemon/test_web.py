@@ -147,6 +147,11 @@ async def test_metrics_of_a_running_mesh_carry_every_family_with_per_peer_labels
             assert all(v > 0 for v in sent.values())
             relayed = [s.value for s in families["ciuic_peer_relayed_chunks"].samples]
             assert sum(relayed) > 0
+            kinds = {s.labels["kind"]: s.value for s in families["ciuic_mesh_sent_bytes"].samples}
+            assert kinds["CHUNK"] > 0 and kinds["PING"] > 0 and kinds["ACK"] > 0
+            assert kinds == a.mesh_bytes_sent or all(  # counted between scrape and now
+                a.mesh_bytes_sent[k] >= v for k, v in kinds.items()
+            )
             trained = {s.labels["peer"]: s.value for s in families["ciuic_trainer_step"].samples}
             assert trained == {a.peer_id: 5, daemons[1].peer_id: 5}
             assert {

@@ -278,3 +278,77 @@ def test_heads_of_thousands_of_origins_fit_one_message_and_take_turns() -> None:
                 assert len(encode_message(msg)) <= MAX_MESSAGE_BYTES
                 announced |= {origin for origin, _ in msg.body.heads}
     assert len(announced) > 2000
+
+
+def test_heads_are_sent_on_a_change_and_seldom_while_nothing_changes() -> None:
+    """Review: every node sent its heads to two members every 0.25 s for as long as it
+    held anything: a third of an idle mesh's bytes, repeating what the receivers had
+    heard. Now a change is announced at the next tick and an unchanged state every
+    heads_idle_interval_s."""
+    settings = MeshSection(heads_interval_s=0.25, heads_idle_interval_s=4.0)
+    d = Disseminator(
+        "me",
+        settings,
+        children=lambda origin: [],
+        live=lambda: ["peer"],
+        identities=identities("me", "origin"),
+    )
+
+    def announced(t0: float, t1: float) -> list[float]:
+        times = []
+        for tick in range(round(t0 / 0.25) + 1, round(t1 / 0.25) + 1):
+            now = tick * 0.25
+            d.handle_timer(now)
+            if any(isinstance(m.body, Heads) for _, m in d.messages_to_send()):
+                times.append(now)
+        return times
+
+    d.handle(Message("origin", chunk("origin", 1)), now=0.0)
+    first = announced(0.0, 60.0)
+    assert first[0] == 0.25
+    assert {b - a for a, b in itertools.pairwise(first)} == {4.0}
+    assert len(first) == 15  # against 240, one every tick, before
+    for seq, at in ((2, 60.1), (3, 60.3)):  # a burst of changes: each goes out next tick
+        d.handle(Message("origin", chunk("origin", seq)), now=at)
+        assert announced(at - 0.1, at + 0.2) == [round(at / 0.25 + 0.5) * 0.25]
+    assert announced(60.5, 64.0) == []
+    assert announced(64.0, 64.5) == [64.5]
+
+
+def test_a_chunk_missed_long_after_the_last_change_is_still_repaired() -> None:
+    """The back-off must not starve repair: a node that missed a chunk still learns of
+    it from a holder's slow announcements, at most heads_idle_interval_s later, and
+    asks that holder for it."""
+    settings = MeshSection(heads_interval_s=0.25, heads_idle_interval_s=4.0, repair_after_s=0.3)
+    holder = Disseminator(
+        "holder",
+        settings,
+        children=lambda origin: [],
+        live=lambda: ["late"],  # the members besides itself, as the mesh passes them
+        identities=identities("holder", "late", "origin"),
+    )
+    holder.handle(Message("origin", chunk("origin", 1)), now=0.0)
+    for tick in range(1, 200):  # 50 s: the holder is deep in its back-off
+        holder.handle_timer(tick * 0.25)
+        holder.messages_to_send()
+    late = Disseminator(
+        "late",
+        settings,
+        children=lambda origin: [],
+        live=lambda: ["holder"],
+        identities=identities("holder", "late", "origin"),
+    )
+    # A node that lacks the chunk (its tree edge lost it; it holds nothing of origin).
+    wanted_at = None
+    for tick in range(201, 201 + 40):  # 10 s
+        now = tick * 0.25
+        holder.handle_timer(now)
+        for dest, msg in holder.messages_to_send():
+            assert dest == "late"
+            late.handle(Message("holder", msg.body), now=now)
+        late.handle_timer(now)
+        for dest, msg in late.messages_to_send():
+            if isinstance(msg.body, Want) and wanted_at is None:
+                assert dest == "holder" and 1 in msg.body.seqs
+                wanted_at = now
+    assert wanted_at is not None and wanted_at <= 50.0 + 4.0 + 2 * 0.3 + 0.5

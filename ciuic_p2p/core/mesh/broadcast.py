@@ -17,8 +17,12 @@ origin's chunks are new to the nodes that hold its previous life's: a higher ses
 starts the origin's log afresh (what its previous life left missing is given up), and
 a chunk of a lower one is a straggler of a life that ended, dropped (``stale``).
 
-Repair: every ``heads_interval_s`` a node tells ``heads_fanout`` random members the
-highest sequence number it holds per origin (``HEADS``). A node that learns of a
+Repair: a node tells ``heads_fanout`` random members the highest sequence number it
+holds per origin (``HEADS``) at the first repair tick (every ``heads_interval_s``)
+after what it holds changed, and every ``heads_idle_interval_s`` while nothing does
+(an unchanged announcement repeats what its receivers most likely heard: sent every
+tick for ever, it was a third of an idle mesh's bytes and a sixth of a training one's).
+A node that learns of a
 chunk it lacks, and still lacks it ``repair_after_s`` later (the tree had its chance),
 asks an announcer for it (``WANT``), and asks again every 2 x ``repair_after_s``, of
 its last four announcers in turn (the adapter queues no second copy of a chunk already
@@ -230,6 +234,14 @@ class Disseminator:
         """Heads announced in a session no signed chunk has shown yet, by origin."""
         self._out: list[tuple[str, Message]] = []
         self._next_heads: float | None = None
+        """The next repair tick (every ``heads_interval_s`` while anything is held)."""
+        self._held_changes = 0
+        """Chunks kept so far (own and others'): what the heads say moves with it."""
+        self._announced_changes = -1
+        self._next_announce = 0.0
+        self._turn_left = 0
+        """Origins a turn through more heads than one message holds has yet to announce:
+        they go out at the next ticks."""
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -367,6 +379,7 @@ class Disseminator:
         self._arm_heads(now)
 
     def _keep(self, origin: str, seq: int, payload: bytes, signature: bytes, now: float) -> None:
+        self._held_changes += 1
         self.store[(origin, seq)] = (payload, signature, now)
         self.store_bytes += len(payload)
         self._evict(now)
@@ -394,10 +407,7 @@ class Disseminator:
         if self._next_heads is None or now < self._next_heads:
             return
         self._next_heads = now + s.heads_interval_s
-        heads = self._heads()
-        if heads:
-            for peer in self._random_peers(s.heads_fanout, exclude=()):
-                self._send(peer, Heads(tuple(heads)))
+        self._announce(now)
         self._ask_claims(now)
         for origin, log in self.logs.items():
             wanted = []
@@ -429,6 +439,27 @@ class Disseminator:
             if holder is not None:
                 self._send(holder, Want(origin, tuple(wanted)))
         self._evict(now)
+
+    def _announce(self, now: float) -> None:
+        """Send the heads if what this node holds changed since it last did, if
+        ``heads_idle_interval_s`` has passed since, or if the turn through more origins
+        than one message holds is not over (the rest go out tick by tick)."""
+        s = self.settings
+        if (
+            self._held_changes == self._announced_changes
+            and now < self._next_announce
+            and self._turn_left <= 0
+        ):
+            return
+        if self._turn_left <= 0:  # a new turn through the origins starts here
+            self._turn_left = len(self.logs)
+        self._announced_changes = self._held_changes
+        # Half a tick early: the repair tick that lands on the interval's end takes it.
+        self._next_announce = now + s.heads_idle_interval_s - 0.5 * s.heads_interval_s
+        heads = self._heads()
+        if heads:
+            for peer in self._random_peers(s.heads_fanout, exclude=()):
+                self._send(peer, Heads(tuple(heads)))
 
     def _ask_claims(self, now: float) -> None:
         """Ask for each claimed head alone (see the module docstring)."""
@@ -467,6 +498,7 @@ class Disseminator:
                 budget -= size
                 out.append((origin, high))
         self._heads_turn += max(0, taken - len(own))  # the next round starts after these
+        self._turn_left = max(0, self._turn_left - max(0, taken - len(own)))
         return out
 
     def forget(self, origin: str) -> None:
