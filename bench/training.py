@@ -47,6 +47,7 @@ from typing import Any
 
 from ciuic_p2p.data import WAN_DIR
 from ciuic_p2p.emulator.scenarios import load_scenario
+from ciuic_p2p.lab import torchft_peer
 from ciuic_p2p.lab.cluster import LocalCluster, spread_nodes
 from ciuic_p2p.lab.demo import DEMO_CONFIG
 from ciuic_p2p.lab.report import final_consensus, summarize
@@ -69,7 +70,10 @@ loss = 0.0005
 
 VALUE_BITS = {"int8": 8, "int4": 4, "int2": 2, "fp16": 16}
 DILOCO = {"outer_optimizer": "nesterov", "outer_lr": 0.7, "outer_momentum": 0.9}
-MODES = ("outer", "diloco", "step", "ddp")
+MODES = ("outer", "diloco", "step", "ddp", "torchft")
+DEFAULT_MODES = ("outer", "diloco", "step", "ddp")
+"""``torchft`` (torchft's own DiLoCo, 4 replicas on loopback in a namespace of their
+own: ciuic_p2p.lab.torchft_peer) joins them with ``--modes`` or ``--torchft``."""
 OUTER_DEFAULTS: dict[str, dict[str, Any]] = {
     # Chosen by the sweep in docs/concepts/outer-steps.md: digits (SGD, 85k parameters,
     # 150 steps) needs rounds and density more than it needs few bytes; Shakespeare
@@ -88,6 +92,7 @@ LABELS = {
     "diloco": "DiLoCo (fp32, Nesterov)",
     "step": "ciuic per-step rule",
     "ddp": "dense DDP (fp32 ring, modelled)",
+    "torchft": "torchft DiLoCo (loopback)",
     "dense": "dense ring, measured",
 }
 
@@ -107,7 +112,10 @@ def _arguments() -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rate-scale", type=float, default=0.1)
     ap.add_argument("--step-s", type=float, default=0.5, help="accelerator step time")
-    ap.add_argument("--modes", default=",".join(MODES), help=f"of {', '.join(MODES)}")
+    ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"of {', '.join(MODES)}")
+    ap.add_argument(
+        "--torchft", action="store_true", help="add torchft's DiLoCo (needs it installed)"
+    )
     ap.add_argument("--inner-steps", type=int, help="H, outer and diloco (per task)")
     ap.add_argument("--outer-density", type=float, help="per task")
     ap.add_argument("--outer-values", choices=list(VALUE_BITS), help="per task")
@@ -244,6 +252,7 @@ def _seed_row(
             out / f"{mode}-{seed}",
             step_s=0.0 if mode == "ddp" else args.step_s,
             env=envs.get(mode),
+            inner_steps=args.inner_steps,
         )
         after, steps_run = _mesh_bytes(cluster), max(1, runs[mode][0]["steps"])
         by_kind[mode] = {
@@ -293,8 +302,12 @@ def _seed_row(
 def main() -> int:
     args = _arguments()
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if args.torchft and "torchft" not in modes:
+        modes.append("torchft")
     if unknown := set(modes) - set(MODES):
         raise SystemExit(f"unknown modes {sorted(unknown)}: of {', '.join(MODES)}")
+    if "torchft" in modes and (why := torchft_peer.available()):
+        raise SystemExit(f"torchft: {why}")
     steps = args.steps or {"digits": 150, "shakespeare": 300}[args.task]
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="ciuic-bench-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -364,6 +377,15 @@ def _result(
         "outer_momentum": args.outer_momentum if args.outer_optimizer == "nesterov" else None,
         "outer_consensus_interval_steps": args.outer_consensus_interval,
         "diloco": {**DILOCO, "inner_steps": args.inner_steps, "values": "fp32 dense"},
+        "torchft": {
+            **torchft_peer.DILOCO_OUTER,
+            "inner_steps": args.inner_steps,
+            "version": torchft_peer.version(),
+            "links": "loopback in its own namespace (not the emulated WAN): its time "
+            "does not compare, its loss and bytes (every byte on that loopback) do",
+        }
+        if any("torchft" in r for r in per_seed)
+        else None,
         "step_density": args.density,
         "step_send_interval_steps": args.send_interval,
         "step_value_mode": args.value_mode,
@@ -416,6 +438,11 @@ def _result(
         result["bytes_ratio_dense_over_outer"] = db / ob
     if ob and dib:
         result["bytes_ratio_diloco_over_outer"] = dib / ob
+    t, tb = result.get("torchft_eval_loss"), result.get("torchft_bytes_per_step")
+    if o is not None and t:
+        result["outer_loss_over_torchft"] = o / t
+    if ob and tb:
+        result["bytes_ratio_torchft_over_outer"] = tb / ob
     result["wall_s"] = round(wall_s, 1)
     result["per_seed"] = per_seed
     return result

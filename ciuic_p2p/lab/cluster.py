@@ -34,6 +34,7 @@ from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.scenarios import load_scenario
 from ciuic_p2p.errors import CiuicError
 from ciuic_p2p.identity import NodeKey
+from ciuic_p2p.lab import torchft_peer
 
 
 class ClusterError(CiuicError):
@@ -352,13 +353,16 @@ class LocalCluster:
         time_limit_s: float = 0.0,
         step_s: float = 0.0,
         env: dict[str, str] | None = None,
+        inner_steps: int = 1,
     ) -> list[dict[str, Any]]:
-        """Run one trainer per node (``single`` and ``ddp``: one trainer, no daemon);
-        the results in node order. ``step_s``: pad each step to this accelerator time;
-        ``env``: more variables for the trainers (``CIUIC_TRAIN_MODE=outer``: their
-        config over the nodes' file)."""
-        names = self.names[:1] if mode in ("single", "ddp") else self.names
-        world = len(self.names) if mode == "ddp" else len(names)
+        """Run one trainer per node (``single`` and ``ddp``: one trainer, no daemon;
+        ``torchft``: torchft's DiLoCo at ``inner_steps``, one replica per node, in a
+        loopback-only namespace of its own, ciuic_p2p.lab.torchft_peer); the results in
+        node order. ``step_s``: pad each step to this accelerator time; ``env``: more
+        variables for the trainers (``CIUIC_TRAIN_MODE=outer``: their config over the
+        nodes' file)."""
+        names = self.names[:1] if mode in ("single", "ddp", "torchft") else self.names
+        world = len(self.names) if mode in ("ddp", "torchft") else len(names)
         run = f"{mode}-{task}-{seed}-{time.time_ns()}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", **(env or {})}
         procs: dict[int, tuple[str, subprocess.Popen[bytes]]] = {}
@@ -371,7 +375,14 @@ class LocalCluster:
                 "--config", str(self.config_path), "--out", str(out), "--evals", str(evals),
                 "--step-s", repr(step_s),
             ]  # fmt: skip
-            if mode not in ("single", "ddp"):
+            if mode == "torchft":  # the launcher starts the world's replicas itself
+                cmd = [*self._nice(), *torchft_peer.command([
+                    "--world", str(world), "--inner-steps", str(inner_steps),
+                    "--out", str(out), "--timeout-s", repr(timeout_s),
+                    *cmd[cmd.index("--task"):cmd.index("--rank")], "--evals", str(evals),
+                    "--step-s", repr(step_s),
+                ])]  # fmt: skip
+            elif mode not in ("single", "ddp"):
                 cmd += ["--socket", str(self.trainer_socket(name))]
             if mode == "dense":
                 cmd += ["--ring", ",".join(self.ring_peers())]
@@ -393,10 +404,14 @@ class LocalCluster:
             for _, proc in procs.values():
                 if proc.stdout is not None:
                     proc.stdout.close()
-        results = []
-        for rank, (name, proc) in procs.items():
-            code = proc.wait(60)
+        codes = {rank: proc.wait(60) for rank, (_, proc) in procs.items()}
+        for _, proc in procs.values():
             self.trainers.remove(proc)
+        results = []
+        ranks = range(world) if mode == "torchft" else procs
+        for rank in ranks:
+            name = self.names[rank]
+            code = codes.get(rank, codes[0])
             path = out / f"result-{rank}.json"
             if code != 0 or not path.exists():
                 log = (out / f"trainer-{rank}.log").read_text(errors="replace")

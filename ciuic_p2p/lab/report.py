@@ -69,6 +69,7 @@ COLORS = {
     "ddp": "tab:red",
     "dense": "tab:red",
     "single": "tab:gray",
+    "torchft": "tab:purple",
 }
 LABELS = {
     "async": "ciuic async sparse",

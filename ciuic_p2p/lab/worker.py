@@ -8,7 +8,8 @@ reporting progress as JSON lines on stdout and its result in ``OUT/result-RANK.j
 - ``ddp``: what dense data parallelism computes, in one process, no network: each step
   the exact mean of the gradients of the ``--world`` replicas' batches (the same
   batches, per rank, as the other modes draw);
-- ``single``: one trainer alone, no network (give it N times the steps).
+- ``single``: one trainer alone, no network (give it N times the steps);
+- ``torchft``: torchft's DiLoCo (``ciuic_p2p.lab.torchft_peer``, which starts these).
 
 Step time is split into compute (forward, backward, optimizer; with ``--step-s``, the
 step padded to that accelerator time by a sleep before the hook), evaluation (with the
@@ -38,6 +39,7 @@ from ciuic_p2p.config import Config, load_layered
 from ciuic_p2p.core.codec.layout import BucketLayout
 from ciuic_p2p.lab.ring import RingAllReduce
 from ciuic_p2p.lab.tasks import make_task
+from ciuic_p2p.lab.torchft_peer import Replica
 from ciuic_p2p.train.attach import attach
 from ciuic_p2p.train.channel import DaemonChannel
 from ciuic_p2p.train.hook import MeshSync, flatten_parameters
@@ -57,6 +59,7 @@ class _Setup:
     sync: MeshSync | None = None
     ring: RingAllReduce | None = None
     channel: DaemonChannel | None = None
+    torchft: Replica | None = None
 
 
 def _attach(args: argparse.Namespace, config: Config, task: Any, model: torch.nn.Module) -> _Setup:
@@ -98,7 +101,17 @@ def _set_up_without_hook(args: argparse.Namespace, task: Any, model: torch.nn.Mo
     # Flat buckets here too, only so that every mode saves its parameters alike.
     buckets = flatten_parameters(model, BucketLayout.for_module(model, dense_below_numel=0))
     optimizer = task.optimizer(list(model.parameters()))
-    return _Setup(optimizer, buckets, ring=ring, channel=channel)
+    replica = None
+    if args.mode == "torchft":
+        replica = Replica(
+            model,
+            optimizer,
+            replica=args.rank,
+            world=args.world,
+            lighthouse=args.lighthouse,
+            inner_steps=args.inner_steps,
+        )
+    return _Setup(optimizer, buckets, ring=ring, channel=channel, torchft=replica)
 
 
 class _DenseGradients:
@@ -189,6 +202,8 @@ class _Run:
             stop_votes = self.dense.mean_(step, vote)
             c0 += time.perf_counter() - c1  # the all-reduce is not compute
         optimizer.step()
+        if self.parts.torchft is not None:  # its round's all-reduce is not compute
+            c0 += time.perf_counter() - self.parts.torchft.inner_done_at
         computed_s = time.perf_counter() - c0
         if args.step_s > computed_s:  # the accelerator's step time, before the hook
             time.sleep(args.step_s - computed_s)
@@ -297,9 +312,13 @@ class _Run:
         }
         if sync is not None:
             result["sync"] = sync.stats
+        if self.parts.torchft is not None:
+            result["rounds"] = self.parts.torchft.rounds
         return result
 
     def close(self) -> None:
+        if self.parts.torchft is not None:
+            self.parts.torchft.close()
         if self.parts.sync is not None:
             self.parts.sync.close()
         elif self.parts.channel is not None:
@@ -334,7 +353,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ciuic_p2p.lab.worker")
-    p.add_argument("--mode", choices=["async", "dense", "ddp", "single"], default="async")
+    p.add_argument(
+        "--mode", choices=["async", "dense", "ddp", "single", "torchft"], default="async"
+    )
     p.add_argument("--task", default="digits")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
@@ -358,6 +379,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--step-s", type=float, default=0.0, help="pad each step to this accelerator time"
     )
+    p.add_argument("--lighthouse", help="torchft: the lighthouse's address")
+    p.add_argument("--inner-steps", type=int, default=1, help="torchft: DiLoCo's H")
     args = p.parse_args(argv)
     result = run(args)
     _emit({k: v for k, v in result.items() if k not in ("curve", "sync")})
