@@ -386,11 +386,19 @@ class DaemonCollector(Collector):
             "Bulk bytes in the QUIC stack for a peer, not yet credited back by it.",
             labels=["peer"],
         )
+        rate = GaugeMetricFamily(
+            "ciuic_link_receive_rate_bps",
+            "The pace of a peer's bulk frames arriving here, measured passively (bits/s).",
+            labels=["peer"],
+        )
         for key in d.transport.peers():
             stats = d.transport.link_stats(key)
             if stats is not None:
                 buffered.add_metric([peer_id_of(key)], stats.bulk_buffered_bytes)
+                if stats.receive_rate_bps is not None:
+                    rate.add_metric([peer_id_of(key)], stats.receive_rate_bps)
         yield buffered
+        yield rate
 
     def _membership(self) -> Iterator[Metric]:
         d = self.daemon

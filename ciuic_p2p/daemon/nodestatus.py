@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ciuic_p2p.config import Config
+from ciuic_p2p.core.link.keys import peer_id_of
 from ciuic_p2p.core.mesh.node import MeshNode
 from ciuic_p2p.guard import Guard
 from ciuic_p2p.transport.base import Transport
@@ -71,6 +72,7 @@ def route_table(d: MeshDaemon) -> list[dict[str, Any]]:
 def status(d: MeshDaemon) -> dict[str, Any]:
     node = d.mesh
     routes = node.routes()
+    rates = receive_rates(d)
     members = []
     for name, m in sorted(node.members().items()):
         rtt = node.rtt_s(d.peer_id, name)
@@ -85,6 +87,7 @@ def status(d: MeshDaemon) -> dict[str, Any]:
                 "rtt_ms": None if rtt is None else round(rtt * 1000, 2),
                 "rtt_source": node.rtt_source(d.peer_id, name),
                 "route": list(routes.get(name, ())),
+                "receive_rate_bps": rates.get(name),
             }
         )
     return {
@@ -109,6 +112,17 @@ def status(d: MeshDaemon) -> dict[str, Any]:
         "strangers": strangers(d),
         **d.listener.status_sections(),
     }
+
+
+def receive_rates(d: MeshDaemon) -> dict[str, float]:
+    """The measured pace of each linked peer's bulk frames here, by peer ID (only the
+    links that have carried a frame large enough to measure)."""
+    out: dict[str, float] = {}
+    for key in d.transport.peers():
+        stats = d.transport.link_stats(key)
+        if stats is not None and stats.receive_rate_bps is not None:
+            out[peer_id_of(key)] = round(stats.receive_rate_bps)
+    return out
 
 
 def internal_errors(d: MeshDaemon) -> dict[str, int]:

@@ -76,6 +76,10 @@ class LinkStats:
     """Bulk bytes handed to the stack for this peer and not yet credited back by it:
     what this node holds in memory for the peer (bounded by the peer's window)."""
     credit_available: int
+    receive_rate_bps: float | None = None
+    """The pace of the peer's bulk frames arriving here, measured passively
+    (core.link.throughput); None before a frame large enough to measure."""
+    rate_samples: int = 0
 
 
 @dataclass(frozen=True, slots=True)

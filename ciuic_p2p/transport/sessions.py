@@ -181,6 +181,8 @@ class LinkBook(Generic[L]):
             bytes_received=link.bytes_received,
             bulk_buffered_bytes=s.bulk_buffered_bytes,
             credit_available=s.credit_out.available,
+            receive_rate_bps=s.receive_rate.rate_bps,
+            rate_samples=s.receive_rate.samples_taken,
         )
 
     def ping_rtt(

@@ -331,3 +331,30 @@ def test_a_forged_pong_is_no_rtt_sample_and_grows_nothing() -> None:
         forged = encode_frame(FrameType.PONG, PING.pack(1, sent_at))
         client.receive(Lane.CONTROL, forged, 6.0, UTC)
     assert client.rtt.samples == 0 and client.quota.window == window
+
+
+def test_the_bulk_lane_measures_the_pace_of_the_peers_frames() -> None:
+    """A session paces each large bulk frame as its bytes arrive (core.link.throughput):
+    cut into datagram-sized pieces at 8 Mbit/s on virtual time, with idle time between
+    frames, the receiver's estimate is that rate; control frames are not measured."""
+    client, server, _, _ = linked()
+    events(client), events(server)
+    now = 10.0
+    for _ in range(3):
+        assert client.send(BIGGEST, b"p" * (MAX_PAYLOAD[BIGGEST] // 4))
+        assert client.send(FrameType.GOSSIP, b"g" * 60_000)
+        for lane, data in client.data_to_send():
+            for at in range(0, len(data), 1200):
+                piece = data[at : at + 1200]
+                now += len(piece) * 8 / 8e6
+                server.receive(lane, piece, now, UTC)
+        for e in events(server):
+            if isinstance(e, FrameArrived):
+                server.consumed(e.type, len(e.payload))
+        pump(client, server, now)
+        events(client)
+        now += 5.0  # idle
+    assert server.receive_rate.samples_taken == 3
+    rate = server.receive_rate.rate_bps
+    assert rate is not None and abs(rate - 8e6) / 8e6 < 0.01
+    assert client.receive_rate.rate_bps is None  # it received nothing large

@@ -25,7 +25,8 @@ The protocol (frames and their limits: core.link.frames; the proof: core.link.au
    (``consumed``), and a peer that sends beyond its credit, or grants more than
    ``max_credit_bytes`` outstanding, breaks the rules.
 3. ``PING`` every ``ping_interval_s``, answered by ``PONG``: the RTT samples
-   (``rtt``) that routing uses.
+   (``rtt``) that routing uses. The bulk lane's frames, as they arrive, give the rate
+   the peer's bytes reach this node (``receive_rate``, core.link.throughput).
 4. ``CLOSE`` with a reason; a side that breaks a rule sends one too once it is
    authenticated (a stranger learns nothing), and the link is over.
 
@@ -47,6 +48,7 @@ from ciuic_p2p.config.sections import TransportSection
 from ciuic_p2p.core.link.auth import ServerAdmission, build_auth
 from ciuic_p2p.core.link.frames import (
     BULK_TYPES,
+    FRAME_HEADER,
     MAX_PAYLOAD,
     CreditSender,
     Frame,
@@ -59,6 +61,7 @@ from ciuic_p2p.core.link.frames import (
 )
 from ciuic_p2p.core.link.keys import Signer, peer_id_of
 from ciuic_p2p.core.link.rtt import RttEstimator
+from ciuic_p2p.core.link.throughput import ReceiveRate
 from ciuic_p2p.core.link.trust import Trust
 from ciuic_p2p.errors import AdmissionError, CiuicError
 
@@ -170,6 +173,8 @@ class LinkSession:
         """The peer's first grant: its receive window."""
         self.quota = ReceiveQuota(settings.receive_window_bytes)
         self.rtt = RttEstimator()
+        self.receive_rate = ReceiveRate()
+        """The pace of the peer's bulk frames here (core.link.throughput)."""
         self._admission: ServerAdmission | None = None
         self._readers = {
             Lane.CONTROL: FrameReader(first=frozenset({FrameType.AUTH_OK})) if dialed else None,
@@ -260,6 +265,9 @@ class LinkSession:
                 reader = self._readers[lane]
                 assert reader is not None
                 frames = reader.feed(data)
+                if lane is Lane.BULK:
+                    sizes = [FRAME_HEADER.size + len(f.payload) for f in frames]
+                    self.receive_rate.arrived(len(data), sizes, reader.buffered, now)
             for frame in frames:
                 self._handle_frame(lane, frame, now)
                 if self.closed:

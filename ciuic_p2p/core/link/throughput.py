@@ -1,0 +1,71 @@
+"""The rate a peer's bytes reach this node, measured passively from the bulk frames the
+link already carries. Pure: the session feeds it its bulk lane's arrivals with ``now``.
+
+A bulk frame (a chunk, a store piece) is written whole by its sender, so while it is
+arriving the sender is not waiting for the application: the pace of its bytes is the
+path's (its bottleneck, its congestion window), as in packet-train dispersion. One
+sample per frame of at least ``min_sample_bytes``: the bytes after the frame's first
+piece over the time from that piece to the last. The first piece is left out because
+its bytes may have queued in this node's socket while it was busy. Time between
+frames (the sender idle) is never counted, so an idle link does not read slow.
+
+The estimate is the median of the last ``SAMPLES`` samples: a burst that a busy event
+loop reads at once (a short time, too high a rate) and a frame that shared the path
+with others (too low) both sit at the ends.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+SAMPLES = 9
+MIN_SPAN_S = 0.002
+"""A frame that arrived faster than this gives no sample: the time is the clock's and
+the event loop's resolution, not the path's."""
+MAX_RATE_BPS = 1e12
+"""Above any link: a sample beyond it is a clock artefact, not a measurement."""
+
+
+class ReceiveRate:
+    """One link's receive rate (see the module docstring)."""
+
+    def __init__(self, min_sample_bytes: int = 64 * 1024) -> None:
+        self.min_sample_bytes = max(1, min_sample_bytes)
+        self._samples: deque[float] = deque(maxlen=SAMPLES)
+        self._started_at: float | None = None
+        """When the first piece of the frame now arriving came (None: between frames)."""
+        self._first_piece = 0
+        self.samples_taken = 0
+
+    def arrived(self, nbytes: int, completed: list[int], left_over: int, now: float) -> None:
+        """``nbytes`` arrived at ``now``; they ended frames of the sizes in
+        ``completed`` (header included, in order) and left ``left_over`` bytes of the
+        next frame buffered."""
+        if nbytes <= 0:
+            return
+        if not completed:
+            if self._started_at is None:  # these bytes begin a frame
+                self._started_at, self._first_piece = now, nbytes
+            return
+        if self._started_at is not None:  # the frame that began in an earlier piece
+            self._sample(completed[0], now - self._started_at)
+        # Any other frame ended in this same piece (no time to measure); what is left
+        # over is the first piece of the next.
+        self._started_at = now if left_over > 0 else None
+        self._first_piece = left_over
+
+    def _sample(self, size: int, span_s: float) -> None:
+        paced = size - self._first_piece
+        if size < self.min_sample_bytes or span_s < MIN_SPAN_S or paced <= 0:
+            return
+        rate_bps = paced * 8 / span_s
+        if rate_bps > MAX_RATE_BPS:
+            return
+        self._samples.append(rate_bps)
+        self.samples_taken += 1
+
+    @property
+    def rate_bps(self) -> float | None:
+        """The estimate, or None before the first sample."""
+        return statistics.median(self._samples) if self._samples else None

@@ -1,0 +1,96 @@
+"""The passive receive-rate estimate (core.link.throughput) on virtual time: frames cut
+into datagram-sized pieces, arriving at a known pace, with idle gaps between them."""
+
+from __future__ import annotations
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ciuic_p2p.core.link.throughput import MAX_RATE_BPS, MIN_SPAN_S, SAMPLES, ReceiveRate
+
+PIECE = 1200
+
+
+def deliver(
+    est: ReceiveRate, sizes: list[int], rate_bps: float, start: float, gap_s: float = 0.0
+) -> float:
+    """Frames of ``sizes`` at ``rate_bps``, in pieces of ``PIECE`` bytes, as a stream
+    delivers them: back to back (a piece may end one frame and begin the next) or, with
+    ``gap_s``, each after that much silence; the time the last byte arrived."""
+    bursts = [[s] for s in sizes] if gap_s else [sizes]
+    now = start
+    for i, burst in enumerate(bursts):
+        if i:
+            now += gap_s  # the sender idle: its next frame starts a new piece
+        bounds, total = [], 0
+        for s in burst:
+            total += s
+            bounds.append(total)
+        sent = done = 0
+        while sent < total:
+            n = min(PIECE, total - sent)
+            sent += n
+            now += n * 8 / rate_bps
+            completed = []
+            while done < len(bounds) and bounds[done] <= sent:
+                completed.append(bounds[done] - (bounds[done - 1] if done else 0))
+                done += 1
+            est.arrived(n, completed, sent - (bounds[done - 1] if done else 0), now)
+    return now
+
+
+def test_the_pace_of_large_frames_is_the_estimate_and_idle_gaps_do_not_count() -> None:
+    est = ReceiveRate(min_sample_bytes=64 * 1024)
+    deliver(est, [256 * 1024] * 5, 10e6, start=0.0, gap_s=3.0)  # seconds of silence between
+    assert est.rate_bps is not None
+    assert abs(est.rate_bps - 10e6) / 10e6 < 0.01
+    assert est.samples_taken == 5
+
+
+def test_back_to_back_frames_that_share_a_piece_each_give_a_sample() -> None:
+    est = ReceiveRate(min_sample_bytes=64 * 1024)
+    deliver(est, [100_000, 150_001, 99_999, 120_000], 50e6, start=1.0)
+    assert est.samples_taken == 4
+    assert est.rate_bps is not None and abs(est.rate_bps - 50e6) / 50e6 < 0.02
+
+
+def test_small_frames_and_frames_read_at_once_give_no_sample() -> None:
+    est = ReceiveRate(min_sample_bytes=64 * 1024)
+    deliver(est, [4096] * 50, 10e6, start=0.0, gap_s=0.1)  # chunks too small to pace
+    assert est.rate_bps is None
+    # A whole frame read in two pieces within the clock's resolution: not a pace.
+    est.arrived(PIECE, [], 0, 5.0)
+    est.arrived(200_000 - PIECE, [200_000], 0, 5.0 + MIN_SPAN_S / 2)
+    assert est.rate_bps is None and est.samples_taken == 0
+
+
+def test_a_burst_read_at_once_and_a_shared_path_sit_at_the_median_s_ends() -> None:
+    est = ReceiveRate(min_sample_bytes=64 * 1024)
+    t = deliver(est, [128 * 1024] * (SAMPLES - 2), 20e6, start=0.0, gap_s=1.0)
+    t = deliver(est, [128 * 1024], 2e9, start=t + 1)  # queued in the socket, read at once
+    deliver(est, [128 * 1024], 2e6, start=t + 1)  # the path shared with another transfer
+    assert est.rate_bps is not None and abs(est.rate_bps - 20e6) / 20e6 < 0.01
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(
+            st.integers(0, 1 << 20),
+            st.lists(st.integers(0, 1 << 24), max_size=3),
+            st.integers(0, 1 << 24),
+            st.floats(-1e3, 1e3, allow_nan=False),
+        ),
+        max_size=40,
+    )
+)
+def test_no_sequence_of_arrivals_raises_or_gives_an_impossible_rate(
+    steps: list[tuple[int, list[int], int, float]],
+) -> None:
+    """Whatever the session hands it (clocks that jump back, sizes that disagree), the
+    estimate is None or a rate in (0, MAX_RATE_BPS]."""
+    est = ReceiveRate(min_sample_bytes=1)
+    for nbytes, completed, left, now in steps:
+        est.arrived(nbytes, completed, left, now)
+        rate = est.rate_bps
+        assert rate is None or 0 < rate <= MAX_RATE_BPS
