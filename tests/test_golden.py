@@ -84,6 +84,9 @@ def _mesh() -> dict[str, bytes]:
         "gossip_named_alive": mw.Gossip(
             (mw.Alive(PEER, 5, "10.0.0.1:7946", "eu-west", SIG, "frankfurt-1"),)
         ),
+        "gossip_rated_links": mw.Gossip(
+            (mw.Links(PEER, 10, (mw.LinkEntry(OTHER, 123_456, 7, 19_400),), SIG),)
+        ),
         "sync": mw.Sync(True, updates),
         "chunk": mw.Chunk(PEER, (3 << 40) + 5, 2, b"payload" * 10, SIG),
         "heads": mw.Heads(((PEER, 9), (OTHER, (2 << 40) + 1))),

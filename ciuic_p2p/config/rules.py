@@ -151,6 +151,8 @@ def validate(cfg: Sections) -> None:
         (m.indirect_probes >= 0, "mesh.indirect_probes", "must be >= 0"),
         (m.gossip_fanout >= 1, "mesh.gossip_fanout", "must be >= 1"),
         (m.heads_fanout >= 1, "mesh.heads_fanout", "must be >= 1"),
+        (0 <= m.link_rate_change_ratio <= 10, "mesh.link_rate_change_ratio",
+         "must be in [0, 10]"),
         (m.heads_idle_interval_s >= m.heads_interval_s, "mesh.heads_idle_interval_s",
          "must be >= heads_interval_s"),
         (m.retransmit_mult >= 1, "mesh.retransmit_mult", "must be >= 1"),

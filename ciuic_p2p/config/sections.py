@@ -242,6 +242,9 @@ class MeshSection:
     """...and at least this often."""
     link_change_ratio: float = 0.1
     """A measured RTT is republished when it moves by more than this fraction..."""
+    link_rate_change_ratio: float = 0.25
+    """...and a measured link rate when it moves by more than this fraction (rates
+    vary more than RTTs from transfer to transfer)."""
     link_sync_interval_s: float = 1.0
     """At most this often a node pushes its whole link state to a peer whose link-state
     digest (carried by every probe and ack) differs from its own."""

@@ -81,6 +81,9 @@ MAX_STORE_CONTROL_BYTES = 60 * 1024
 """A store offer this small travels on the control stream (a joiner's query is not
 answered behind the bulk backlog)."""
 MAX_DIALS = 64
+RATE_FEED_INTERVAL_S = 1.0
+"""How often the links' measured rates are handed to the mesh (they change per large
+frame; the mesh republishes only a move of ``link_rate_change_ratio``)."""
 """Outgoing connections being set up at once."""
 REPAIR_QUEUE_BYTES = 8 * 1024 * 1024
 """Chunks queued for one destination past which a repair answer (a WANT's) is not
@@ -208,6 +211,7 @@ class MeshDaemon:
         # the mesh's own upkeep costs beside the chunks it carries.
         self.mesh_bytes_sent: collections.Counter[str] = collections.Counter()
         self.mesh_messages_sent: collections.Counter[str] = collections.Counter()
+        self._next_rate_feed = 0.0
         self.traffic: collections.defaultdict[str, PeerTraffic] = collections.defaultdict(
             PeerTraffic
         )
@@ -415,9 +419,20 @@ class MeshDaemon:
 
     def _timer_fired(self, node: MeshNode) -> None:
         try:
-            node.handle_timer(self.clock())
+            now = self.clock()
+            if now >= self._next_rate_feed:
+                self._next_rate_feed = now + RATE_FEED_INTERVAL_S
+                self._feed_rates(node)
+            node.handle_timer(now)
         finally:
             self._pump()  # re-arms the timer whatever happened
+
+    def _feed_rates(self, node: MeshNode) -> None:
+        """Hand the links' measured receive rates to the mesh (it publishes them)."""
+        for key in self.transport.peers():
+            stats = self.transport.link_stats(key)
+            if stats is not None and stats.receive_rate_bps is not None:
+                node.observe_rate(peer_id_of(key), stats.receive_rate_bps)
 
     def _member_changed(self, event: MemberEvent) -> None:
         self.member_events[event.state.name.lower()] += 1

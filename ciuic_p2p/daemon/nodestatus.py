@@ -88,6 +88,7 @@ def status(d: MeshDaemon) -> dict[str, Any]:
                 "rtt_source": node.rtt_source(d.peer_id, name),
                 "route": list(routes.get(name, ())),
                 "receive_rate_bps": rates.get(name),
+                "published_rate_bps": _rounded(node.rate_bps(name, d.peer_id)),
             }
         )
     return {
@@ -112,6 +113,10 @@ def status(d: MeshDaemon) -> dict[str, Any]:
         "strangers": strangers(d),
         **d.listener.status_sections(),
     }
+
+
+def _rounded(value: float | None) -> int | None:
+    return None if value is None else round(value)
 
 
 def receive_rates(d: MeshDaemon) -> dict[str, float]:

@@ -1,6 +1,6 @@
 """The passive link rate end to end: real daemons (QUIC) on the emulated WAN, a link
-shaped to a known rate; after some large chunks the receiver's ``status`` and
-``/metrics``-facing stats show that rate, measured from the chunks alone."""
+shaped to a known rate; after some large chunks the receiver's ``status`` shows that
+rate, measured from the chunks alone, and its link state carries it to the sender."""
 
 from __future__ import annotations
 
@@ -50,3 +50,15 @@ async def test_a_links_rate_is_measured_from_the_chunks_it_carries() -> None:
         # QUIC's window starts small, the emulator's queue adds jitter: the median of
         # the chunks' pace lands near the shaped rate, never above what the link allows.
         assert 0.5 * shaped_bps <= measured <= 1.15 * shaped_bps
+        # Published with the receiver's link state: the sender learns the rate of its
+        # own uplink, and both count it in their trees.
+        await mesh.until(
+            lambda: sender.mesh.rate_bps(sender.peer_id, receiver.peer_id) is not None, 30
+        )
+        published = sender.mesh.rate_bps(sender.peer_id, receiver.peer_id)
+        assert published is not None and abs(published - measured) <= 0.25 * measured + 1e3
+        # The other way no one measured (the receiver sent nothing large): the map
+        # takes the measured direction for it, and says so nowhere else.
+        (mine,) = nodestatus.status(sender)["members"]
+        assert mine["receive_rate_bps"] is None
+        assert mine["published_rate_bps"] == round(published)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from ciuic_p2p.core.mesh.messages import (
     MAX_ID_BYTES,
     MAX_INCARNATION,
+    MAX_RATE_KBPS,
     Ack,
     Alive,
     Chunk,
@@ -63,6 +64,17 @@ updates = st.one_of(
         ids,
         u32,
         st.lists(st.builds(LinkEntry, ids, u32, st.integers(0, 1000)), max_size=5).map(tuple),
+        sigs,
+    ),
+    st.builds(  # RATED_LINKS: any entry with a rate
+        Links,
+        ids,
+        u32,
+        st.lists(
+            st.builds(LinkEntry, ids, u32, st.integers(0, 1000), st.integers(1, MAX_RATE_KBPS)),
+            min_size=1,
+            max_size=5,
+        ).map(tuple),
         sigs,
     ),
     st.builds(Credential, ids, st.binary(max_size=400)),
@@ -202,3 +214,30 @@ def test_a_name_that_would_garble_a_terminal_or_is_too_long_is_refused(name: str
         decode_message(raw)
     with pytest.raises(ValueError):
         encode_update(Alive("n", 1, "h:1", "", b"s" * 64, "x" * 65))
+
+
+def test_rated_link_state_is_its_own_signed_form_and_its_rates_are_range_checked() -> None:
+    """A link state with measured rates travels as RATED_LINKS (appended: a LINKS
+    without rates keeps its bytes); its signature covers the rates, is valid for
+    neither the unrated form nor another rate, and a rate past 1 Tbit/s is refused."""
+    ids = identities("observer", "x")
+    plain = Links("x", 3, (LinkEntry("y", 5000, 1),))
+    rated = Links("x", 3, (LinkEntry("y", 5000, 1, 20_000),))
+    signed_rated = signed(rated)
+    assert encode_update(signed(plain))[0] == 5 and encode_update(signed_rated)[0] == 8
+    assert ids.verify("x", signed_rated)
+    for changed in (
+        Links("x", 3, (LinkEntry("y", 5000, 1, 40_000),), signed_rated.signature),
+        Links("x", 3, (LinkEntry("y", 5000, 1),), signed_rated.signature),
+    ):
+        assert not ids.verify("x", changed)
+    raw = encode_message(Message("a", Gossip((signed_rated,))))
+    assert decode_message(raw) == Message("a", Gossip((signed_rated,)))
+    too_fast = raw.replace(
+        (20_000).to_bytes(4, "little"), (MAX_RATE_KBPS + 1).to_bytes(4, "little")
+    )
+    with pytest.raises(MeshDecodeError, match="rate"):
+        decode_message(too_fast)
+    no_rate = raw.replace((20_000).to_bytes(4, "little"), bytes(4))
+    with pytest.raises(MeshDecodeError, match="without a rate"):
+        decode_message(no_rate)

@@ -6,7 +6,9 @@ import itertools
 from collections.abc import Callable
 
 from ciuic_p2p.config import MeshSection
+from ciuic_p2p.core.mesh.messages import Coordinate
 from ciuic_p2p.core.mesh.routing import Router, build_tree, shortest_paths
+from ciuic_p2p.core.mesh.rttmap import RttMap
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
 from ciuic_p2p.emulator.model.scenario import scenario_from_mapping
@@ -124,3 +126,52 @@ def test_a_tree_goes_direct_on_a_near_tie_and_relays_on_a_clear_detour() -> None
     assert tree_of(0.4000, default)["ore"] == ["sao"]  # a 15% detour: through Oregon
     # Without the margin the noisy measurement flips the tree.
     assert tree_of(0.3450, MeshSection(tree_relay_margin=0.0))["ore"] == ["sao"]
+
+
+def test_trees_count_each_links_published_rate_for_the_chunk_size() -> None:
+    """A large chunk over a slow direct link: with the link's measured rate the tree
+    relays through the node with fast links; without rates (the default rate for
+    every link) it goes direct, as the RTTs alone say."""
+    rtts = {
+        frozenset({"o", "a"}): 0.020,
+        frozenset({"o", "b"}): 0.030,
+        frozenset({"a", "b"}): 0.020,
+    }
+    rates = {("o", "a"): 100e6, ("o", "b"): 2e6, ("a", "b"): 100e6}
+
+    def rtt(x: str, y: str) -> float | None:
+        return rtts[frozenset({x, y})]
+
+    def rate(x: str, y: str) -> float | None:
+        return rates.get((x, y)) or rates.get((y, x))
+
+    settings = MeshSection(default_rate_bps=100e6, tree_relay_margin=0.1)
+    nodes = ["o", "a", "b"]
+    assert build_tree("o", nodes, rtt, settings, chunk_bytes=1_000_000)["o"] == ["a", "b"]
+    relayed = build_tree("o", nodes, rtt, settings, chunk_bytes=1_000_000, rate=rate)
+    assert relayed["o"] == ["a"] and relayed["a"] == ["b"]
+    # A small chunk's serialization is negligible even at 2 Mbit/s: direct again.
+    assert build_tree("o", nodes, rtt, settings, chunk_bytes=512, rate=rate)["o"] == ["a", "b"]
+
+
+def test_a_measured_rate_is_published_with_the_link_and_only_a_real_move_republishes() -> None:
+    settings = MeshSection(link_publish_min_s=0.0, link_refresh_s=1e9)
+    a, b = RttMap("a", settings), RttMap("b", settings)
+    a.observe("b", Coordinate(), 0.050)
+    first = a.publish(now=1.0)
+    assert first is not None and first.entries[0].rate_kbps == 0  # no rate measured yet
+    a.observe_rate("b", 19.4e6)  # b's bulk frames reach a at 19.4 Mbit/s
+    rated = a.publish(now=2.0)
+    assert rated is not None and rated.entries[0].rate_kbps == 19_400
+    assert b.apply_links(rated)
+    # b learns the rate of its own uplink to a from a's word, and a holds it too.
+    assert b.rate_bps("b", "a") == a.rate_bps("b", "a") == 19.4e6
+    assert b.rate_bps("a", "b") == 19.4e6  # the other way: a's measure, for want of b's
+    a.observe_rate("b", 21e6)  # +8%: noise, not republished
+    assert a.publish(now=3.0) is None
+    a.observe_rate("b", 30e6)  # +55%: a real change
+    moved = a.publish(now=4.0)
+    assert moved is not None and moved.entries[0].rate_kbps == 30_000
+    for bogus in (0.0, -5.0, float("inf"), 2e12):  # what a broken estimate could say
+        a.observe_rate("b", bogus)
+    assert a.rates["b"] == 30e6

@@ -24,15 +24,17 @@ ALIVE (id, incarnation u64, address str8, region str8, sig), NAMED_ALIVE (the sa
 with the node's name str8, of at most ``MAX_NAME_BYTES`` of printable ASCII,
 before the sig), SUSPECT / DEAD (id,
 incarnation u64, by str8), LEFT (id, incarnation u64, sig), LINKS (origin str8, version
-u32, u16 count, then peer str8, rtt_us u32, loss_permille u16 each, sig), CREDENTIAL
+u32, u16 count, then peer str8, rtt_us u32, loss_permille u16 each, sig), RATED_LINKS
+(the same with rate_kbps u32 after each entry's loss, at most 10^9), CREDENTIAL
 (id, credential bytes16: the member's node certificate, DER). A coordinate is eight
 f32 components, height f32 and error f32.
 
 What each signature covers (:func:`signed_bytes`; domain-separated, so that no
 signature of one kind is valid as another, nor as any other message the node key
-signs): an ALIVE, a LEFT and a LINKS by the node they are about (only a node may say
-where it is, that it left, or what its links measure); a CHUNK by its origin, over the
-origin, the sequence number (and so its session) and the payload's BLAKE2b-256. The
+signs): an ALIVE, a LEFT and a LINKS (or RATED_LINKS) by the node they are about (only
+a node may say where it is, that it left, or what its links measure); a CHUNK by its
+origin, over the origin, the sequence number (and so its session) and the payload's
+BLAKE2b-256. The
 accusations SUSPECT and DEAD are any member's word and are signed by nobody: a node
 takes them only at the incarnation its subject signed (core.mesh.membership).
 
@@ -66,6 +68,8 @@ MAX_CHUNK_MESSAGE_BYTES = MAX_CHUNK_BYTES + 512
 MAX_ID_BYTES = 128
 MAX_UPDATES = 4096
 MAX_LINKS = 1024
+MAX_RATE_KBPS = 1_000_000_000
+"""1 Tbit/s: a link rate claimed above it is refused (the field is a u32)."""
 MAX_HEADS = 4096
 MAX_WANT = 256
 MAX_CREDENTIAL_BYTES = 2048
@@ -102,6 +106,8 @@ class UpdateType(enum.IntEnum):
     CREDENTIAL = 6
     NAMED_ALIVE = 7
     """An ALIVE with the node's name (appended in version 2 of the package's wire)."""
+    RATED_LINKS = 8
+    """A LINKS whose entries also carry the rate measured from each peer (appended)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +172,9 @@ class LinkEntry:
     peer: str
     rtt_us: int
     loss_permille: int = 0
+    rate_kbps: int = 0
+    """The rate ``peer``'s bytes reach the origin, kbit/s (core.link.throughput);
+    0: not measured. Any entry with a rate makes the update a RATED_LINKS."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,11 +327,18 @@ def _signed_part(u: Alive | Left | Links) -> _Writer:
         w.str8(u.origin)
         w.u32(u.version)
         w.u16(len(u.entries))
+        rated = _rated(u)
         for e in u.entries:
             w.str8(e.peer)
             w.u32(min(e.rtt_us, 0xFFFFFFFF))
             w.u16(min(e.loss_permille, 1000))
+            if rated:
+                w.u32(min(max(0, e.rate_kbps), MAX_RATE_KBPS))
     return w
+
+
+def _rated(u: Links) -> bool:
+    return any(e.rate_kbps > 0 for e in u.entries)
 
 
 _DOMAINS = {
@@ -334,6 +350,7 @@ _DOMAINS = {
 
 
 NAMED_ALIVE_DOMAIN = b"ciuic-mesh-alive-named-v2\0"
+RATED_LINKS_DOMAIN = b"ciuic-mesh-links-rated-v2\0"
 
 
 def payload_digest(payload: bytes | bytearray | memoryview) -> bytes:
@@ -348,7 +365,12 @@ def signed_bytes(u: Alive | Left | Links | Chunk, digest: bytes | None = None) -
         w.str8(u.origin)
         w.u64(u.seq)
         return _DOMAINS[Chunk] + b"".join(w.parts) + (digest or payload_digest(u.payload))
-    domain = NAMED_ALIVE_DOMAIN if isinstance(u, Alive) and u.name else _DOMAINS[type(u)]
+    if isinstance(u, Alive) and u.name:
+        domain = NAMED_ALIVE_DOMAIN
+    elif isinstance(u, Links) and _rated(u):
+        domain = RATED_LINKS_DOMAIN
+    else:
+        domain = _DOMAINS[type(u)]
     return domain + b"".join(_signed_part(u).parts)
 
 
@@ -358,6 +380,8 @@ def encode_update(u: Update) -> bytes:
         kind = {Alive: UpdateType.ALIVE, Left: UpdateType.LEFT, Links: UpdateType.LINKS}[type(u)]
         if isinstance(u, Alive) and u.name:
             kind = UpdateType.NAMED_ALIVE
+        elif isinstance(u, Links) and _rated(u):
+            kind = UpdateType.RATED_LINKS
         w.u8(kind)
         w.parts += _signed_part(u).parts
         w.sig(u.signature)
@@ -487,7 +511,8 @@ class _Reader(Reader):
             return Dead(self.str8(), self.incarnation(), self.str8())
         if t == UpdateType.LEFT:
             return Left(self.str8(), self.incarnation(), self.sig())
-        if t == UpdateType.LINKS:
+        if t in (UpdateType.LINKS, UpdateType.RATED_LINKS):
+            rated = t == UpdateType.RATED_LINKS
             origin, version = self.str8(), self.u32()
             n = self.count(MAX_LINKS, "link entries")
             entries = []
@@ -495,8 +520,14 @@ class _Reader(Reader):
                 peer, rtt_us, loss = self.str8(), self.u32(), self.u16()
                 if loss > 1000:
                     raise MeshDecodeError("loss above 1000 permille")
-                entries.append(LinkEntry(peer, rtt_us, loss))
-            return Links(origin, version, tuple(entries), self.sig())
+                rate_kbps = self.u32() if rated else 0
+                if rate_kbps > MAX_RATE_KBPS:
+                    raise MeshDecodeError(f"link rate {rate_kbps} kbit/s above 1 Tbit/s")
+                entries.append(LinkEntry(peer, rtt_us, loss, rate_kbps))
+            links = Links(origin, version, tuple(entries), self.sig())
+            if rated and not _rated(links):  # one encoding per content: a signature
+                raise MeshDecodeError("RATED_LINKS without a rate")  # checks one form
+            return links
         if t == UpdateType.CREDENTIAL:
             node, n = self.str8(), self.u16()
             if n > MAX_CREDENTIAL_BYTES:

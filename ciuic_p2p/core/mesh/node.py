@@ -240,6 +240,16 @@ class MeshNode:
         """The RTT between two members as this node's map has it (core.mesh.rttmap)."""
         return self.rttmap.rtt_s(a, b)
 
+    def rate_bps(self, a: str, b: str) -> float | None:
+        """The published rate from ``a`` to ``b`` (bits/s), None where not measured."""
+        return self.rttmap.rate_bps(a, b)
+
+    def observe_rate(self, peer: str, rate_bps: float) -> None:
+        """The rate ``peer``'s bytes reach this node, measured by the link (the
+        adapter's transport; core.link.throughput): published with the link state."""
+        if peer != self.node:
+            self.rttmap.observe_rate(peer, rate_bps)
+
     def rtt_source(self, a: str, b: str) -> str:
         """Where that RTT comes from: measured here, published by a member, Vivaldi."""
         return self.rttmap.source(a, b)
@@ -318,7 +328,7 @@ class MeshNode:
         key = (self._view_version, self.rttmap.changes)
         if key != self._routing_key:
             self._routing_key = key
-            self.router.update(self.view(), self.rttmap.rtt_s)
+            self.router.update(self.view(), self.rttmap.rtt_s, self.rttmap.rate_bps)
 
     def _sign_links(self, links: Links) -> Links:
         return dataclasses.replace(links, signature=self.identities.sign(links))

@@ -29,6 +29,8 @@ from collections.abc import Callable, Sequence
 from ciuic_p2p.config.sections import MeshSection
 
 RttFn = Callable[[str, str], float | None]
+RateFn = Callable[[str, str], float | None]
+"""The published rate from one node to another, bits/s (None: not measured)."""
 
 
 def path_cost_s(path: Sequence[str], rtt: RttFn, relay_penalty_s: float) -> float | None:
@@ -74,10 +76,21 @@ def build_tree(
     rtt: RttFn,
     settings: MeshSection,
     chunk_bytes: int | None = None,
+    rate: RateFn | None = None,
 ) -> dict[str, list[str]]:
-    """Children of every node in ``origin``'s dissemination tree (see module doc)."""
+    """Children of every node in ``origin``'s dissemination tree (see module doc).
+    ``rate(u, v)``: the published rate from u to v in bits/s (None: not measured, and
+    ``default_rate_bps`` is counted)."""
     size = settings.tree_chunk_bytes if chunk_bytes is None else chunk_bytes
-    serialize_s = size * 8 / settings.default_rate_bps
+    serialize: dict[tuple[str, str], float] = {}
+
+    def serialize_s(u: str, v: str) -> float:
+        key = (u, v)
+        if key not in serialize:
+            bps = rate(u, v) if rate is not None else None
+            serialize[key] = size * 8 / (bps if bps else settings.default_rate_bps)
+        return serialize[key]
+
     fanout = max(1, settings.tree_max_fanout)
     arrival = {origin: 0.0}
     children: dict[str, list[str]] = {origin: []}
@@ -97,7 +110,9 @@ def build_tree(
                 d = delay[key]
                 if d is None:
                     continue
-                t = t_u + (len(kids) + 1) * serialize_s + d
+                # The uplink sends its children one after the other: this one waits
+                # for the copies before it (counted at the rate to each).
+                t = t_u + sum(serialize_s(u, k) for k in kids) + serialize_s(u, v) + d
                 if u != origin:
                     t = (t + settings.relay_penalty_s) * (1 + settings.tree_relay_margin)
                 cand = (t, v, u)
@@ -127,11 +142,13 @@ class Router:
         self._trees: dict[str, dict[str, list[str]]] = {}
         self._view: tuple[str, ...] = ()
         self._rtt: RttFn = lambda a, b: None
+        self._rate: RateFn | None = None
 
-    def update(self, view: Sequence[str], rtt: RttFn) -> None:
+    def update(self, view: Sequence[str], rtt: RttFn, rate: RateFn | None = None) -> None:
         """Recompute after the view or the map changed."""
         self._view = tuple(sorted(view))
         self._rtt = rtt
+        self._rate = rate
         self._trees.clear()
         s = self.settings
         best = shortest_paths(self.node, self._view, rtt, s.relay_penalty_s)
@@ -152,7 +169,7 @@ class Router:
         tree = self._trees.get(origin)
         if tree is None:
             view = self._view if origin in self._view else (*self._view, origin)
-            tree = build_tree(origin, view, self._rtt, self.settings)
+            tree = build_tree(origin, view, self._rtt, self.settings, rate=self._rate)
             self._trees[origin] = tree
         return tree
 

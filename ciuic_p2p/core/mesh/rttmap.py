@@ -7,6 +7,10 @@
   than ``link_change_ratio`` and ``link_change_min_s``: measurement noise neither
   floods the mesh nor reshapes the trees built from the map.
 - Where no one has measured a pair yet, Vivaldi coordinates (core.mesh.vivaldi) estimate it.
+- Each entry also carries the rate the peer's bytes reach the publisher, measured by
+  the link from the bulk frames it carries (core.link.throughput, fed in with
+  ``observe_rate``), republished when it moves by more than ``link_rate_change_ratio``;
+  the trees count serialization at the published rates (core.mesh.routing).
 
 Every node computes routes from the *published* values, its own included, so nodes
 that hold the same link state compute the same trees. The RTT of a pair is the mean
@@ -24,10 +28,12 @@ from collections import deque
 from collections.abc import Callable
 
 from ciuic_p2p.config.sections import MeshSection
-from ciuic_p2p.core.mesh.messages import MAX_LINKS, Coordinate, LinkEntry, Links
+from ciuic_p2p.core.mesh.messages import MAX_LINKS, MAX_RATE_KBPS, Coordinate, LinkEntry, Links
 from ciuic_p2p.core.mesh.vivaldi import VivaldiClient, distance_s
 
-Measured = dict[str, tuple[float, float]]  # peer -> (rtt_s, loss)
+Measured = dict[str, tuple[float, float, float]]
+"""peer -> (rtt_s, loss, rate_bps): the rate the peer's bytes reach the publisher
+(core.link.throughput), 0 where not measured."""
 RECENT_SAMPLES = 16
 """A link's published RTT is the least of its last 16 samples: the path's propagation
 delay, which routes should follow, without the queueing and scheduling noise that a
@@ -52,6 +58,8 @@ class RttMap:
         self.coords: dict[str, Coordinate] = {}
         self.recent: dict[str, deque[float]] = {}
         self.loss: dict[str, float] = {}
+        self.rates: dict[str, float] = {}
+        """The receive rate measured from each peer (its link's bulk frames), bits/s."""
         self.published: dict[str, Measured] = {}
         self.versions: dict[str, int] = {}
         self._version = 0
@@ -71,6 +79,11 @@ class RttMap:
         if probes >= 5:
             self.loss[peer] = max(0.0, 1.0 - acks / probes)
 
+    def observe_rate(self, peer: str, rate_bps: float) -> None:
+        """The rate ``peer``'s bytes reach this node, measured by the link."""
+        if 0 < rate_bps <= MAX_RATE_KBPS * 1e3:
+            self.rates[peer] = rate_bps
+
     def apply_links(self, links: Links) -> bool:
         """Take a node's published links; False if not newer than what we hold."""
         if links.origin == self.node or links.version <= self.versions.get(links.origin, -1):
@@ -78,7 +91,8 @@ class RttMap:
         self.versions[links.origin] = links.version
         self.signed[links.origin] = links
         self.published[links.origin] = {
-            e.peer: (e.rtt_us / 1e6, e.loss_permille / 1000) for e in links.entries
+            e.peer: (e.rtt_us / 1e6, e.loss_permille / 1000, e.rate_kbps * 1e3)
+            for e in links.entries
         }
         self.changes += 1
         self._digest = None
@@ -86,6 +100,7 @@ class RttMap:
 
     def forget(self, node: str) -> None:
         self.recent.pop(node, None)
+        self.rates.pop(node, None)
         self.coords.pop(node, None)
         self.vivaldi.forget(node)
         self.signed.pop(node, None)
@@ -112,12 +127,16 @@ class RttMap:
             if not samples:
                 continue
             rtt, loss = min(samples), self.loss.get(peer, 0.0)
+            rate = self.rates.get(peer, 0.0)
             old = mine.get(peer)
             if old is None or (
                 abs(rtt - old[0]) > max(s.link_change_min_s, s.link_change_ratio * old[0])
             ):
                 changed = True
-                current[peer] = (rtt, loss)
+                current[peer] = (rtt, loss, rate)
+            elif rate and abs(rate - old[2]) > s.link_rate_change_ratio * old[2]:
+                changed = True  # the RTT as published (it did not move), the new rate
+                current[peer] = (old[0], old[1], rate)
             else:
                 current[peer] = old
         if len(current) > s.link_state_max_peers:
@@ -137,8 +156,8 @@ class RttMap:
 
     def _links_of(self, origin: str, measured: Measured, version: int) -> Links:
         entries = tuple(
-            LinkEntry(p, int(r * 1e6), int(loss * 1000))
-            for p, (r, loss) in sorted(measured.items())[:MAX_LINKS]
+            LinkEntry(p, int(r * 1e6), int(loss * 1000), min(MAX_RATE_KBPS, round(rate / 1e3)))
+            for p, (r, loss, rate) in sorted(measured.items())[:MAX_LINKS]
         )
         return Links(origin, version, entries)
 
@@ -167,6 +186,15 @@ class RttMap:
             if v is not None:
                 values.append(v[0])
         return sum(values) / len(values) if values else None
+
+    def rate_bps(self, a: str, b: str) -> float | None:
+        """The published rate from ``a`` to ``b``: what ``b`` measured receiving from
+        ``a``, else what ``a`` measured the other way (paths are mostly symmetric)."""
+        for receiver, sender in ((b, a), (a, b)):
+            v = self.published.get(receiver, {}).get(sender)
+            if v is not None and v[2] > 0:
+                return v[2]
+        return None
 
     def loss_of(self, a: str, b: str) -> float | None:
         values = [
