@@ -81,10 +81,10 @@ MAX_STORE_CONTROL_BYTES = 60 * 1024
 """A store offer this small travels on the control stream (a joiner's query is not
 answered behind the bulk backlog)."""
 MAX_DIALS = 64
+"""Outgoing connections being set up at once."""
 RATE_FEED_INTERVAL_S = 1.0
 """How often the links' measured rates are handed to the mesh (they change per large
 frame; the mesh republishes only a move of ``link_rate_change_ratio``)."""
-"""Outgoing connections being set up at once."""
 REPAIR_QUEUE_BYTES = 8 * 1024 * 1024
 """Chunks queued for one destination past which a repair answer (a WANT's) is not
 queued: a member that asks for everything and reads nothing gets this much."""

@@ -376,9 +376,10 @@ class LocalCluster:
                 "--step-s", repr(step_s),
             ]  # fmt: skip
             if mode == "torchft":  # the launcher starts the world's replicas itself
+                # Its own deadline first, so that it ends its replicas before ours ends it.
                 cmd = [*self._nice(), *torchft_peer.command([
                     "--world", str(world), "--inner-steps", str(inner_steps),
-                    "--out", str(out), "--timeout-s", repr(timeout_s),
+                    "--out", str(out), "--timeout-s", repr(max(30.0, timeout_s - 90)),
                     *cmd[cmd.index("--task"):cmd.index("--rank")], "--evals", str(evals),
                     "--step-s", repr(step_s),
                 ])]  # fmt: skip

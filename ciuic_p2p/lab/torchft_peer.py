@@ -19,11 +19,14 @@ model, batches, inner optimizer and learning-rate schedule as every other mode.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib
 import importlib.util
 import json
 import os
 import selectors
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -44,6 +47,10 @@ def available() -> str | None:
     """Why this baseline cannot run here, or None when it can."""
     if importlib.util.find_spec("torchft") is None:
         return "torchft is not installed (pip install 'ciuic-p2p[baselines]')"
+    try:  # the compiled part (lighthouse, manager server): a broken install fails here
+        importlib.import_module("torchft._torchft")
+    except ImportError as exc:
+        return f"torchft does not load: {exc}"
     if shutil.which("unshare") is None or shutil.which("ip") is None:
         return "needs unshare(1) and ip(8) for a loopback-only network namespace"
     probe = subprocess.run(["unshare", "-n", "true"], capture_output=True, check=False, timeout=10)
@@ -189,6 +196,10 @@ def _relay(procs: list[subprocess.Popen[bytes]], deadline: float) -> None:
     sel.close()
 
 
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m ciuic_p2p.lab.torchft_peer")
     p.add_argument("--world", type=int, default=4)
@@ -196,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", required=True)
     p.add_argument("--timeout-s", type=float, default=1800.0)
     args, worker_args = p.parse_known_args(argv)
+    # Ended by its caller (LocalCluster.stop, a test's timeout): SIGTERM unwinds, so the
+    # finally below ends the replicas instead of leaving them in the namespace.
+    signal.signal(signal.SIGTERM, _terminated)
     from torchft._torchft import LighthouseServer  # noqa: PLC0415  (optional, see Replica)
 
     subprocess.run(["ip", "link", "set", "lo", "up"], check=True, timeout=10)
@@ -213,13 +227,18 @@ def main(argv: list[str] | None = None) -> int:
         ]  # fmt: skip
         with (out / f"trainer-{rank}.log").open("ab") as err:
             procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err))
+    codes = [1] * len(procs)
     try:
         _relay(procs, time.monotonic() + args.timeout_s)
-        codes = [proc.wait(60) for proc in procs]
+        for i, proc in enumerate(procs):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                codes[i] = proc.wait(60)
     finally:
         for proc in procs:
             if proc.poll() is None:
                 proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(10)
         lighthouse.shutdown()
     sent = _loopback_tx_bytes() - tx0
     for rank in range(args.world):  # every byte on the wire, shared out per replica

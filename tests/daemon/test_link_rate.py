@@ -57,8 +57,9 @@ async def test_a_links_rate_is_measured_from_the_chunks_it_carries() -> None:
         )
         published = sender.mesh.rate_bps(sender.peer_id, receiver.peer_id)
         assert published is not None and abs(published - measured) <= 0.25 * measured + 1e3
-        # The other way no one measured (the receiver sent nothing large): the map
-        # takes the measured direction for it, and says so nowhere else.
+        (theirs,) = nodestatus.status(receiver)["members"]
+        assert theirs["published_rate_bps"] == round(published)
+        # The other way no one measured (the receiver sent nothing large), and only a
+        # link's receiver's word counts for it: unknown, not borrowed.
         (mine,) = nodestatus.status(sender)["members"]
-        assert mine["receive_rate_bps"] is None
-        assert mine["published_rate_bps"] == round(published)
+        assert mine["receive_rate_bps"] is None and mine["published_rate_bps"] is None

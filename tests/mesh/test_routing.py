@@ -166,7 +166,9 @@ def test_a_measured_rate_is_published_with_the_link_and_only_a_real_move_republi
     assert b.apply_links(rated)
     # b learns the rate of its own uplink to a from a's word, and a holds it too.
     assert b.rate_bps("b", "a") == a.rate_bps("b", "a") == 19.4e6
-    assert b.rate_bps("a", "b") == 19.4e6  # the other way: a's measure, for want of b's
+    # The other way only b's word would count (a sender's claim about its own uplink
+    # is never taken), and b measured nothing.
+    assert b.rate_bps("a", "b") is None
     a.observe_rate("b", 21e6)  # +8%: noise, not republished
     assert a.publish(now=3.0) is None
     a.observe_rate("b", 30e6)  # +55%: a real change
@@ -175,3 +177,34 @@ def test_a_measured_rate_is_published_with_the_link_and_only_a_real_move_republi
     for bogus in (0.0, -5.0, float("inf"), 2e12):  # what a broken estimate could say
         a.observe_rate("b", bogus)
     assert a.rates["b"] == 30e6
+
+
+def test_a_members_rate_claims_cannot_make_it_everyones_relay() -> None:
+    """Review: a member publishing 1 Tbit/s for its links became a relay for half the
+    nodes in every origin's tree (the rate from it was taken from its own word when
+    no receiver had measured it). Now only a receiver's measurement counts for a
+    link, and no rate counts above default_rate_bps."""
+    honest = [f"h{i}" for i in range(8)]
+    nodes = ["o", "m", *honest]
+    settings = MeshSection(default_rate_bps=100e6, tree_max_fanout=4)
+    maps = {n: RttMap(n, settings) for n in nodes}
+    published = {}
+    for n in nodes:
+        for p in nodes:
+            if p != n:
+                maps[n].observe(p, Coordinate(), 0.040)
+                if n == "m":
+                    maps[n].observe_rate(p, 1e12 - 1)  # the lie: every link 1 Tbit/s
+                elif p != "m":  # m forwarded nothing large: no one measured it
+                    maps[n].observe_rate(p, 100e6)
+    for n in nodes:
+        links = maps[n].publish(now=1.0)
+        assert links is not None
+        published[n] = links
+    view = maps["o"]
+    for n in nodes:
+        view.apply_links(published[n])
+    for size in (4096, 1_000_000):
+        tree = build_tree("o", nodes, view.rtt_s, settings, chunk_bytes=size, rate=view.rate_bps)
+        fair = build_tree("o", nodes, view.rtt_s, settings, chunk_bytes=size)
+        assert tree == fair and tree.get("m", []) == []

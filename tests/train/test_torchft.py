@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import signal
 import subprocess
 from pathlib import Path
 
@@ -64,13 +66,23 @@ def test_torchft_replicas_compute_diloco_on_the_same_batches(tmp_path: Path) -> 
     world, steps, h, seed = 2, 12, 4, 3
     args = ["--world", str(world), "--inner-steps", str(h), "--out", str(tmp_path)]
     args += ["--task", "digits", "--steps", str(steps), "--seed", str(seed), "--evals", "2"]
-    done = subprocess.run(
-        torchft_peer.command([*args, "--timeout-s", "120"]),
-        capture_output=True,
-        timeout=180,
-        check=False,
+    launcher = subprocess.Popen(
+        torchft_peer.command([*args, "--timeout-s", "90"]),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,  # its replicas in its group: ended with it, by its PID
     )
-    assert done.returncode == 0, done.stderr.decode()[-2000:]
+    try:
+        _, err = launcher.communicate(timeout=150)
+    finally:
+        if launcher.poll() is None:
+            launcher.terminate()  # the launcher ends its replicas on SIGTERM
+            try:
+                launcher.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(launcher.pid, signal.SIGKILL)
+                launcher.wait(10)
+    assert launcher.returncode == 0, err.decode()[-2000:]
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(world)]
     assert [r["rounds"] for r in results] == [steps // h] * world
     params = [torch.cat(torch.load(tmp_path / f"params-{r}.pt")) for r in range(world)]

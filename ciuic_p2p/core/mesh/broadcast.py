@@ -17,11 +17,13 @@ origin's chunks are new to the nodes that hold its previous life's: a higher ses
 starts the origin's log afresh (what its previous life left missing is given up), and
 a chunk of a lower one is a straggler of a life that ended, dropped (``stale``).
 
-Repair: a node tells ``heads_fanout`` random members the highest sequence number it
-holds per origin (``HEADS``) at the first repair tick (every ``heads_interval_s``)
-after what it holds changed, and every ``heads_idle_interval_s`` while nothing does
-(an unchanged announcement repeats what its receivers most likely heard: sent every
-tick for ever, it was a third of an idle mesh's bytes and a sixth of a training one's).
+Repair: a node tells members the highest sequence number it holds per origin
+(``HEADS``), ``heads_fanout`` of them at a time in a shuffled round through the live
+members: from the first repair tick (every ``heads_interval_s``) after what it holds
+changed, a tick at a time until every member was told, then every
+``heads_idle_interval_s`` while nothing changes (an unchanged announcement repeats
+what its receivers most likely heard: sent to random members every tick for ever, it
+was a third of an idle mesh's bytes and a sixth of a training one's).
 A node that learns of a
 chunk it lacks, and still lacks it ``repair_after_s`` later (the tree had its chance),
 asks an announcer for it (``WANT``), and asks again every 2 x ``repair_after_s``, of
@@ -242,6 +244,10 @@ class Disseminator:
         self._turn_left = 0
         """Origins a turn through more heads than one message holds has yet to announce:
         they go out at the next ticks."""
+        self._tell_left = 0
+        """Members a change is still to be announced to (``heads_fanout`` a tick)."""
+        self._rotation: list[str] = []
+        self._rotation_at = 0
 
     # -- sending ----------------------------------------------------------------------------
 
@@ -441,25 +447,51 @@ class Disseminator:
         self._evict(now)
 
     def _announce(self, now: float) -> None:
-        """Send the heads if what this node holds changed since it last did, if
-        ``heads_idle_interval_s`` has passed since, or if the turn through more origins
-        than one message holds is not over (the rest go out tick by tick)."""
+        """Send the heads while a change is still to reach every member (``fanout`` a
+        tick, in turn), every ``heads_idle_interval_s`` otherwise, and tick by tick
+        while a turn through more origins than one message holds is not over."""
         s = self.settings
+        changed = self._held_changes != self._announced_changes
         if (
-            self._held_changes == self._announced_changes
+            not changed
             and now < self._next_announce
             and self._turn_left <= 0
+            and self._tell_left <= 0
         ):
             return
         if self._turn_left <= 0:  # a new turn through the origins starts here
             self._turn_left = len(self.logs)
-        self._announced_changes = self._held_changes
+            # What this turn covers: a change kept during it is announced by the next.
+            self._announced_changes = self._held_changes
+            if changed:
+                self._tell_left = len(self.live())
         # Half a tick early: the repair tick that lands on the interval's end takes it.
         self._next_announce = now + s.heads_idle_interval_s - 0.5 * s.heads_interval_s
         heads = self._heads()
         if heads:
-            for peer in self._random_peers(s.heads_fanout, exclude=()):
+            peers = self._next_peers(s.heads_fanout)
+            self._tell_left -= max(1, len(peers))
+            for peer in peers:
                 self._send(peer, Heads(tuple(heads)))
+        else:
+            self._tell_left = 0
+
+    def _next_peers(self, k: int) -> list[str]:
+        """The next ``k`` members of a round through the live ones, shuffled whenever
+        the members change: every member hears one of any ceil(N / k) announcements
+        (random picks left one out for many intervals now and then)."""
+        live = self.live()
+        if len(self._rotation) != len(live) or set(self._rotation) != set(live):
+            self._rotation, self._rotation_at = self.rng.sample(live, len(live)), 0
+        out: list[str] = []
+        while len(out) < min(k, len(live)):
+            if self._rotation_at >= len(self._rotation):  # round again, same order:
+                self._rotation_at = 0  # no member waits more than one round
+            peer = self._rotation[self._rotation_at]
+            self._rotation_at += 1
+            if peer not in out:
+                out.append(peer)
+        return out
 
     def _ask_claims(self, now: float) -> None:
         """Ask for each claimed head alone (see the module docstring)."""
@@ -505,6 +537,7 @@ class Disseminator:
         """An origin left for good: stop expecting its chunks."""
         self.logs.pop(origin, None)
         self._claims.pop(origin, None)
+        self._turn_left = min(self._turn_left, len(self.logs))  # a turn that can end
 
     # -- output -----------------------------------------------------------------------------
 

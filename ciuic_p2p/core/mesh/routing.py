@@ -80,17 +80,23 @@ def build_tree(
 ) -> dict[str, list[str]]:
     """Children of every node in ``origin``'s dissemination tree (see module doc).
     ``rate(u, v)``: the published rate from u to v in bits/s (None: not measured, and
-    ``default_rate_bps`` is counted)."""
+    ``default_rate_bps`` is counted). A rate counts at most ``default_rate_bps``: a
+    measurement may make a link slower than an unmeasured one, never faster, so what
+    a member publishes cannot make it everyone's relay."""
     size = settings.tree_chunk_bytes if chunk_bytes is None else chunk_bytes
+    default_bps = settings.default_rate_bps
+
     serialize: dict[tuple[str, str], float] = {}
 
     def serialize_s(u: str, v: str) -> float:
         key = (u, v)
         if key not in serialize:
             bps = rate(u, v) if rate is not None else None
-            serialize[key] = size * 8 / (bps if bps else settings.default_rate_bps)
+            serialize[key] = size * 8 / (min(bps, default_bps) if bps else default_bps)
         return serialize[key]
 
+    busy: dict[str, float] = {origin: 0.0}
+    """Per node, the serialization of the copies to the children it has so far."""
     fanout = max(1, settings.tree_max_fanout)
     arrival = {origin: 0.0}
     children: dict[str, list[str]] = {origin: []}
@@ -112,7 +118,7 @@ def build_tree(
                     continue
                 # The uplink sends its children one after the other: this one waits
                 # for the copies before it (counted at the rate to each).
-                t = t_u + sum(serialize_s(u, k) for k in kids) + serialize_s(u, v) + d
+                t = t_u + busy[u] + serialize_s(u, v) + d
                 if u != origin:
                     t = (t + settings.relay_penalty_s) * (1 + settings.tree_relay_margin)
                 cand = (t, v, u)
@@ -125,6 +131,8 @@ def build_tree(
             break
         t, v, u = pick
         arrival[v] = t
+        busy[u] += serialize_s(u, v)
+        busy[v] = 0.0
         children[u].append(v)
         children[v] = []
         remaining.remove(v)

@@ -133,10 +133,10 @@ class RttMap:
                 abs(rtt - old[0]) > max(s.link_change_min_s, s.link_change_ratio * old[0])
             ):
                 changed = True
-                current[peer] = (rtt, loss, rate)
+                current[peer] = _quantized(rtt, loss, rate)
             elif rate and abs(rate - old[2]) > s.link_rate_change_ratio * old[2]:
                 changed = True  # the RTT as published (it did not move), the new rate
-                current[peer] = (old[0], old[1], rate)
+                current[peer] = _quantized(old[0], old[1], rate)
             else:
                 current[peer] = old
         if len(current) > s.link_state_max_peers:
@@ -154,9 +154,10 @@ class RttMap:
         self.signed[self.node] = own
         return own
 
-    def _links_of(self, origin: str, measured: Measured, version: int) -> Links:
+    @staticmethod
+    def _links_of(origin: str, measured: Measured, version: int) -> Links:
         entries = tuple(
-            LinkEntry(p, int(r * 1e6), int(loss * 1000), min(MAX_RATE_KBPS, round(rate / 1e3)))
+            LinkEntry(p, round(r * 1e6), round(loss * 1000), round(rate / 1e3))
             for p, (r, loss, rate) in sorted(measured.items())[:MAX_LINKS]
         )
         return Links(origin, version, entries)
@@ -189,12 +190,11 @@ class RttMap:
 
     def rate_bps(self, a: str, b: str) -> float | None:
         """The published rate from ``a`` to ``b``: what ``b`` measured receiving from
-        ``a``, else what ``a`` measured the other way (paths are mostly symmetric)."""
-        for receiver, sender in ((b, a), (a, b)):
-            v = self.published.get(receiver, {}).get(sender)
-            if v is not None and v[2] > 0:
-                return v[2]
-        return None
+        ``a``, and only that. Not the other direction: a sender's word about its own
+        uplink would let a member claim fast links and be made a relay in every tree
+        (the routing also clamps what it uses to ``default_rate_bps``)."""
+        v = self.published.get(b, {}).get(a)
+        return v[2] if v is not None and v[2] > 0 else None
 
     def loss_of(self, a: str, b: str) -> float | None:
         values = [
@@ -218,3 +218,12 @@ class RttMap:
         if self.measured_s(a, b) is not None:
             return "measured"
         return "vivaldi" if self.estimate_s(a, b) is not None else "unknown"
+
+
+def _quantized(rtt_s: float, loss: float, rate_bps: float) -> tuple[float, float, float]:
+    """A link's values as the wire carries them (microseconds, permille, kbit/s): the
+    publisher's own trees must come from the same numbers as everyone else's."""
+    rtt_us = min(0xFFFFFFFF, max(0, round(rtt_s * 1e6)))
+    permille = min(1000, max(0, round(loss * 1000)))
+    kbps = min(MAX_RATE_KBPS, max(0, round(rate_bps / 1e3)))
+    return rtt_us / 1e6, permille / 1000, kbps * 1e3
