@@ -72,7 +72,7 @@ def command(args: list[str]) -> list[str]:
     return ["unshare", "-n", sys.executable, "-m", "ciuic_p2p.lab.torchft_peer", *args]
 
 
-def _loopback_tx_bytes() -> int:
+def loopback_tx_bytes() -> int:
     """Bytes sent on this namespace's loopback (``/proc/net/dev`` is per namespace)."""
     for line in Path("/proc/net/dev").read_text().splitlines():
         name, _, rest = line.partition(":")
@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     lighthouse = LighthouseServer(bind="[::]:0", min_replicas=args.world)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    tx0 = _loopback_tx_bytes()
+    tx0 = loopback_tx_bytes()
     procs = []
     for rank in range(args.world):
         cmd = [
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     proc.wait(10)
         lighthouse.shutdown()
-    sent = _loopback_tx_bytes() - tx0
+    sent = loopback_tx_bytes() - tx0
     for rank in range(args.world):  # every byte on the wire, shared out per replica
         path = out / f"result-{rank}.json"
         if not path.exists():

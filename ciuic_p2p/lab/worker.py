@@ -39,7 +39,7 @@ from ciuic_p2p.config import Config, load_layered
 from ciuic_p2p.core.codec.layout import BucketLayout
 from ciuic_p2p.lab.ring import RingAllReduce
 from ciuic_p2p.lab.tasks import make_task
-from ciuic_p2p.lab.torchft_peer import Replica
+from ciuic_p2p.lab.torchft_peer import Replica, loopback_tx_bytes
 from ciuic_p2p.train.attach import attach
 from ciuic_p2p.train.channel import DaemonChannel
 from ciuic_p2p.train.hook import MeshSync, flatten_parameters
@@ -165,6 +165,8 @@ class _Run:
 
     def _bytes_sent(self) -> int:
         channel = self.parts.channel
+        if self.parts.torchft is not None:  # the namespace's loopback, shared out
+            return loopback_tx_bytes() // max(1, int(self.args.world))
         return int(channel.fetch_stats().get("udp_bytes_sent", 0)) if channel else 0
 
     def evaluate(self, step: int) -> None:
@@ -173,7 +175,8 @@ class _Run:
         loss, acc = self.task.evaluate(self.model)
         self.model.train()
         sent = 0
-        if self.parts.channel is not None:  # a fresh count: the plot's x axis must not lag
+        if self.parts.channel is not None or self.parts.torchft is not None:
+            # A fresh count: the plot's x axis must not lag.
             sent = self._bytes_sent() - self.bytes0
         # Measuring, like evaluating, is not training: this round trip to a busy
         # daemon, counted as wait, was a quarter of the wait fraction.

@@ -92,3 +92,6 @@ def test_torchft_replicas_compute_diloco_on_the_same_batches(tmp_path: Path) -> 
     # Every byte on the namespace's loopback, shared out: at least the fp32 ring's.
     ring = 2 * (world - 1) / world * 4 * params[0].numel() * (steps // h)
     assert results[0]["udp_bytes_sent"] * world >= ring
+    # The curve's byte column counts the same wire, as it goes (the plot's x axis).
+    sent = [c[4] for c in results[0]["curve"]]
+    assert sent == sorted(sent) and sent[-1] > 0
