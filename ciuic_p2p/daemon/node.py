@@ -429,10 +429,8 @@ class MeshDaemon:
 
     def _feed_rates(self, node: MeshNode) -> None:
         """Hand the links' measured receive rates to the mesh (it publishes them)."""
-        for key in self.transport.peers():
-            stats = self.transport.link_stats(key)
-            if stats is not None and stats.receive_rate_bps is not None:
-                node.observe_rate(peer_id_of(key), stats.receive_rate_bps)
+        for peer, rate_bps in nodestatus.receive_rates(self).items():
+            node.observe_rate(peer, rate_bps)
 
     def _member_changed(self, event: MemberEvent) -> None:
         self.member_events[event.state.name.lower()] += 1

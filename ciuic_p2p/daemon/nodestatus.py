@@ -87,7 +87,7 @@ def status(d: MeshDaemon) -> dict[str, Any]:
                 "rtt_ms": None if rtt is None else round(rtt * 1000, 2),
                 "rtt_source": node.rtt_source(d.peer_id, name),
                 "route": list(routes.get(name, ())),
-                "receive_rate_bps": rates.get(name),
+                "receive_rate_bps": _rounded(rates.get(name)),
                 "published_rate_bps": _rounded(node.rate_bps(name, d.peer_id)),
             }
         )
@@ -126,7 +126,7 @@ def receive_rates(d: MeshDaemon) -> dict[str, float]:
     for key in d.transport.peers():
         stats = d.transport.link_stats(key)
         if stats is not None and stats.receive_rate_bps is not None:
-            out[peer_id_of(key)] = round(stats.receive_rate_bps)
+            out[peer_id_of(key)] = stats.receive_rate_bps
     return out
 
 
