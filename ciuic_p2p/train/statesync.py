@@ -127,8 +127,13 @@ class StateKeeper:
             applied = meta.get("applied", {})
             info = {"source": "checkpoint", "step": start, "bytes": len(ckpt.state)}
         else:
-            start, applied = 0, {}
-        r.start_at(start, applied if isinstance(applied, dict) else {})
+            start, applied, meta = 0, {}, {}
+        next_round = meta.get("next_round")
+        r.start_at(
+            start,
+            applied if isinstance(applied, dict) else {},
+            next_round if isinstance(next_round, int) else None,
+        )
         info["seconds"] = round(time.monotonic() - t0, 3)
         if info["source"] != "fresh":
             log.info("state_restored", **{k: v for k, v in info.items() if k != "id"})
@@ -137,9 +142,10 @@ class StateKeeper:
     def _pack(self) -> tuple[bytearray, bytes]:
         self.replica.flush()
         opt = self.optimizer if self.config.store.sync_optimizer_state else None
-        meta = {"applied": self.replica.applied_steps()}
         r = self.replica
-        return pack_state(self.layout.layout_id, r.shared_params(), opt, meta, r.shared_momentum())
+        return pack_state(
+            self.layout.layout_id, r.shared_params(), opt, r.state_meta(), r.shared_momentum()
+        )
 
     def _momentum(self) -> list[torch.Tensor]:
         outer = self.replica.outer

@@ -13,7 +13,7 @@ import torch
 from ciuic_p2p.config import CodecSection, TrainSection, config_from_mapping
 from ciuic_p2p.core.codec.bucket import ChunkSource
 from ciuic_p2p.core.codec.layout import BucketLayout
-from ciuic_p2p.core.replica.messages import run_id_of
+from ciuic_p2p.core.replica.messages import PayloadKind, encode_presence, run_id_of
 from ciuic_p2p.core.replica.outer import OuterStep
 from ciuic_p2p.core.replica.rule import RefusedChunk, Replica
 from ciuic_p2p.core.store.statefile import pack_state, unpack_state
@@ -179,16 +179,7 @@ def test_a_replica_restarted_from_a_peers_state_rejoins_the_outer_step() -> None
     mesh.step(3 * H)
     mesh.drain()
     donor = reps[0]
-    blob, _ = pack_state(
-        donor.layout.layout_id,
-        donor.shared_params(),
-        meta={"applied": donor.applied_steps()},
-        momentum=donor.shared_momentum(),
-    )
-    fresh = _replica(2, DENSE, NESTEROV, incarnation=1)
-    assert fresh.outer is not None
-    meta = unpack_state(blob, fresh.layout.layout_id, fresh.buckets, momentum=fresh.outer.buffers)
-    fresh.start_at(donor.step, meta["applied"])
+    fresh = _restored_from(donor, 2, NESTEROV)
     reps[2] = fresh
     _introduce(reps)
     mesh.step(3 * H)
@@ -198,6 +189,143 @@ def test_a_replica_restarted_from_a_peers_state_rejoins_the_outer_step() -> None
         r.flush(wait=True)
         for got, exp in zip(r.buckets, want, strict=True):
             torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-5)
+
+
+def _restored_from(donor: Replica, i: int, train: TrainSection) -> Replica:
+    """Replica ``i`` in a new life, started from ``donor``'s packed state (tensors and
+    meta, through the state file as a joiner gets it)."""
+    donor.flush(wait=True)
+    blob, _ = pack_state(
+        donor.layout.layout_id,
+        donor.shared_params(),
+        meta=donor.state_meta(),
+        momentum=donor.shared_momentum(),
+    )
+    fresh = _replica(i, DENSE, train, incarnation=1)
+    assert fresh.outer is not None
+    meta = unpack_state(blob, fresh.layout.layout_id, fresh.buckets, momentum=fresh.outer.buffers)
+    fresh.start_at(donor.step, meta["applied"], meta.get("next_round"))
+    return fresh
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("extra_steps", [0, 2])
+def test_a_joiner_from_a_state_packed_mid_round_ends_beside_the_others(
+    seed: int, extra_steps: int
+) -> None:
+    """The donor's rounds are not all complete when it packs its state (its peers'
+    last rounds are still on the way): the joiner takes the donor's round count with
+    the state, gets every chunk the donor had not applied yet, and ends where the
+    others do (dense chunks: to float rounding)."""
+    reps = [_replica(i, DENSE, NESTEROV) for i in range(3)]
+    _introduce(reps)
+    mesh = _Mesh(reps, seed=seed, max_delay_steps=H)
+    mesh.step(3 * H + extra_steps)
+    donor = reps[0]
+    assert donor.outer is not None
+    assert extra_steps or donor.outer.next_round <= 3  # round 3 is on the way
+    joiner = _restored_from(donor, 3, NESTEROV)
+    mesh.queue += [(at, 3, o, p) for at, j, o, p in mesh.queue if j == 0]
+    reps.append(joiner)
+    _introduce(reps)
+    for r in reps[:3]:
+        r.receive(joiner.peer, encode_presence(PayloadKind.JOIN, run_id_of("run"), step=donor.step))
+    mesh.step(4 * H - extra_steps)
+    mesh.drain()
+    shared = []
+    for r in reps:
+        r.flush(wait=True)
+        shared.append(torch.cat([b.flatten() for b in r.shared_params()]))
+    scale = float(shared[0].norm())
+    for other in shared[1:]:
+        assert float((other - shared[0]).norm()) < 1e-5 * scale
+
+
+def test_a_peer_rounds_ahead_moves_the_parameters_by_its_own_weight_only() -> None:
+    """One replica is silent for six rounds (its trainer still restoring), so no round
+    completes at the others: each chunk from a peer rounds ahead moves a replica by
+    ``lr (1 + mu) w`` of it and no more (its momentum part waits for its round), and
+    once the silent replica's rounds arrive every replica is at DiLoCo's anchor."""
+    train = dataclasses.replace(NESTEROV, outer_momentum=0.5, staleness_bound_steps=8 * H)
+    reps = [_replica(i, DENSE, train) for i in range(3)]
+    _introduce(reps)
+    start = [b.clone() for b in reps[0].buckets]
+    a, b, silent = reps
+    sent: list[bytes] = []
+    lr, mu = train.outer_lr, train.outer_momentum
+    for _ in range(6 * H):
+        for i, r in ((0, a), (1, b)):
+            with torch.no_grad():
+                for t, d in zip(r.buckets, _progress(i, r.step + 1, r.buckets), strict=True):
+                    t.add_(d)
+        due = a.local_step()
+        assert b.local_step() == due
+        own = [t.clone() for t in a.buckets]
+        if due:
+            a_out = a.encode_update(a.take_update())
+            for p in b.encode_update(b.take_update()):
+                a.receive(b.peer, p)
+            sent += a_out
+            a.settle()
+            a.flush(wait=True)
+            # B's whole round in full: lr (1 + mu) / N of it, nothing else moved.
+            moved = torch.cat([(x - y).flatten() for x, y in zip(a.buckets, own, strict=True)])
+            round_b = torch.cat(
+                [
+                    sum(
+                        (_progress(1, s, start)[k] for s in range(a.step - H + 1, a.step + 1)),
+                        torch.zeros_like(start[k]),
+                    ).flatten()
+                    for k in range(len(start))
+                ]
+            )
+            torch.testing.assert_close(moved, round_b * lr * (1 + mu) / 3, rtol=1e-4, atol=1e-6)
+    assert a.outer is not None and a.outer.next_round == 1 and len(a.outer.deferred) > 0
+    # The silent replica catches up: its six rounds, and A's and B's, reach everyone.
+    for _ in range(6 * H):
+        with torch.no_grad():
+            for t, d in zip(silent.buckets, _progress(2, silent.step + 1, start), strict=True):
+                t.add_(d)
+        if silent.local_step():
+            for p in silent.encode_update(silent.take_update()):
+                a.receive(silent.peer, p)
+                b.receive(silent.peer, p)
+    for p in sent:
+        silent.receive(a.peer, p)
+    for r in reps:
+        r.settle(everything=True)
+        r.flush(wait=True)
+    want = _diloco(start, 3, 6, lr=lr, mu=mu)
+    for got, exp in zip(a.buckets, want, strict=True):
+        torch.testing.assert_close(got, exp, rtol=1e-4, atol=1e-5)
+
+
+def test_a_silent_replica_restored_from_a_peer_rounds_ahead_ends_beside_it() -> None:
+    """The silent replica of the test above restores instead (as a trainer that
+    attached late does): the donor's state is packed while B's rounds wait in its
+    momentum list and its own rounds are unsettled; the three end together."""
+    train = dataclasses.replace(NESTEROV, outer_momentum=0.5, staleness_bound_steps=8 * H)
+    reps = [_replica(i, DENSE, train) for i in range(3)]
+    _introduce(reps)
+    a, b, _ = reps
+    mesh = _Mesh(reps[:2], seed=3, max_delay_steps=1)
+    mesh.step(6 * H + 1)
+    assert a.outer is not None and a.outer.next_round == 1 and a.outer.deferred
+    joiner = _restored_from(a, 2, train)
+    mesh.queue += [(at, 2, o, p) for at, j, o, p in mesh.queue if j == 0]
+    mesh.reps = reps = [a, b, joiner]
+    _introduce(reps)
+    for r in (a, b):
+        r.receive(joiner.peer, encode_presence(PayloadKind.JOIN, run_id_of("run"), step=a.step))
+    mesh.step(3 * H - 1)
+    mesh.drain()
+    shared = []
+    for r in reps:
+        r.flush(wait=True)
+        shared.append(torch.cat([t.flatten() for t in r.shared_params()]))
+    scale = float(shared[0].norm())
+    for other in shared[1:]:
+        assert float((other - shared[0]).norm()) < 1e-5 * scale
 
 
 def test_coefficients_give_every_chunk_the_same_total_weight() -> None:

@@ -313,6 +313,10 @@ class Replica:
         while debts and debts[0][0] <= floor:
             step, w, bucket, start, length, positions, values = debts.popleft()
             if outer is not None:
+                # The rounds before this one are complete too (the floor is past
+                # them): complete them first, so the chunk is settled on time.
+                for kick in outer.complete_through(floor, before_round=outer.round_of(step)):
+                    self.parameters.add_slice(kick.bucket, kick.start, kick.values)
                 weight = w * outer.coefficient(step)
                 outer.record(bucket, start, positions, values, w, step)
             else:
@@ -475,13 +479,15 @@ class Replica:
                 for b, kick in zip(out, outer.held, strict=False):
                     b.add_(kick)
             for step, w, bucket, start, _length, positions, values in self._debts:
-                weight = w * outer.coefficient(step) if outer is not None else w
-                if weight == 1.0:
-                    continue
-                if positions is None:
-                    out[bucket][start : start + values.numel()].add_(values, alpha=weight - 1.0)
-                else:
-                    out[bucket].index_add_(0, positions + start, values, alpha=weight - 1.0)
+                weight = w
+                if outer is not None:
+                    weight = w * (outer.coefficient(step) + outer.early_correction(step)[0])
+                if weight != 1.0:
+                    _add_into(out[bucket], start, positions, values, weight - 1.0)
+            if outer is not None:  # peers' rounds ahead, their momentum part waiting
+                for d in outer.deferred:
+                    extra = d.w * outer.early_correction(d.round * outer.inner_steps)[0]
+                    _add_into(out[d.bucket], d.start, d.positions, d.values, extra)
         return out
 
     def shared_momentum(self) -> list[torch.Tensor]:
@@ -494,25 +500,36 @@ class Replica:
         with torch.no_grad():
             out = [m.clone() for m in outer.buffers]
             for step, w, bucket, start, _length, positions, values in self._debts:
-                factor = w * outer.momentum_factor(step)
-                if positions is None:
-                    out[bucket][start : start + values.numel()].add_(values, alpha=factor)
-                else:
-                    out[bucket].index_add_(0, positions + start, values, alpha=factor)
+                factor = w * outer.early_correction(step)[1]
+                _add_into(out[bucket], start, positions, values, factor)
+            for d in outer.deferred:
+                factor = d.w * outer.early_correction(d.round * outer.inner_steps)[1]
+                _add_into(out[d.bucket], d.start, d.positions, d.values, factor)
         return out
 
-    def start_at(self, step: int, applied: dict[str, int] | None = None) -> None:
+    def start_at(
+        self, step: int, applied: dict[str, int] | None = None, next_round: int | None = None
+    ) -> None:
         """Begin at ``step`` from the parameters now in the buckets (after a state
         sync or a checkpoint): the next update is measured from here. ``applied``
         (the state's :meth:`applied_steps`): each origin's chunks up to that step are
-        in the state already and are dropped when they arrive."""
+        in the state already and are dropped when they arrive. ``next_round`` (the
+        state's :meth:`next_round`, outer mode): where its rounds stood."""
         self.parameters.flush(wait=True)
         self.parameters.discard_queued()
         self.intake.set_floors(applied or {})
         self.step = self.last_send_step = step
         self.parameters.rebase()
         if self.outer is not None:
-            self.outer.start_at(step)
+            self.outer.start_at(step, next_round)
+
+    def state_meta(self) -> dict[str, Any]:
+        """What travels with a state snapshot beside the tensors (statefile's meta):
+        :meth:`applied_steps`, and in outer mode :meth:`next_round`."""
+        meta: dict[str, Any] = {"applied": self.applied_steps()}
+        if self.outer is not None:
+            meta["next_round"] = self.outer.next_round
+        return meta
 
     def _record_own(self, sent: SentChunk) -> None:
         h = sent.header
@@ -522,6 +539,22 @@ class Replica:
         )
         rms = float(torch.linalg.vector_norm(sent.values)) / math.sqrt(max(1, h.count))
         self.norms.record(h.bucket, rms)
+
+
+def _add_into(
+    target: torch.Tensor,
+    start: int,
+    positions: torch.Tensor | None,
+    values: torch.Tensor,
+    alpha: float,
+) -> None:
+    """``target[start + positions] += alpha * values`` (dense: a slice from ``start``)."""
+    if alpha == 0.0:
+        return
+    if positions is None:
+        target[start : start + values.numel()].add_(values, alpha=alpha)
+    else:
+        target.index_add_(0, positions + start, values, alpha=alpha)
 
 
 def _with_density(spec: BucketSpec, density: float) -> BucketSpec:
