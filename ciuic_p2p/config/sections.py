@@ -134,11 +134,13 @@ class TransportSection:
     grants at most ``net.core.rmem_max`` / ``wmem_max``; the daemon logs what it got
     when that is less (raise those sysctls, as for quic-go)."""
     quic_backend: QuicBackendName = "qh3"
-    """The QUIC library: ``qh3`` (aioquic's connection logic with its packet protection
-    and TLS crypto in Rust: about 0.6x aioquic's CPU per MB sent, bench/transport.py)
-    or ``aioquic`` (pure Python). Both are installed and interoperate, so a mesh may mix
-    them; every transport test runs on both. qh3 always runs CUBIC. The daemon refuses
-    to start on qh3 2.x, which cannot yet accept aioquic peers."""
+    """The QUIC library: ``qh3`` (2.x: aioquic's API over a connection core, packet
+    protection and TLS in Rust, about 0.4x aioquic's CPU per MB and twice qh3 1.x's
+    goodput on one core, bench/transport.py; 1.9 up to 2 works too) or ``aioquic``
+    (pure Python). Both are installed and interoperate, so a mesh may mix them; every
+    transport test runs on both. qh3 always runs CUBIC (with HyStart++ in 2.x). A node
+    on qh3 2.x answers a peer whose first datagram is padded after its Initial packet
+    (aioquic, qh3 1.x) with a Retry: one round trip more at that peer's first contact."""
     congestion_control: CongestionControl = "cubic"
     """QUIC congestion control (aioquic's). After a loss CUBIC (RFC 9438) regrows its
     window with time rather than per round trip, so a long path recovers in seconds

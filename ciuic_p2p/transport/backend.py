@@ -1,17 +1,21 @@
-"""The QUIC implementation behind transport.quic: aioquic (pure Python) or qh3 1.x (an
-aioquic fork whose packet protection and TLS crypto are in Rust), chosen by
-``transport.quic_backend``. Both are sans-I/O and speak the same connection API; what
-differs is reached only through this module: how a configuration takes our node
-certificate, the peer's certificate, the connection ID the server chose (bound into
-the client's proof), QUIC's RTT estimate and the bytes sent and not yet acknowledged.
-Packet headers and Retry (transport.gate) are parsed with aioquic's helpers whatever
-the backend: they are wire formats, not connection state. A node's config may choose
-only what :data:`OFFERED` lists.
+"""The QUIC implementation behind transport.quic: aioquic (pure Python) or qh3 (an
+aioquic fork: in its 1.x line packet protection and TLS crypto are in Rust, in its 2.x
+line the whole connection core too), chosen by ``transport.quic_backend``. All are
+sans-I/O and speak the same connection API; what differs is reached only through this
+module: how a configuration takes our node certificate, the peer's certificate, the
+connection ID the server chose (bound into the client's proof), QUIC's RTT estimate,
+the bytes sent and not yet acknowledged, and whether a server must answer a padded
+first datagram with a Retry (:attr:`QuicBackend.retry_padded_initials`). Packet
+headers and Retry (transport.gate) are parsed with aioquic's helpers whatever the
+backend: they are wire formats, not connection state. A node's config may choose only
+what :data:`OFFERED` lists.
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
+import re
 import ssl
 from types import ModuleType
 from typing import Any, Literal
@@ -25,13 +29,11 @@ from ciuic_p2p.identity import NodeKey
 BackendName = Literal["aioquic", "qh3"]
 BACKENDS: tuple[BackendName, ...] = ("aioquic", "qh3")
 OFFERED: tuple[BackendName, ...] = ("aioquic", "qh3")
-"""What a node's config may choose. Every transport test runs on each. qh3 is taken in
-its 1.x line: 2.x (connection core in Rust too) raises "packet builder capacity
-exhausted" building its first flight to any aioquic client, so it could not accept an
-aioquic node, nor the hostile-peer tests' client; :func:`unsupported_reason` refuses
-it."""
-QH3_SUPPORTED = (1, 9)
-"""The qh3 line this module was written and tested against (1.9 up to 2)."""
+"""What a node's config may choose. Every transport test runs on each."""
+QH3_LINES = (((1, 9), (2, 0)), ((2, 1), (3, 0)))
+"""The qh3 releases this module was written and tested against: 1.9 up to 2 (aioquic's
+connection logic) and 2.1 up to 3 (a connection core in Rust: about half the CPU per
+MB of 1.x, bench/transport.py). 2.0 is left out: untested."""
 CONTROL_STREAM = 0
 ED25519_SIGNATURE = 0x0807
 """TLS 1.3's code point for Ed25519 (RFC 8446, 4.2.3)."""
@@ -52,19 +54,25 @@ def unsupported_reason(name: str) -> str | None:
         return f"{name} is not installed (pip install {name!r}, a dependency of ciuic-p2p)"
     if name == "qh3":
         import importlib.metadata  # noqa: PLC0415
-        import re  # noqa: PLC0415
 
         try:
             found = importlib.metadata.version("qh3")
         except importlib.metadata.PackageNotFoundError:
             return "qh3 is importable but not installed as a package (no version to check)"
-        parts = re.match(r"(\d+)\.(\d+)", found)  # 1.10rc1 is 1.10
-        major_minor = (int(parts[1]), int(parts[2])) if parts else (0, 0)
-        if not QH3_SUPPORTED <= major_minor < (2, 0):
+        if qh3_line(found) is None:
             return (
-                f"qh3 {found} is installed; the qh3 backend needs 1.9 <= qh3 < 2 "
-                "(qh3 2.x cannot accept aioquic peers)"
+                f"qh3 {found} is installed; the qh3 backend needs 1.9 <= qh3 < 2 or 2.1 <= qh3 < 3"
             )
+    return None
+
+
+def qh3_line(version: str) -> int | None:
+    """The major version of a qh3 release this module supports (1 or 2), else None."""
+    parts = re.match(r"(\d+)\.(\d+)", version)  # 1.10rc1 is 1.10
+    major_minor = (int(parts[1]), int(parts[2])) if parts else (0, 0)
+    for low, high in QH3_LINES:
+        if low <= major_minor < high:
+            return low[0]
     return None
 
 
@@ -78,6 +86,15 @@ class QuicBackend:
         reason = unsupported_reason(name)
         if reason is not None:
             raise ValueError(f"transport.quic_backend = {name!r}, but {reason}")
+        self.native_core = name == "qh3" and qh3_line(importlib.metadata.version("qh3")) == 2
+        """qh3 2.x: the connection state lives in Rust, reached through its accessors."""
+        self.retry_padded_initials = self.native_core
+        """A server on qh3 2.x counts only the packets of a client's first datagram
+        toward its anti-amplification budget, not the padding after them (aioquic and
+        qh3 1.x pad that way), and its first flight then fails ("packet builder
+        capacity exhausted"); a Retry validates the client's address, which lifts the
+        budget (transport.gate answers such a datagram with one: a round trip more, for
+        those peers only)."""
         try:
             self._configuration = importlib.import_module(f"{name}.quic.configuration")
             self._connection = importlib.import_module(f"{name}.quic.connection")
@@ -147,12 +164,19 @@ class QuicBackend:
         """On a client: the connection ID the server chose for itself, as its first
         packet stated it (the peer CID in use may change once the server issues
         others)."""
+        if self.native_core:  # read from the server's first packet by qh3's TLS bridge
+            return bytes(quic._tls.remote_initial_source_connection_id)
         chosen = quic._remote_initial_source_connection_id
         return bytes(quic._peer_cid.cid if chosen is None else chosen)
 
-    def rtt(self, quic: Any) -> tuple[float, float, float] | None:
+    def rtt(self, quic: Any) -> tuple[float | None, float, float | None] | None:
         """QUIC's RTT estimate: min, smoothed, variance (qh3 1.x keeps aioquic's loss
-        recovery state)."""
+        recovery state; qh3 2.x shows only the smoothed and latest RTT: no min, no
+        variance)."""
+        if self.native_core:
+            core = quic._core
+            smoothed = None if core is None else float(core.smoothed_rtt)
+            return None if not smoothed else (None, smoothed, None)
         loss = quic._loss
         if loss._rtt_min == float("inf"):
             return None
@@ -161,8 +185,13 @@ class QuicBackend:
     def unacked_bytes(self, quic: Any, stream_id: int | None = None) -> int:
         """Stream bytes sent or queued and not acknowledged yet (one stream, or all).
         aioquic keeps them in each stream's sender buffer; qh3's sender (in Rust)
-        shows only the ranges still to send, so its bytes in flight (the whole
+        shows only the bytes still to send, so its bytes in flight (the whole
         connection's) are added when all streams are asked for."""
+        if self.native_core:
+            core = quic._core
+            queued = int(quic.get_send_buffer_size(stream_id))
+            in_flight = 0 if core is None or stream_id is not None else int(core.bytes_in_flight)
+            return queued + in_flight
         streams = quic._streams
         chosen = streams.values() if stream_id is None else [streams.get(stream_id)]
         senders = [s.sender for s in chosen if s is not None]

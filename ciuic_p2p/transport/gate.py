@@ -19,6 +19,9 @@ forged addresses, so before any state exists:
   client that receives at its claimed address can return, AES-GCM sealed with a key
   of this process, aioquic's ``QuicRetryTokenHandler``) and costs no state; honest
   peers, whose QUIC stack follows the Retry, pay one round trip while under attack;
+  on a QUIC library that cannot take a first datagram padded after its Initial packet
+  (qh3 2.x; aioquic and qh3 1.x pad that way), such an Initial always gets a Retry
+  (``retry_padded``: transport.backend says why);
 - new connections are admitted at most ``handshakes_per_s`` per second (a token
   bucket of one second's burst): each costs a TLS handshake, about a millisecond and
   a half of CPU here, and a loop busy with strangers' handshakes answers its members'
@@ -81,9 +84,13 @@ class InitialGate:
         self,
         settings: TransportSection,
         supported_versions: list[int],
+        retry_padded: bool = False,
     ) -> None:
         self.settings = settings
         self.supported_versions = frozenset(supported_versions)
+        self.retry_padded = retry_padded
+        """Answer an Initial followed by padding in its datagram with a Retry, always
+        (the QUIC library cannot take it otherwise: transport.backend)."""
         self._retry = QuicRetryTokenHandler()
         self.pending = 0
         self.pending_by_prefix: collections.Counter[str] = collections.Counter()
@@ -122,7 +129,9 @@ class InitialGate:
             except ValueError:
                 return self._drop("invalid Retry token")
             retry_scid = header.destination_cid
-        elif self.pending >= s.retry_above_pending:
+        elif self.pending >= s.retry_above_pending or (
+            self.retry_padded and header.packet_length < size
+        ):
             return self._retry_packet(header, addr, now)
         if not known and not self._take_token(now):
             return self._drop("handshake rate limit")

@@ -75,6 +75,6 @@ class QuicLink(SessionLink):
         """Control-stream bytes sent and not acknowledged yet (transport.backend)."""
         return self.backend.unacked_bytes(self.quic, CONTROL_STREAM)
 
-    def quic_rtt(self) -> tuple[float, float, float] | None:
+    def quic_rtt(self) -> tuple[float | None, float, float | None] | None:
         """QUIC's own RTT estimate: min, smoothed, variance."""
         return self.backend.rtt(self.quic)

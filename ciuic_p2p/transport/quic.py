@@ -167,7 +167,11 @@ class QuicTransport(Transport):
         """What the socket's and the timers' callbacks could not handle, counted."""
         self.backend = QuicBackend(self.settings.quic_backend)
         """The QUIC library behind this transport (transport.backend)."""
-        self.gate = InitialGate(self.settings, self.backend.supported_versions(self.settings))
+        self.gate = InitialGate(
+            self.settings,
+            self.backend.supported_versions(self.settings),
+            retry_padded=self.backend.retry_padded_initials,
+        )
         """Datagrams from unknown sources: what they may cost (transport.gate)."""
 
     # -- set-up -------------------------------------------------------------------------

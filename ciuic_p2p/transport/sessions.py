@@ -186,7 +186,7 @@ class LinkBook(Generic[L]):
         )
 
     def ping_rtt(
-        self, peer: bytes, quic: tuple[float, float, float] | None = None
+        self, peer: bytes, quic: tuple[float | None, float, float | None] | None = None
     ) -> RttStats | None:
         """The session's ping RTT, with the QUIC stack's estimate when there is one."""
         link = self.links.get(peer)

@@ -72,12 +72,23 @@ def long_header(version: int, first: int = 0xC0, rng: random.Random | None = Non
     return head + rng.randbytes(1200 - len(head))
 
 
-def client_hello(addr: tuple[str, int]) -> bytes:
-    """A real QUIC Initial with a TLS ClientHello, as a client sends first."""
-    conf = QuicConfiguration(is_client=True, alpn_protocols=[ALPN])
-    quic = QuicConnection(configuration=conf)
+def client_hello(addr: tuple[str, int], padded_after: bool = True) -> bytes:
+    """A real QUIC Initial with a TLS ClientHello, as a client sends first: aioquic's,
+    padded to 1200 bytes after the packet, or (``padded_after`` False) qh3 2.x's,
+    padded inside it, which a qh3 2.x server takes without a Retry
+    (transport.backend)."""
+    quic: QuicConnection
+    if padded_after:
+        conf = QuicConfiguration(is_client=True, alpn_protocols=[ALPN])
+        quic = QuicConnection(configuration=conf)
+    else:
+        from qh3.quic.configuration import QuicConfiguration as Qh3Configuration  # noqa: PLC0415
+        from qh3.quic.connection import QuicConnection as Qh3Connection  # noqa: PLC0415
+
+        qh3_conf = Qh3Configuration(is_client=True, alpn_protocols=[ALPN])
+        quic = Qh3Connection(configuration=qh3_conf)  # type: ignore[assignment]
     quic.connect(addr, now=0.0)
-    return quic.datagrams_to_send(now=0.0)[0][0]
+    return bytes(quic.datagrams_to_send(now=0.0)[0][0])
 
 
 class Sprayer:

@@ -54,7 +54,8 @@ async def test_two_nodes_authenticate_and_exchange_every_frame_type(make_node: N
     await eventually(measured)
     stats = a.rtt(b.local_key)
     assert stats is not None and stats.ping_min_s is not None and 0 < stats.ping_min_s < 1
-    assert stats.quic_min_s is not None
+    # QUIC's own estimate: the minimum where the library shows it (qh3 2.x: none).
+    assert (stats.quic_min_s is None) == a.backend.native_core
     assert a.peers() == [b.local_key] and b.peers() == [a.local_key]
 
 
@@ -198,7 +199,10 @@ async def test_the_library_internals_we_read_exist(make_node: NodeFactory) -> No
     assert be.peer_certificate(link.quic) is not None
     assert isinstance(be.server_cid(link.quic), bytes) and be.server_cid(link.quic)
     rtt = be.rtt(link.quic)
-    assert rtt is not None and all(isinstance(x, float) and x >= 0 for x in rtt)
+    assert rtt is not None and isinstance(rtt[1], float) and rtt[1] > 0
+    shown = [x for x in (rtt[0], rtt[2]) if x is not None]
+    assert all(isinstance(x, float) and x >= 0 for x in shown)
+    assert len(shown) == (0 if be.native_core else 2)
     assert be.unacked_bytes(link.quic) >= 0
     assert link.control_unacked() >= 0
 

@@ -52,7 +52,7 @@ def verify_signature(public_key: bytes, signature: bytes, *message: bytes | memo
     of ``message`` parts."""
     try:
         Ed25519PublicKey.from_public_bytes(public_key).verify(
-            signature, b"".join(bytes(m) for m in message)
+            signature, message[0] if len(message) == 1 else b"".join(message)
         )
     except (InvalidSignature, ValueError):
         return False
