@@ -24,8 +24,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ciuic_p2p.core.audit import AuditChain
 from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource
-from ciuic_p2p.core.codec.chunk import Codec
-from ciuic_p2p.core.codec.origin import sign_chunk
+from ciuic_p2p.core.codec.chunk import Codec, set_signature, signed_region
+from ciuic_p2p.core.codec.origin import sign_chunk, verify_chunk
 from ciuic_p2p.core.link.auth import build_auth
 from ciuic_p2p.core.link.frames import FrameType, encode_frame
 from ciuic_p2p.core.mesh import messages as mw
@@ -43,7 +43,9 @@ PEER = KEY.peer_id
 OTHER = "ciuicaaaabbbbccccddddeeeeffffgggghhhh"
 
 
-def _chunks() -> list[bytes]:
+def _chunks(over_digest: bool = False) -> list[bytes]:
+    """Each codec's chunks, signed over their bytes (as the first signers did, still
+    read) or over their digest (flags bit 1, as nodes sign now)."""
     source = ChunkSource(b"r" * 16, KEY.public_key, 3, 7)
     out = []
     for codec, density in (
@@ -60,7 +62,11 @@ def _chunks() -> list[bytes]:
         i = torch.arange(2000)
         update = (((i * 7919) % 2003) + 1).float() * torch.where(i % 2 == 0, 1.0, -1.0)
         for chunk in BucketEncoder(0, 2000, spec, source).encode(update, step=11):
-            sign_chunk(chunk, KEY)
+            if over_digest:
+                sign_chunk(chunk, KEY)
+            else:
+                set_signature(chunk, KEY.sign(*signed_region(chunk)), over_digest=False)
+            assert verify_chunk(chunk).signed_over_digest == over_digest
             out.append(bytes(chunk))
     return out
 
@@ -161,6 +167,7 @@ def _files(tmp: Path) -> dict[str, bytes]:
 
 def encodings(tmp: Path) -> dict[str, bytes]:
     out: dict[str, bytes] = {f"chunk_{i}": c for i, c in enumerate(_chunks())}
+    out |= {f"chunk_digest_signed_{i}": c for i, c in enumerate(_chunks(over_digest=True))}
     builders: list[Callable[[], dict[str, bytes]]] = [_mesh, _store, _trainer, _link]
     for build in builders:
         out.update(build())

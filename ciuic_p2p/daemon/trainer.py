@@ -363,7 +363,7 @@ class TrainerServer:
         t0 = time.perf_counter()
         try:
             header, _ = parse_chunk(chunk)
-            sign_chunk(chunk, d.key)
+            sign_chunk(chunk, d.key, header)
         except (CodecError, CiuicError) as exc:
             raise TrainWireError(f"published chunk refused: {exc}") from None
         self.progress.sign.add(time.perf_counter() - t0)

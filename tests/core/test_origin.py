@@ -3,7 +3,15 @@ from __future__ import annotations
 import pytest
 
 from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource
-from ciuic_p2p.core.codec.chunk import ChunkHeader, Codec, IndexCode, parse_chunk
+from ciuic_p2p.core.codec.chunk import (
+    FLAG_SIGNED_DIGEST,
+    ChunkHeader,
+    Codec,
+    IndexCode,
+    parse_chunk,
+    set_signature,
+    signed_region,
+)
 from ciuic_p2p.core.codec.origin import ChunkFilter, ReplayWindow, sign_chunk, verify_chunk
 from ciuic_p2p.errors import CodecError, ReplayedChunkError, SignatureError
 from ciuic_p2p.identity import NodeKey
@@ -39,6 +47,23 @@ def test_relay_cannot_forge_a_chunk_with_a_valid_checksum() -> None:
     parse_chunk(forged)  # framing is valid...
     with pytest.raises(SignatureError):
         verify_chunk(forged)  # ...but the origin's signature is not
+
+
+def test_chunks_signed_over_their_bytes_still_verify_and_the_scheme_bit_is_bound() -> None:
+    """Chunks are signed over the SHA-256 of what the signature covers (flags bit 1);
+    an older signer's signature over the bytes themselves still verifies, and flipping
+    the bit (the flags byte is not signed) makes either fail, never pass."""
+    key = NodeKey.generate()
+    chunk = signed_chunks(key)[0]
+    assert verify_chunk(chunk).signed_over_digest
+    old = bytearray(chunk)
+    set_signature(old, key.sign(*signed_region(old)), over_digest=False)
+    assert not verify_chunk(old).signed_over_digest
+    for signed in (chunk, old):
+        flipped = bytearray(signed)
+        flipped[5] ^= FLAG_SIGNED_DIGEST
+        with pytest.raises(SignatureError):
+            verify_chunk(flipped)
 
 
 def test_unsigned_chunk_and_foreign_origin_are_refused() -> None:

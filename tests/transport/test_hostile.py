@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import random
 import tracemalloc
 
@@ -17,7 +18,7 @@ from ciuic_p2p.core.link.auth import build_auth
 from ciuic_p2p.core.link.frames import FRAME_HEADER, FrameType, encode_frame
 from ciuic_p2p.transport.base import FrameReceived, PeerDisconnected
 from ciuic_p2p.transport.quic import BULK_STREAM, CONTROL_STREAM, TransportError
-from tests.transport.conftest import Cluster, NodeFactory
+from tests.transport.conftest import FAST, Cluster, NodeFactory
 from tests.transport.rawclient import RawClient
 from tests.transport.test_quic import next_of
 
@@ -120,7 +121,10 @@ async def test_altered_or_replayed_chunk_through_a_relay_is_rejected_and_counted
 async def test_peer_that_never_reads_is_dropped_with_bounded_sender_memory(
     make_node: NodeFactory,
 ) -> None:
-    sender, sink = await make_node(), await make_node()
+    # The window stays at receive_window_bytes (path_rate_bps 0): a loaded loop's first
+    # RTT samples would otherwise size it toward receive_window_max_bytes.
+    fixed = dataclasses.replace(FAST, path_rate_bps=0.0)
+    sender, sink = await make_node(settings=fixed), await make_node(settings=fixed)
     await sender.connect((sink.host, sink.port))
     # The sink's application never calls next_event() again: no credit comes back.
     payload = b"z" * 1_000_000

@@ -7,7 +7,9 @@ order. Layout of the v1 header (184 bytes)::
     off size field
       0    4 magic          b"CIUC"
       4    1 version        1
-      5    1 flags          bit 0: the signature slot holds the origin's signature
+      5    1 flags          bit 0: the signature slot holds the origin's signature;
+                            bit 1: that signature is over the SHA-256 digest of what
+                            it covers (signed_digest), not over the bytes themselves
       6    2 header_len     bytes before the payload; >= 184 (later versions append)
       8    1 codec          Codec (below)
       9    1 index_code     IndexCode (below)
@@ -38,7 +40,13 @@ checksum and the signature)::
 
 The checksum and the signature both skip the flags byte and the signature slot, so
 that the origin can sign (and mark signed) a chunk after it was built, and a relay
-forwards the bytes untouched. The signature covers the checksum.
+forwards the bytes untouched. The signature covers the checksum. Since bit 1 (this
+version's signer sets it), the Ed25519 signature is over ``SIGNED_DIGEST_TAG`` and the
+SHA-256 of the covered bytes: Ed25519 hashes what it signs twice with SHA-512 (3.4 ms
+for 1 MiB here) and verifies with one more pass (1.9 ms), where SHA-256 takes 0.6 ms;
+its security is then SHA-256's collision resistance. A reader that predates bit 1
+refuses such a chunk (unknown flags): a mesh upgrades its signers together. Chunks
+signed over their bytes (bit 0 alone) are still read.
 
 The numeric values of ``Codec`` and ``IndexCode`` are part of the protocol: only
 append to them. Fields are only ever appended to the header, so a v1 reader skips
@@ -51,6 +59,7 @@ anything is allocated, and every failure is a typed :class:`ChunkDecodeError`.
 from __future__ import annotations
 
 import enum
+import hashlib
 import struct
 import zlib
 from collections.abc import Sequence
@@ -81,7 +90,11 @@ MAX_BLOCK_SIZE = 4096
 MAX_RICE_BITS = 32
 
 FLAG_SIGNED = 0x01
-_KNOWN_FLAGS = FLAG_SIGNED
+FLAG_SIGNED_DIGEST = 0x02
+_KNOWN_FLAGS = FLAG_SIGNED | FLAG_SIGNED_DIGEST
+SIGNED_DIGEST_TAG = b"ciuic chunk sha256\x00"
+"""What an origin signs before the digest (bit 1): domain separation from every other
+message signed with a node key."""
 
 _HEADER = struct.Struct("<4sBBHBBBBHH16s32sQQQQQIIII64s")
 assert _HEADER.size == HEADER_V1_LEN
@@ -186,6 +199,11 @@ class ChunkHeader:
     def signed(self) -> bool:
         return bool(self.flags & FLAG_SIGNED)
 
+    @property
+    def signed_over_digest(self) -> bool:
+        """The signature is over :func:`signed_digest` (flags bit 1)."""
+        return bool(self.flags & FLAG_SIGNED_DIGEST)
+
 
 @dataclass(frozen=True, slots=True)
 class PayloadLayout:
@@ -278,12 +296,24 @@ def signed_region(chunk: bytes | bytearray | memoryview) -> tuple[memoryview, ..
     return view[:_FLAGS_OFFSET], view[_FLAGS_OFFSET + 1 : _SIGNATURE_OFFSET], view[_SIGNATURE_END:]
 
 
-def set_signature(chunk: bytearray, signature: bytes) -> None:
-    """Fill the signature slot and mark the chunk signed."""
+def signed_digest(chunk: bytes | bytearray | memoryview) -> bytes:
+    """What an origin signs since flags bit 1: ``SIGNED_DIGEST_TAG`` and the SHA-256
+    of :func:`signed_region` (hashed in place, no copy)."""
+    digest = hashlib.sha256()
+    for part in signed_region(chunk):
+        digest.update(part)
+    return SIGNED_DIGEST_TAG + digest.digest()
+
+
+def set_signature(chunk: bytearray, signature: bytes, over_digest: bool = True) -> None:
+    """Fill the signature slot and mark the chunk signed (``over_digest``: the
+    signature is over :func:`signed_digest`; otherwise over the region's bytes)."""
     if len(signature) != SIGNATURE_LEN:
         raise ValueError("an Ed25519 signature is 64 bytes")
     chunk[_SIGNATURE_OFFSET:_SIGNATURE_END] = signature
-    chunk[_FLAGS_OFFSET] |= FLAG_SIGNED
+    chunk[_FLAGS_OFFSET] = (chunk[_FLAGS_OFFSET] & ~FLAG_SIGNED_DIGEST) | FLAG_SIGNED
+    if over_digest:
+        chunk[_FLAGS_OFFSET] |= FLAG_SIGNED_DIGEST
 
 
 def parse_chunk(chunk: bytes | bytearray | memoryview) -> tuple[ChunkHeader, memoryview]:

@@ -1,9 +1,11 @@
 """Origin signatures on chunks, and the per-origin replay window.
 
-Every chunk carries its origin's Ed25519 signature over the whole chunk except the
-flags byte and the signature slot (core.codec.chunk.signed_region), so a relay forwards it
-untouched and cannot alter or forge it. Receivers verify before use and drop chunks
-they have already seen, with a bounded window per origin:
+Every chunk carries its origin's Ed25519 signature over the SHA-256 of the whole
+chunk except the flags byte and the signature slot (core.codec.chunk.signed_region and
+signed_digest; chunks signed over those bytes themselves, by older signers, are still
+verified), so a relay forwards it untouched and cannot alter or forge it. Receivers
+verify before use and drop chunks they have already seen, with a bounded window per
+origin:
 
 - a chunk is identified by (incarnation, step, bucket, range_start);
 - a higher incarnation (the origin restarted) resets the window;
@@ -20,18 +22,26 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ciuic_p2p.core.codec.chunk import ChunkHeader, parse_chunk, set_signature, signed_region
+from ciuic_p2p.core.codec.chunk import (
+    ChunkHeader,
+    parse_chunk,
+    set_signature,
+    signed_digest,
+    signed_region,
+)
 from ciuic_p2p.core.link.keys import Signer, verify_signature
 from ciuic_p2p.errors import CodecError, ReplayedChunkError, SignatureError
 
 
-def sign_chunk(chunk: bytearray, key: Signer) -> None:
+def sign_chunk(chunk: bytearray, key: Signer, header: ChunkHeader | None = None) -> None:
     """Sign a chunk in place with the origin's key (the chunk's origin field must be
-    that key's public key)."""
-    header, _ = parse_chunk(chunk)
+    that key's public key). ``header``: the chunk's, when the caller parsed it already
+    (a parse checks the CRC: one pass over the chunk saved)."""
+    if header is None:
+        header, _ = parse_chunk(chunk)
     if header.origin != key.public_key:
         raise SignatureError("a node signs only chunks whose origin it is")
-    set_signature(chunk, key.sign(*signed_region(chunk)))
+    set_signature(chunk, key.sign(signed_digest(chunk)))
 
 
 def verify_chunk(chunk: bytes | bytearray | memoryview) -> ChunkHeader:
@@ -39,7 +49,11 @@ def verify_chunk(chunk: bytes | bytearray | memoryview) -> ChunkHeader:
     header, _ = parse_chunk(chunk)
     if not header.signed:
         raise SignatureError("chunk is not signed")
-    if not verify_signature(header.origin, header.signature, *signed_region(chunk)):
+    if header.signed_over_digest:
+        signed: tuple[bytes | memoryview, ...] = (signed_digest(chunk),)
+    else:
+        signed = signed_region(chunk)
+    if not verify_signature(header.origin, header.signature, *signed):
         raise SignatureError("chunk signature does not verify: altered or forged")
     return header
 
