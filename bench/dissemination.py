@@ -13,7 +13,9 @@ forward, as relays do). Without ``--bandwidth`` every link gets ``--default-gbps
 for several nodes on one machine cannot fill real inter-region links) and reported.
 
 The same runs for three strategies, each a fresh mesh with the same seed:
-``tree`` (ours: routed, fan-out-limited trees), ``direct`` (origin to every node) and
+``tree`` (ours: routed trees, each shaped for the chunk's size; the nodes are told
+their links are independent, ``mesh.node_uplink_bps = inf``, as the emulator's are,
+unless ``--node-uplink-bps`` says otherwise), ``direct`` (origin to every node) and
 ``gossip`` (random push to 3 peers, with the same repair).
 
     python bench/dissemination.py --rtt ciuic_p2p/data/wan/rtt_multicloud_8regions.csv --json
@@ -26,6 +28,7 @@ import asyncio
 import dataclasses
 import heapq
 import json
+import math
 import statistics
 import sys
 import time
@@ -71,10 +74,15 @@ async def run_mode(
     large: int,
     settle_s: float,
     rate_bps: float,
+    uplink_bps: float = math.inf,
 ) -> dict[str, list[float]]:
     base = Config.wan()
     mesh_cfg = dataclasses.replace(
-        base.mesh, dissemination=mode, tree_chunk_bytes=SMALL, default_rate_bps=rate_bps
+        base.mesh,
+        dissemination=mode,
+        tree_chunk_bytes=SMALL,
+        default_rate_bps=rate_bps,
+        node_uplink_bps=uplink_bps,
     )
     config = dataclasses.replace(base, mesh=mesh_cfg)
     names = scenario.node_names()
@@ -133,6 +141,13 @@ def main() -> int:
     ap.add_argument("--large", type=int, default=1, help="1 MB broadcasts per origin (1)")
     ap.add_argument("--settle", type=float, default=12.0, help="seconds after forming (12)")
     ap.add_argument("--modes", default="tree,direct,gossip")
+    ap.add_argument(
+        "--node-uplink-bps",
+        type=float,
+        default=math.inf,
+        help="what the nodes are told their links share (mesh.node_uplink_bps; inf, as "
+        "the emulator's links are independent; 0: the old assumption, copies one by one)",
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     args = ap.parse_args()
     configure_logging(LogSection(level="error"))
@@ -155,6 +170,7 @@ def main() -> int:
         "regions": scenario.node_names(),
         "rate_scale": args.rate_scale,
         "median_link_rate_mbps": rate_bps / 1e6,
+        "node_uplink_bps": args.node_uplink_bps,
     }
     loop = new_event_loop()
     try:
@@ -164,7 +180,15 @@ def main() -> int:
             mode = typing.cast(Dissemination, raw_mode)
             t0 = time.monotonic()
             r = loop.run_until_complete(
-                run_mode(scenario, mode, args.small, args.large, args.settle, rate_bps)
+                run_mode(
+                    scenario,
+                    mode,
+                    args.small,
+                    args.large,
+                    args.settle,
+                    rate_bps,
+                    args.node_uplink_bps,
+                )
             )
             prefix = "" if mode == "tree" else f"{mode}_"
             result[f"{prefix}small_p50_ratio_vs_optimal"] = pct(r["small"], 50)

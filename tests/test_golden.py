@@ -95,6 +95,7 @@ def _mesh() -> dict[str, bytes]:
         ),
         "sync": mw.Sync(True, updates),
         "chunk": mw.Chunk(PEER, (3 << 40) + 5, 2, b"payload" * 10, SIG),
+        "routed_chunk": mw.Chunk(PEER, (3 << 40) + 6, 2, b"payload" * 10, SIG, route=1),
         "heads": mw.Heads(((PEER, 9), (OTHER, (2 << 40) + 1))),
         "want": mw.Want(OTHER, (1, 2, 3)),
     }

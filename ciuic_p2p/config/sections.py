@@ -172,6 +172,7 @@ class TransportSection:
 
 
 Dissemination = Literal["tree", "direct", "gossip"]
+StrategyChoice = Literal["auto", "tree", "ring", "hierarchical"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -275,7 +276,30 @@ class MeshSection:
     dissemination: Dissemination = "tree"
     """``tree`` (routed), ``direct`` (origin to every node) or ``gossip`` (random push)."""
     tree_chunk_bytes: int = 4096
-    """Chunk size the trees are optimised for (serialization per hop)."""
+    """Chunk size the trees are optimised for (serialization per hop) where no round's
+    size is known (core.mesh.strategy plans for the round's pieces)."""
+    strategy: StrategyChoice = "auto"
+    """How a round's payloads spread (``dissemination = "tree"``; core.mesh.strategy):
+    ``tree`` (per-origin routed trees), ``ring`` (once around a ring ordered by
+    measured cost), ``hierarchical`` (within clusters of nearby nodes, between their
+    leaders, then back), or ``auto``: the least round time the cost model predicts
+    from the published link state and the round's size, chosen by each origin at its
+    round boundaries (its chunks name the strategy, so relays follow it)."""
+    strategy_hysteresis: float = 0.1
+    """``auto`` leaves the strategy in force only for one predicted faster by this
+    fraction (predictions move with every RTT and rate sample)."""
+    strategy_piece_bytes: int = 1 << 20
+    """The most one chunk carries (``codec.chunk_payload_bytes`` and its header): a
+    round travels in pieces of at most this, which the cost model counts."""
+    cluster_rtt_s: float = 0.02
+    """``hierarchical``: nodes joined by links under this RTT are one cluster."""
+    node_uplink_bps: float = 0.0
+    """What one node's uplink carries in all, shared by its links (its NIC or access
+    link; the same for every node of the mesh), for the trees and the cost model. 0
+    (not known): a node sends one copy at a time at its links' rates, and a tree node
+    takes at most ``tree_max_fanout`` children; ``inf``: a node's links do not share a
+    bottleneck (as the WAN emulator's links without an uplink), so an origin may send
+    to every node at once."""
     heads_interval_s: float = 0.25
     """How soon after what it holds changed a node tells ``heads_fanout`` members (its
     highest chunk per origin), and how often it checks for chunks to ask again for."""

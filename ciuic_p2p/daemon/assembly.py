@@ -278,6 +278,8 @@ class NodeAssembly:
             }
         if self.web_status is not None:
             sections["web"] = self.web_status
+        if self.trainers is not None:  # how long rounds took to gather here
+            sections["rounds"] = self.trainers.progress.rounds.status()
         if self.observer is not None:
             sections.update(self.observer.status_sections())
         return sections

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import collections
 import importlib.metadata
+import math
 import platform
 import time
 from collections.abc import Iterable, Iterator
@@ -94,6 +95,55 @@ class StepRate:
         return (self.samples[-1][1] - first[1]) / elapsed_s
 
 
+ROUNDS_KEPT = 32
+"""Rounds (steps) whose first and last chunk times are kept, and closed rounds."""
+
+
+@dataclass
+class RoundTimes:
+    """How long each round takes to gather here, measured from the chunks that pass:
+    from the first chunk of a step (from any origin, this node's own included) to the
+    last, once the round is closed (every origin seen in it has sent a later step, or
+    the newest step is two rounds on). What ``status`` shows beside the strategy's
+    predicted round time (core.mesh.strategy)."""
+
+    first_s: dict[int, float] = field(default_factory=dict)
+    last_s: dict[int, float] = field(default_factory=dict)
+    origins: dict[int, set[str]] = field(default_factory=dict)
+    newest: dict[str, int] = field(default_factory=dict)
+    closed: collections.deque[tuple[int, float]] = field(
+        default_factory=lambda: collections.deque(maxlen=ROUNDS_KEPT)
+    )
+
+    def observe(self, origin: str, step: int, now_s: float) -> None:
+        if step not in self.first_s:
+            if len(self.first_s) >= ROUNDS_KEPT and step < min(self.first_s):
+                return  # older than every round kept: a straggler, not a round
+            self.first_s[step] = now_s
+            self.origins[step] = set()
+        self.last_s[step] = now_s
+        self.origins[step].add(origin)
+        self.newest[origin] = max(step, self.newest.get(origin, step))
+        self._close()
+
+    def _close(self) -> None:
+        top = max(self.first_s)
+        for step in sorted(self.first_s):
+            seen = self.origins[step]
+            moved_on = all(self.newest.get(o, step) > step for o in seen)
+            if step < top and (moved_on or len(self.first_s) > ROUNDS_KEPT or step < top - 1):
+                self.closed.append((step, self.last_s[step] - self.first_s[step]))
+                del self.first_s[step], self.last_s[step], self.origins[step]
+
+    def status(self) -> dict[str, float | int | None]:
+        times = sorted(t for _, t in self.closed)
+        return {
+            "rounds_measured": len(times),
+            "last_round_s": round(self.closed[-1][1], 4) if self.closed else None,
+            "median_round_s": round(times[len(times) // 2], 4) if times else None,
+        }
+
+
 TIMING_BUCKETS_S = (1e-5, 3e-5, 1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3)
 """Histogram bounds for per-chunk work (signing, verifying): 10 us to 0.3 s."""
 
@@ -144,6 +194,8 @@ class TrainingProgress:
         """The attached trainer's reported totals (``TRAINER_FIGURES``)."""
         self.run = ""
         """The run the attached trainer trains (its HELLO): the ``run`` label."""
+        self.rounds = RoundTimes()
+        """How long the rounds (steps) of updates take to gather here."""
 
     def report(self, figures: dict[str, object]) -> None:
         """The trainer's own totals (its encoder thread, its decoding reader, its waits
@@ -153,11 +205,17 @@ class TrainingProgress:
             if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
                 self.trainer[key] = float(value)
 
-    def observe(self, origin: str, incarnation: int, step: int, now_s: float) -> None:
+    def observe(
+        self, origin: str, incarnation: int, step: int, now_s: float, update: bool = True
+    ) -> None:
+        """A chunk of ``origin``'s ``step`` passed (``update``: of an update, whose
+        round this node gathers; consensus fragments are not a round's)."""
         rate = self.origins.get(origin)
         if rate is None:
             rate = self.origins[origin] = StepRate()
         rate.observe(incarnation, step, now_s)
+        if update:
+            self.rounds.observe(origin, step, now_s)
 
     def rows(self, own: str, now_s: float) -> dict[str, dict[str, float | int | None]]:
         """Per origin: step, steps/s, staleness and age of the newest step seen.
@@ -248,6 +306,7 @@ class DaemonCollector(Collector):
         yield from self._queues()
         yield from self._membership()
         yield from self._routing()
+        yield from self._strategy()
         yield from self._training()
         yield from self._faults()
         yield from self._counters()
@@ -463,6 +522,44 @@ class DaemonCollector(Collector):
         for dst, path in sorted(routes.items()):
             relays.add_metric([dst], max(0, len(path) - 2))
         yield relays
+
+    def _strategy(self) -> Iterator[Metric]:
+        st = self.daemon.mesh.strategy()
+        info = GaugeMetricFamily(
+            "ciuic_strategy_info",
+            "The strategy this node's rounds spread by (1), and the configured one.",
+            labels=["strategy", "configured"],
+        )
+        info.add_metric([str(st["strategy"]), str(st["configured"])], 1.0)
+        yield info
+        predicted = GaugeMetricFamily(
+            "ciuic_strategy_predicted_round_seconds",
+            "The cost model's round time of each strategy at the last decision.",
+            labels=["strategy"],
+        )
+        times = st["predicted_s"]
+        assert isinstance(times, dict)
+        for name, seconds in sorted(times.items()):
+            if math.isfinite(seconds):
+                predicted.add_metric([name], seconds)
+        yield predicted
+        switches = CounterMetricFamily(
+            "ciuic_strategy_switches", "Times ``auto`` changed the strategy in force."
+        )
+        switches.add_metric([], float(st["switches"]))  # type: ignore[arg-type]
+        yield switches
+        measured = GaugeMetricFamily(
+            "ciuic_round_measured_seconds",
+            "How long the last rounds took to gather here (first to last chunk of a step).",
+            labels=["which"],
+        )
+        if self.training is not None:
+            r = self.training.rounds.status()
+            for which in ("last_round_s", "median_round_s"):
+                value = r[which]
+                if value is not None:
+                    measured.add_metric([which.removesuffix("_round_s")], float(value))
+        yield measured
 
     def _training(self) -> Iterator[Metric]:
         t = self.training

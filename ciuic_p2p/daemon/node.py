@@ -346,8 +346,12 @@ class MeshDaemon:
                 await task
         await self.transport.close()
 
-    def broadcast(self, payload: bytes) -> int:
-        seq = self.mesh.broadcast(payload, self.clock())
+    def broadcast(
+        self, payload: bytes, round_id: object = None, round_bytes: int | None = None
+    ) -> int:
+        """Send ``payload`` to every live node; a piece of a round (``round_id``,
+        ``round_bytes``: core.mesh.node.MeshNode.broadcast) by the round's strategy."""
+        seq = self.mesh.broadcast(payload, self.clock(), round_id, round_bytes)
         self._pump()
         return seq
 
@@ -478,7 +482,8 @@ class MeshDaemon:
             log.warning("mesh_message_refused", peer=peer_id_of(event.peer), reason=str(exc))
             return
         if msg.sender != peer_id_of(event.peer) or (
-            (msg.kind is MeshKind.CHUNK) != (event.type is FrameType.MESH_CHUNK)
+            (msg.kind in (MeshKind.CHUNK, MeshKind.ROUTED_CHUNK))
+            != (event.type is FrameType.MESH_CHUNK)
         ):
             self.counters["spoofed"] += 1
             log.warning("mesh_message_refused", peer=peer_id_of(event.peer), reason="sender")

@@ -109,6 +109,7 @@ def status(d: MeshDaemon) -> dict[str, Any]:
         "mesh_bytes_sent": dict(d.mesh_bytes_sent),
         "mesh_messages_sent": dict(d.mesh_messages_sent),
         "backlog_bytes": d.backlog_bytes(),
+        "strategy": node.strategy(),
         "internal_errors": internal_errors(d),
         "strangers": strangers(d),
         **d.listener.status_sections(),

@@ -133,6 +133,10 @@ class TrainerServer:
         self.snapshot_step = -1
         self.progress = TrainingProgress()
         """Each origin's steps as its chunks pass here, sign/verify times (daemon.metrics)."""
+        self._round_step = -1
+        self._round_bytes = 0
+        self._last_round_bytes = 0
+        """Bytes of the trainer's update chunks in its current and its last round."""
         self._members: list[str] = []
         self._held: collections.deque[tuple[bool, bytes | None, tuple[bytes | memoryview, ...]]] = (
             collections.deque()
@@ -367,15 +371,29 @@ class TrainerServer:
         except (CodecError, CiuicError) as exc:
             raise TrainWireError(f"published chunk refused: {exc}") from None
         self.progress.sign.add(time.perf_counter() - t0)
-        self.progress.observe(d.peer_id, header.incarnation, header.step, d.clock())
+        update = msg.kind is PayloadKind.UPDATE
+        self.progress.observe(d.peer_id, header.incarnation, header.step, d.clock(), update)
         payload = bytes(body[:4]) + chunk
+        d.counters["chunks_published"] += 1
         if msg.kind is PayloadKind.PARAMS:
             if header.step != self.snapshot_step:
                 self.snapshot.clear()
                 self.snapshot_step = header.step
             self.snapshot[(header.bucket, header.range_start)] = payload
-        d.counters["chunks_published"] += 1
-        d.broadcast(payload)
+            d.broadcast(payload)
+            return
+        # An update's chunks are a round's pieces: they spread by the strategy chosen
+        # for the round (core.mesh.strategy), sized by this trainer's last round.
+        if header.step != self._round_step:
+            if self._round_step >= 0:
+                self._last_round_bytes = self._round_bytes
+            self._round_step, self._round_bytes = header.step, 0
+        self._round_bytes += len(payload)
+        d.broadcast(
+            payload,
+            round_id=(header.incarnation, header.step),
+            round_bytes=max(self._last_round_bytes, self._round_bytes),
+        )
 
     # -- state and the shared store ------------------------------------------------------
 
@@ -520,7 +538,13 @@ class TrainerServer:
                 if peer_id_of(header.origin) != delivery.origin:
                     raise CiuicError("chunk origin differs from the mesh origin")
                 run = header.run_id
-                self.progress.observe(delivery.origin, header.incarnation, header.step, delivery.at)
+                self.progress.observe(
+                    delivery.origin,
+                    header.incarnation,
+                    header.step,
+                    delivery.at,
+                    msg.kind is PayloadKind.UPDATE,
+                )
         except (TrainWireError, CiuicError) as exc:
             counters["deliveries_refused"] += 1
             log.warning("delivery_refused", origin=delivery.origin, reason=str(exc))

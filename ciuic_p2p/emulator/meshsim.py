@@ -251,8 +251,10 @@ class SimMesh:
             self.run_for(step_s)
         return self.now - start
 
-    def broadcast(self, origin: str, payload: bytes) -> int:
-        seq = self.nodes[origin].broadcast(payload, self.now)
+    def broadcast(
+        self, origin: str, payload: bytes, round_id: object = None, round_bytes: int | None = None
+    ) -> int:
+        seq = self.nodes[origin].broadcast(payload, self.now, round_id, round_bytes)
         self.net.poke(origin)
         self._drain()
         return seq

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import os
 from pathlib import Path
 
+import pytest
+
+from ciuic_p2p.config import Config
 from ciuic_p2p.core.mesh.members import State
 from ciuic_p2p.core.replica.messages import PayloadKind
 from tests.daemon.memorymesh import MemoryMesh, until
@@ -85,6 +89,55 @@ def test_every_broadcast_reaches_every_member_exactly_once(tmp_path: Path) -> No
                 assert max(seen.values()) == 1
                 assert len(seen) == 4 * 5
                 assert mesh.records[n].traffic["received"] == 4 * 5
+        finally:
+            await mesh.close()
+
+    run_virtual(main())
+
+
+@pytest.mark.parametrize("strategy", ["ring", "hierarchical"])
+def test_a_rounds_pieces_go_by_its_strategy_and_reach_every_member_once(
+    tmp_path: Path, strategy: str
+) -> None:
+    """Round pieces travel as ROUTED_CHUNK frames through real daemons (their kind
+    checked against the frame's lane) and every relay follows the named strategy."""
+
+    async def main() -> None:
+        config = Config.lan()
+        config = dataclasses.replace(
+            config,
+            mesh=dataclasses.replace(config.mesh, strategy=strategy),  # type: ignore[arg-type]
+        )
+        mesh = MemoryMesh(tmp_path, NAMES, config)
+        try:
+            await mesh.form()
+            await asyncio.sleep(15)
+            sent = set()
+            for r in range(2):
+                for name in NAMES:
+                    d = mesh.nodes[name].daemon
+                    for _ in range(2):
+                        seq = d.broadcast(os.urandom(3000), round_id=r, round_bytes=6000)
+                        sent.add((d.peer_id, seq))
+
+            def all_in() -> bool:
+                return all(
+                    {(d.origin, d.seq) for d in mesh.records[n].delivered}
+                    >= {s for s in sent if s[0] != mesh.nodes[n].peer_id}
+                    for n in NAMES
+                )
+
+            await until(all_in, 30)
+            await asyncio.sleep(5)
+            for n in NAMES:
+                seen = collections.Counter((d.origin, d.seq) for d in mesh.records[n].delivered)
+                assert max(seen.values()) == 1 and len(seen) == 4 * 4
+                daemon = mesh.nodes[n].daemon
+                assert daemon.counters["spoofed"] == 0
+                assert daemon.status()["strategy"]["strategy"] == strategy
+                assert daemon.mesh_bytes_sent["ROUTED_CHUNK"] > 0 or n == NAMES[-1]
+            hops = max(d.hops for n in NAMES for d in mesh.records[n].delivered)
+            assert hops == (len(NAMES) - 2 if strategy == "ring" else hops)
         finally:
             await mesh.close()
 

@@ -67,6 +67,8 @@ NODE_WIDE = [
     "daemon_events",
     "dissemination_chunks",
     "origins_restarted",
+    "strategy_info",
+    "strategy_switches",
 ]
 
 
@@ -347,6 +349,15 @@ async def test_status_page_in_a_browser_shows_the_mesh_and_a_node_that_leaves() 
             timeout=30_000,
         )
         assert await page.locator("#member-rows tr").count() == 3
+        # The stand-in trainers' rounds went by the strategy auto chose, its predictions
+        # shown beside how long the rounds took to gather here.
+        await page.wait_for_function(
+            """() => {
+                const t = document.getElementById('strategy').textContent;
+                return t.includes('(auto) [tree ') && t.includes('; measured ');
+            }""",
+            timeout=30_000,
+        )
 
         leaving = trainers[NAMES[2]]  # as `ciuic-node leave` does: trainer first, then the mesh
         stepping.remove(leaving)

@@ -137,3 +137,33 @@ def test_scenario_files_load_from_toml_and_json(tmp_path: Path) -> None:
     assert load_scenario(tmp_path / "s.json").seed == 4
     with pytest.raises(ConfigError, match="cannot read"):
         load_scenario(tmp_path / "absent.toml")
+
+
+def test_a_node_uplink_is_shared_by_all_its_links() -> None:
+    """Links of 8 Mbit/s behind a 4 Mbit/s uplink: 1 MB to each of two peers, offered
+    at 8 Mbit/s to each, leaves at the uplink's pace (2 MB in 4 s) and overflows its
+    queue; a node with an 8 Mbit/s uplink sending to one peer keeps its link's pace."""
+    data = {
+        "rate_scale": 0.5,
+        "uplink_gbps": 0.016,  # x 0.5: 8 Mbit/s for every node...
+        "defaults": {"rate_mbps": 8.0, "queue_bytes": 4_000_000},
+        "nodes": [
+            {"name": "a", "uplink_gbps": 0.008},  # ...but a's own: 4 Mbit/s
+            {"name": "b"},
+            {"name": "c"},
+        ],
+    }
+    scenario = scenario_from_mapping(data)
+    assert [n.uplink_bps for n in scenario.nodes] == [4e6, 8e6, 8e6]
+    net = EmulatedNetwork(scenario)
+    arrivals = [
+        net.transmit("a", "b" if k % 2 else "c", k * 0.001, 2000) for k in range(1000)
+    ]  # 2 kB a millisecond: 16 Mbit/s offered, 8 Mbit/s to each peer
+    kept = [t for got in arrivals for t in got]
+    assert len(kept) < 1000  # the uplink's queue overflowed: tail drop
+    rate = len(kept) * 2000 * 8 / (max(kept) - min(kept))
+    assert rate == pytest.approx(4e6, rel=0.02)  # the uplink's pace, not 2 x 8 Mbit/s
+    alone = [t for k in range(500) for t in net.transmit("b", "c", k * 0.002, 2000)]
+    assert len(alone) == 500 and max(alone) == pytest.approx(1.0, rel=0.01)
+    with pytest.raises(ConfigError, match="uplink_gbps"):
+        scenario_from_mapping({**data, "uplink_gbps": -1})

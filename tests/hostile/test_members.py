@@ -272,7 +272,7 @@ async def test_no_member_publishes_as_another_or_takes_its_numbers(tmp_path: Pat
             Chunk(a.peer_id, nxt, 0, gone, bytes(64)),  # a's next number, no signature
             liar.signed_chunk(Chunk(a.peer_id, nxt + 1, 0, gone)),  # by the wrong key
         ]
-        payload, signature, _ = a.mesh.dissemination.store[(a.peer_id, warm)]
+        payload, signature, _, _ = a.mesh.dissemination.store[(a.peer_id, warm)]
         replay = Chunk(a.peer_id, warm, 0, payload, signature)
         for name in ("b", "c"):
             await liar.say(name, *forged, replay)

@@ -120,7 +120,7 @@ def test_an_unanswered_want_is_repeated_to_its_announcers_in_turn() -> None:
     d = Disseminator(
         "me",
         settings,
-        children=lambda origin: [],
+        children=lambda origin, route, size: [],
         live=lambda: ["me", "holder"],
         identities=identities("me", "origin"),
     )
@@ -193,7 +193,7 @@ def test_an_announcement_far_ahead_costs_bounded_work_and_mutes_nobody() -> None
     d = Disseminator(
         "me",
         settings,
-        children=lambda origin: [],
+        children=lambda origin, route, size: [],
         live=lambda: ["me", "liar"],
         identities=identities("me", "origin"),
     )
@@ -219,7 +219,7 @@ def test_chunks_above_a_gap_that_never_fills_are_bounded() -> None:
     d = Disseminator(
         "me",
         settings,
-        children=lambda origin: [],
+        children=lambda origin, route, size: [],
         live=lambda: ["me", "o"],
         identities=identities("me", "o"),
     )
@@ -240,7 +240,7 @@ def test_announced_origins_are_bounded() -> None:
     d = Disseminator(
         "me",
         MeshSection(),
-        children=lambda origin: [],
+        children=lambda origin, route, size: [],
         live=lambda: ["me", "real"],
         identities=identities("me", "real"),
     )
@@ -263,7 +263,7 @@ def test_heads_of_thousands_of_origins_fit_one_message_and_take_turns() -> None:
     d = Disseminator(
         "me",
         MeshSection(heads_interval_s=0.1),
-        children=lambda origin: [],
+        children=lambda origin, route, size: [],
         live=lambda: ["me", "peer"],
         identities=identities("me", *names),
     )
@@ -289,7 +289,7 @@ def test_heads_are_sent_on_a_change_and_seldom_while_nothing_changes() -> None:
     d = Disseminator(
         "me",
         settings,
-        children=lambda origin: [],
+        children=lambda origin, route, size: [],
         live=lambda: ["peer"],
         identities=identities("me", "origin"),
     )
@@ -323,7 +323,7 @@ def test_a_chunk_missed_long_after_the_last_change_is_still_repaired() -> None:
     holder = Disseminator(
         "holder",
         settings,
-        children=lambda origin: [],
+        children=lambda origin, route, size: [],
         live=lambda: ["late"],  # the members besides itself, as the mesh passes them
         identities=identities("holder", "late", "origin"),
     )
@@ -334,7 +334,7 @@ def test_a_chunk_missed_long_after_the_last_change_is_still_repaired() -> None:
     late = Disseminator(
         "late",
         settings,
-        children=lambda origin: [],
+        children=lambda origin, route, size: [],
         live=lambda: ["holder"],
         identities=identities("holder", "late", "origin"),
     )
@@ -364,7 +364,7 @@ def test_a_change_reaches_every_member_in_turn_and_so_does_the_idle_repeat() -> 
     d = Disseminator(
         "me",
         MeshSection(heads_interval_s=0.25, heads_idle_interval_s=4.0, heads_fanout=2),
-        children=lambda origin: [],
+        children=lambda origin, route, size: [],
         live=lambda: members,
         identities=identities("me", "origin"),
     )

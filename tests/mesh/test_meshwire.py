@@ -5,6 +5,7 @@ should and nothing else verifies."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import random
 
 import pytest
@@ -15,6 +16,7 @@ from ciuic_p2p.core.mesh.messages import (
     MAX_ID_BYTES,
     MAX_INCARNATION,
     MAX_RATE_KBPS,
+    MAX_ROUTE,
     Ack,
     Alive,
     Chunk,
@@ -27,6 +29,7 @@ from ciuic_p2p.core.mesh.messages import (
     LinkEntry,
     Links,
     MeshDecodeError,
+    MeshKind,
     Message,
     Nack,
     Ping,
@@ -88,6 +91,15 @@ bodies = st.one_of(
     st.builds(Gossip, ups),
     st.builds(Sync, st.booleans(), ups),
     st.builds(Chunk, ids, u64, st.integers(0, 255), st.binary(max_size=300), sigs),
+    st.builds(  # ROUTED_CHUNK: a chunk that names its strategy
+        Chunk,
+        ids,
+        u64,
+        st.integers(0, 255),
+        st.binary(max_size=300),
+        sigs,
+        st.integers(1, MAX_ROUTE),
+    ),
     st.builds(Heads, st.lists(st.tuples(ids, u64), max_size=5).map(tuple)),
     st.builds(Want, ids, st.lists(u64, max_size=5).map(tuple)),
 )
@@ -132,6 +144,18 @@ def test_random_bytes_and_mutations_only_raise_typed_errors() -> None:
             data = bytes(mutated)
         with contextlib.suppress(MeshDecodeError):
             decode_message(data)
+
+
+def test_a_route_out_of_range_is_refused_both_ways() -> None:
+    good = encode_message(Message("a", Chunk("o", 9, 1, b"x", bytes(64), route=MAX_ROUTE)))
+    assert good[1] == MeshKind.ROUTED_CHUNK
+    at = good.index(b"\x01" + bytes([MAX_ROUTE]), 4)  # hops 1, then the route
+    for bad in (0, MAX_ROUTE + 1, 255):
+        mutated = good[: at + 1] + bytes([bad]) + good[at + 2 :]
+        with pytest.raises(MeshDecodeError, match="route"):
+            decode_message(mutated)
+        with pytest.raises(ValueError, match="route"):
+            encode_message(Message("a", Chunk("o", 9, 1, b"x", bytes(64), route=bad or -1)))
 
 
 def test_limits_are_enforced_both_ways() -> None:
@@ -196,6 +220,14 @@ def test_a_signature_covers_its_fields_and_is_valid_for_nothing_else() -> None:
     assert ids.verify_chunk(chunk) and ids.verify_chunk(relayed)
     assert not ids.verify_chunk(Chunk("x", 10, 0, b"payload", chunk.signature))
     assert not ids.verify_chunk(Chunk("x", 9, 0, b"payloaD", chunk.signature))
+    routed = signed(Chunk("x", 9, 0, b"payload", route=1))
+    assert ids.verify_chunk(routed) and signed_bytes(routed) != signed_bytes(chunk)
+    for rerouted in (  # a relay cannot send it down another strategy's trees
+        dataclasses.replace(routed, route=2),
+        dataclasses.replace(routed, route=0),
+        dataclasses.replace(chunk, route=1),
+    ):
+        assert not ids.verify_chunk(rerouted)
     assert not ids.verify("stranger", alive)  # no credential, no key
     named = signed(Alive("x", 3, "10.0.0.1:7946", "eu", name="tokyo-1"))
     assert ids.verify("x", named)

@@ -200,7 +200,7 @@ class Disseminator:
         node: str,
         settings: MeshSection,
         *,
-        children: Callable[[str], list[str]],
+        children: Callable[[str, int, int], list[str]],
         live: Callable[[], list[str]],
         identities: Identities,
         seed: int = 0,
@@ -215,8 +215,8 @@ class Disseminator:
         self.logs: dict[str, _OriginLog] = {}
         self._base = min(max(0, session), MAX_SESSION) << SESSION_SHIFT
         self.next_seq = self._base + 1
-        self.store: OrderedDict[tuple[str, int], tuple[bytes, bytes, float]] = OrderedDict()
-        """(origin, seq) -> (payload, its origin's signature, when kept)."""
+        self.store: OrderedDict[tuple[str, int], tuple[bytes, bytes, float, int]] = OrderedDict()
+        """(origin, seq) -> (payload, its origin's signature, when kept, its route)."""
         self.store_bytes = 0
         self.deliveries: list[Delivery] = []
         self.duplicates = 0
@@ -251,22 +251,23 @@ class Disseminator:
 
     # -- sending ----------------------------------------------------------------------------
 
-    def publish(self, payload: bytes, now: float) -> int:
-        """Send a chunk from this node to every live node; returns its sequence number."""
+    def publish(self, payload: bytes, now: float, route: int = 0) -> int:
+        """Send a chunk from this node to every live node (``tree`` mode: down its
+        trees of strategy ``route``, core.mesh.strategy); returns its sequence number."""
         seq = self.next_seq
         self.next_seq += 1
-        unsigned = Chunk(self.node, seq, 0, payload)
+        unsigned = Chunk(self.node, seq, 0, payload, route=route)
         signature = self.identities.sign(unsigned)
-        self._keep(self.node, seq, payload, signature, now)
+        self._keep(self.node, seq, payload, signature, now, route)
         mode = self.settings.dissemination
         if mode == "direct":
             targets = list(self.live())
         elif mode == "gossip":
             targets = self._random_peers(self.settings.gossip_fanout, exclude=())
         else:
-            targets = self.children(self.node)
+            targets = self.children(self.node, route, len(payload))
         for t in targets:
-            self._send(t, Chunk(self.node, seq, 0, payload, signature))
+            self._send(t, Chunk(self.node, seq, 0, payload, signature, route))
         self._arm_heads(now)
         return seq
 
@@ -288,7 +289,7 @@ class Disseminator:
             for seq in b.seqs:
                 kept = self.store.get((b.origin, seq))
                 if kept is not None:
-                    self._send(msg.sender, Chunk(b.origin, seq, 255, kept[0], kept[1]))
+                    self._send(msg.sender, Chunk(b.origin, seq, 255, kept[0], kept[1], kept[3]))
 
     def _claim(self, origin: str, high: int, holder: str, now: float) -> None:
         """A HEADS entry: tracked in the origin's signed session, else asked for once
@@ -367,12 +368,13 @@ class Disseminator:
             if claim.high >> SESSION_SHIFT == log.session:
                 log.holders.merge(claim.holders)
                 self._learn(log, claim.high, sender, now)
-        self._keep(chunk.origin, chunk.seq, chunk.payload, chunk.signature, now)
+        self._keep(chunk.origin, chunk.seq, chunk.payload, chunk.signature, now, chunk.route)
         self.deliveries.append(Delivery(chunk.origin, chunk.seq, chunk.payload, now, chunk.hops))
         mode = self.settings.dissemination
         hops = min(chunk.hops + 1, 254)
         if mode == "tree":
-            targets = [c for c in self.children(chunk.origin) if c != sender]
+            kids = self.children(chunk.origin, chunk.route, len(chunk.payload))
+            targets = [c for c in kids if c != sender]
         elif mode == "gossip":
             targets = self._random_peers(
                 self.settings.gossip_fanout, exclude=(sender, chunk.origin)
@@ -384,16 +386,18 @@ class Disseminator:
             self._send(t, forwarded)
         self._arm_heads(now)
 
-    def _keep(self, origin: str, seq: int, payload: bytes, signature: bytes, now: float) -> None:
+    def _keep(
+        self, origin: str, seq: int, payload: bytes, signature: bytes, now: float, route: int
+    ) -> None:
         self._held_changes += 1
-        self.store[(origin, seq)] = (payload, signature, now)
+        self.store[(origin, seq)] = (payload, signature, now, route)
         self.store_bytes += len(payload)
         self._evict(now)
 
     def _evict(self, now: float) -> None:
         s = self.settings
         while self.store:
-            key, (payload, _, at) = next(iter(self.store.items()))
+            key, (payload, _, at, _) = next(iter(self.store.items()))
             if now - at <= s.chunk_retain_s and self.store_bytes <= s.chunk_retain_bytes:
                 break
             del self.store[key]

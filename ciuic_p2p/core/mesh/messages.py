@@ -16,6 +16,9 @@ bytes; ``sig`` 64 bytes (Ed25519); all integers little-endian. Bodies by kind:
 - ``SYNC``: reply u8, updates (the sender's whole member table, as ALIVE/SUSPECT/DEAD/
   LEFT updates with each member's CREDENTIAL, plus link state)
 - ``CHUNK``: origin str8, seq u64, hops u8, payload bytes32, sig
+- ``ROUTED_CHUNK``: origin str8, seq u64, hops u8, route u8, payload bytes32, sig: a
+  chunk that names how it spreads (``route``, 1 to ``MAX_ROUTE``: the strategy of
+  core.mesh.strategy by its code; a ``CHUNK`` is route 0, ``tree``)
 - ``HEADS``: count u16, then per origin: origin str8, high u64 (highest seq held)
 - ``WANT``: origin str8, count u16, seqs u64 each
 
@@ -34,7 +37,8 @@ signature of one kind is valid as another, nor as any other message the node key
 signs): an ALIVE, a LEFT and a LINKS (or RATED_LINKS) by the node they are about (only
 a node may say where it is, that it left, or what its links measure); a CHUNK by its
 origin, over the origin, the sequence number (and so its session) and the payload's
-BLAKE2b-256. The
+BLAKE2b-256; a ROUTED_CHUNK the same and its route, so that no relay can send it
+down another strategy's trees. The
 accusations SUSPECT and DEAD are any member's word and are signed by nobody: a node
 takes them only at the incarnation its subject signed (core.mesh.membership).
 
@@ -65,6 +69,8 @@ MAX_NAME_BYTES = 64
 MAX_MESSAGE_BYTES = 64 * 1024 - 16
 """Control messages fit one GOSSIP frame (core.link.frames)."""
 MAX_CHUNK_MESSAGE_BYTES = MAX_CHUNK_BYTES + 512
+MAX_ROUTE = 2
+"""The highest route code a ROUTED_CHUNK may name (core.mesh.strategy's last)."""
 MAX_ID_BYTES = 128
 MAX_UPDATES = 4096
 MAX_LINKS = 1024
@@ -95,6 +101,7 @@ class MeshKind(enum.IntEnum):
     CHUNK = 7
     HEADS = 8
     WANT = 9
+    ROUTED_CHUNK = 10
 
 
 class UpdateType(enum.IntEnum):
@@ -242,6 +249,8 @@ class Chunk:
     hops: int
     payload: bytes
     signature: bytes = b""
+    route: int = 0
+    """How it spreads: the code of its strategy (core.mesh.strategy), 0 ``tree``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -265,7 +274,9 @@ class Message:
     kind: MeshKind = field(init=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "kind", _KIND_OF[type(self.body)])
+        body = self.body
+        kind = MeshKind.ROUTED_CHUNK if isinstance(body, Chunk) and body.route else None
+        object.__setattr__(self, "kind", kind or _KIND_OF[type(body)])
 
 
 _KIND_OF: dict[type, MeshKind] = {
@@ -351,6 +362,7 @@ _DOMAINS = {
 
 NAMED_ALIVE_DOMAIN = b"ciuic-mesh-alive-named-v2\0"
 RATED_LINKS_DOMAIN = b"ciuic-mesh-links-rated-v2\0"
+ROUTED_CHUNK_DOMAIN = b"ciuic-mesh-chunk-routed-v2\0"
 
 
 def payload_digest(payload: bytes | bytearray | memoryview) -> bytes:
@@ -364,7 +376,10 @@ def signed_bytes(u: Alive | Left | Links | Chunk, digest: bytes | None = None) -
         w = _Writer()
         w.str8(u.origin)
         w.u64(u.seq)
-        return _DOMAINS[Chunk] + b"".join(w.parts) + (digest or payload_digest(u.payload))
+        if u.route:
+            w.u8(u.route)
+        domain = ROUTED_CHUNK_DOMAIN if u.route else _DOMAINS[Chunk]
+        return domain + b"".join(w.parts) + (digest or payload_digest(u.payload))
     if isinstance(u, Alive) and u.name:
         domain = NAMED_ALIVE_DOMAIN
     elif isinstance(u, Links) and _rated(u):
@@ -429,6 +444,10 @@ def encode_message(msg: Message) -> bytes:
         w.str8(b.origin)
         w.u64(b.seq)
         w.u8(min(b.hops, 255))
+        if b.route:
+            if not 0 < b.route <= MAX_ROUTE:
+                raise ValueError(f"route {b.route} is not one of 1..{MAX_ROUTE}")
+            w.u8(b.route)
         w.u32(len(b.payload))
         w.parts.append(bytes(b.payload))
         w.sig(b.signature)
@@ -543,12 +562,19 @@ def _read_sync(r: _Reader) -> Sync:
     return Sync(flag == 1, r.updates())
 
 
-def _read_chunk(r: _Reader) -> Chunk:
+def _read_chunk(r: _Reader, routed: bool = False) -> Chunk:
     origin, seq, hops = r.str8(), r.u64(), r.u8()
+    route = r.u8() if routed else 0
+    if routed and not 0 < route <= MAX_ROUTE:
+        raise MeshDecodeError(f"chunk route {route} is not one of 1..{MAX_ROUTE}")
     n = r.u32()
     if n > MAX_CHUNK_BYTES:
         raise MeshDecodeError(f"chunk payload of {n} bytes exceeds {MAX_CHUNK_BYTES}")
-    return Chunk(origin, seq, hops, bytes(r.take(n)), r.sig())
+    return Chunk(origin, seq, hops, bytes(r.take(n)), r.sig(), route)
+
+
+def _read_routed_chunk(r: _Reader) -> Chunk:
+    return _read_chunk(r, routed=True)
 
 
 def _read_heads(r: _Reader) -> Heads:
@@ -571,6 +597,7 @@ _BODY_READERS: dict[MeshKind, Callable[[_Reader], Body]] = {
     MeshKind.GOSSIP: lambda r: Gossip(r.updates()),
     MeshKind.SYNC: _read_sync,
     MeshKind.CHUNK: _read_chunk,
+    MeshKind.ROUTED_CHUNK: _read_routed_chunk,
     MeshKind.HEADS: _read_heads,
     MeshKind.WANT: _read_want,
 }
@@ -589,7 +616,7 @@ def decode_message(data: bytes) -> Message:
         kind = MeshKind(raw_kind)
     except ValueError:
         raise MeshDecodeError(f"unknown message kind {raw_kind}") from None
-    if kind is not MeshKind.CHUNK and len(data) > MAX_MESSAGE_BYTES:
+    if kind not in (MeshKind.CHUNK, MeshKind.ROUTED_CHUNK) and len(data) > MAX_MESSAGE_BYTES:
         raise MeshDecodeError(f"{kind.name} message of {len(data)} bytes exceeds its limit")
     sender = r.str8()
     body = _BODY_READERS[kind](r)

@@ -52,8 +52,11 @@ from ciuic_p2p.core.mesh.messages import (
 )
 from ciuic_p2p.core.mesh.routing import Router
 from ciuic_p2p.core.mesh.rttmap import RttMap
+from ciuic_p2p.core.mesh.strategy import LinkCosts, Plans, Strategy
 
-DISSEMINATION_KINDS = frozenset({MeshKind.CHUNK, MeshKind.HEADS, MeshKind.WANT})
+DISSEMINATION_KINDS = frozenset(
+    {MeshKind.CHUNK, MeshKind.ROUTED_CHUNK, MeshKind.HEADS, MeshKind.WANT}
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +121,9 @@ class MeshNode:
             links_digest=self.rttmap.digest,
         )
         self.router = Router(node, settings)
+        self.plans = Plans(settings, piece_bytes=settings.strategy_piece_bytes)
+        """Every strategy's trees and this node's choice for its rounds
+        (core.mesh.strategy)."""
         self.dissemination = Disseminator(
             node,
             settings,
@@ -202,11 +208,36 @@ class MeshNode:
         self.membership.leave(now)
         self._settle(now)
 
-    def broadcast(self, payload: bytes, now: float) -> int:
+    def broadcast(
+        self,
+        payload: bytes,
+        now: float,
+        round_id: object = None,
+        round_bytes: int | None = None,
+    ) -> int:
+        """Send ``payload`` to every live node. A piece of a round (``round_id``: the
+        origin's step, say; ``round_bytes``: what this node sends in that round) goes
+        by the strategy chosen for the round (``mesh.strategy``); anything else down
+        the ``tree``."""
         self._route()
-        seq = self.dissemination.publish(payload, now)
+        route = 0
+        if round_id is not None and self.settings.dissemination == "tree":
+            route = self.plans.route_for(round_id, round_bytes or len(payload))
+        seq = self.dissemination.publish(payload, now, route)
         self._settle(now)
         return seq
+
+    def predict_round_s(self, strategy: Strategy, round_bytes: int) -> float:
+        """The cost model's round time of ``strategy`` for rounds of ``round_bytes``
+        per origin, on this node's published state (core.mesh.strategy)."""
+        self._route()
+        return self.plans.predict(strategy, round_bytes)
+
+    def strategy(self) -> dict[str, object]:
+        """The strategy this node's rounds spread by, and what the cost model predicted
+        for each (core.mesh.strategy)."""
+        self._route()
+        return self.plans.status()
 
     def bootstrap(self, alive: list[Alive], now: float) -> None:
         """Start knowing these members alive (large simulations skip the joins)."""
@@ -275,9 +306,12 @@ class MeshNode:
         self._route()
         return dict(self.router.routes)
 
-    def tree(self, origin: str) -> dict[str, list[str]]:
+    def tree(self, origin: str, payload_bytes: int | None = None) -> dict[str, list[str]]:
+        """The ``tree`` strategy's tree of ``origin`` for payloads of this size (the
+        default: ``tree_chunk_bytes``), as chunks spread by it."""
         self._route()
-        return self.router.tree(origin)
+        size = self.settings.tree_chunk_bytes if payload_bytes is None else payload_bytes
+        return self.plans.tree("tree", origin, size)
 
     def view(self) -> list[str]:
         """Live nodes (this one included), sorted."""
@@ -328,14 +362,33 @@ class MeshNode:
         key = (self._view_version, self.rttmap.changes)
         if key != self._routing_key:
             self._routing_key = key
-            self.router.update(self.view(), self.rttmap.rtt_s, self.rttmap.rate_bps)
+            view = self.view()
+            self.router.update(view, self.rttmap.rtt_s, self.rttmap.rate_bps)
+            self.plans.update(key, self._costs(view))
+
+    def _costs(self, view: list[str]) -> LinkCosts:
+        rtt_s = self.rttmap.rtt_s
+
+        def delay(u: str, v: str) -> float | None:
+            r = rtt_s(u, v)
+            return None if r is None else r / 2
+
+        s = self.settings
+        return LinkCosts(
+            tuple(view),
+            delay,
+            self.rttmap.rate_bps,
+            s.default_rate_bps,
+            s.node_uplink_bps,
+            s.relay_penalty_s,
+        )
 
     def _sign_links(self, links: Links) -> Links:
         return dataclasses.replace(links, signature=self.identities.sign(links))
 
-    def _children(self, origin: str) -> list[str]:
+    def _children(self, origin: str, route: int, payload_bytes: int) -> list[str]:
         self._route()
-        return self.router.children(origin)
+        return self.plans.children(route, origin, self.node, payload_bytes)
 
 
 __all__ = [

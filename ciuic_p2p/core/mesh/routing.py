@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Callable, Sequence
 
 from ciuic_p2p.config.sections import MeshSection
@@ -77,27 +78,26 @@ def build_tree(
     settings: MeshSection,
     chunk_bytes: int | None = None,
     rate: RateFn | None = None,
+    uplink_bps: float | None = None,
 ) -> dict[str, list[str]]:
     """Children of every node in ``origin``'s dissemination tree (see module doc).
     ``rate(u, v)``: the published rate from u to v in bits/s (None: not measured, and
     ``default_rate_bps`` is counted). A rate counts at most ``default_rate_bps``: a
     measurement may make a link slower than an unmeasured one, never faster, so what
-    a member publishes cannot make it everyone's relay."""
+    a member publishes cannot make it everyone's relay. ``uplink_bps``: what a node's
+    links share (core.mesh.strategy): None counts its copies one after another at
+    their links' rates, as the module docstring says; infinity counts its links as
+    independent (and takes no fan-out limit); a rate counts the copies one after
+    another at that rate."""
     size = settings.tree_chunk_bytes if chunk_bytes is None else chunk_bytes
-    default_bps = settings.default_rate_bps
-
-    serialize: dict[tuple[str, str], float] = {}
-
-    def serialize_s(u: str, v: str) -> float:
-        key = (u, v)
-        if key not in serialize:
-            bps = rate(u, v) if rate is not None else None
-            serialize[key] = size * 8 / (min(bps, default_bps) if bps else default_bps)
-        return serialize[key]
+    copies = _Copies(size, settings.default_rate_bps, rate, uplink_bps)
+    serialize_s, occupies_s = copies.serialize_s, copies.occupies_s
 
     busy: dict[str, float] = {origin: 0.0}
     """Per node, the serialization of the copies to the children it has so far."""
     fanout = max(1, settings.tree_max_fanout)
+    if uplink_bps == math.inf:  # independent links: nothing shared to limit
+        fanout = max(fanout, len(nodes))
     arrival = {origin: 0.0}
     children: dict[str, list[str]] = {origin: []}
     remaining = sorted(n for n in set(nodes) if n != origin)
@@ -131,12 +131,44 @@ def build_tree(
             break
         t, v, u = pick
         arrival[v] = t
-        busy[u] += serialize_s(u, v)
+        busy[u] += occupies_s(u, v)
         busy[v] = 0.0
         children[u].append(v)
         children[v] = []
         remaining.remove(v)
     return children
+
+
+class _Copies:
+    """What one copy of a chunk costs a tree's node (see :func:`build_tree`): its
+    serialization on the link, and how long it keeps the node's uplink busy."""
+
+    def __init__(
+        self, size: int, default_bps: float, rate: RateFn | None, uplink_bps: float | None
+    ) -> None:
+        self.size, self.default_bps, self.rate, self.uplink_bps = (
+            size,
+            default_bps,
+            rate,
+            uplink_bps,
+        )
+        self._serialize: dict[tuple[str, str], float] = {}
+
+    def serialize_s(self, u: str, v: str) -> float:
+        key = (u, v)
+        found = self._serialize.get(key)
+        if found is None:
+            bps = self.rate(u, v) if self.rate is not None else None
+            bps = min(bps, self.default_bps) if bps else self.default_bps
+            uplink = self.uplink_bps
+            found = self._serialize[key] = self.size * 8 / (min(bps, uplink) if uplink else bps)
+        return found
+
+    def occupies_s(self, u: str, v: str) -> float:
+        """How long a copy to v keeps u's uplink from its next copy."""
+        if self.uplink_bps is None:
+            return self.serialize_s(u, v)
+        return self.size * 8 / self.uplink_bps  # 0 for an infinite uplink: independent
 
 
 class Router:

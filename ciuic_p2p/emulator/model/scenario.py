@@ -16,6 +16,9 @@ A scenario comes from a TOML or JSON file, or from a CSV matrix alone:
   ``region``), ``[[links]]`` (``src``, ``dst``, fields; ``symmetric = true`` sets both
   directions) and ``[[schedule]]`` (below).
 
+``uplink_gbps`` (top level: every node; or per ``[[nodes]]`` entry) shares one rate
+among all of a node's outgoing links, as a NIC or an access link does.
+
 ``rate_scale`` multiplies every rate: measured inter-region links (0.3 to 5 Gbit/s)
 are beyond what pure-Python QUIC pushes for several nodes on one small machine, so
 benchmarks scale rates (and model and chunk sizes) down together and report the scale.
@@ -50,6 +53,10 @@ ACTIONS = ("cut", "heal", "isolate", "rejoin", "partition", "heal_all", "set")
 class NodeSpec:
     name: str
     region: str = ""
+    uplink_bps: float | None = None
+    """What the node sends in all, over all its links (its NIC or access link): a
+    token bucket with a FIFO queue in front of its links, as ``LinkParams.rate_bps``
+    for one link (rate scale applied). None: each link is limited only by itself."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -207,7 +214,16 @@ def _link_fields(raw: Mapping[str, Any], where: str) -> dict[str, Any]:
     return out
 
 
-_TOP_KEYS = {"seed", "rate_scale", "defaults", "matrix", "nodes", "links", "schedule"}
+_TOP_KEYS = {
+    "seed",
+    "rate_scale",
+    "defaults",
+    "matrix",
+    "nodes",
+    "links",
+    "schedule",
+    "uplink_gbps",
+}
 
 
 def scenario_from_mapping(
@@ -250,9 +266,7 @@ def _scenario_from_mapping(data: Mapping[str, Any], read: Callable[[str], str]) 
         links = dict(scenario.links)
     else:
         nodes, links = [], {}
-    for raw in data.get("nodes", []):
-        if not any(n.name == raw["name"] for n in nodes):
-            nodes.append(NodeSpec(raw["name"], raw.get("region", "")))
+    nodes = _with_nodes(nodes, data, rate_scale)
     names = {n.name for n in nodes}
     for entry in data.get("links", []):
         raw = dict(entry)
@@ -276,6 +290,33 @@ def _scenario_from_mapping(data: Mapping[str, Any], read: Callable[[str], str]) 
         sorted((_change(raw, names) for raw in data.get("schedule", [])), key=lambda c: c.at_s)
     )
     return Scenario(tuple(nodes), links, schedule, seed, rate_scale)
+
+
+def _with_nodes(
+    nodes: list[NodeSpec], data: Mapping[str, Any], rate_scale: float
+) -> list[NodeSpec]:
+    """The ``[[nodes]]`` entries added to (or set on) ``nodes``, with their uplinks."""
+    out = list(nodes)
+    for raw in data.get("nodes", []):
+        if not any(n.name == raw["name"] for n in out):
+            out.append(NodeSpec(raw["name"], raw.get("region", "")))
+        if "uplink_gbps" in raw:
+            i = next(i for i, n in enumerate(out) if n.name == raw["name"])
+            uplink = _uplink(raw["uplink_gbps"], rate_scale, raw["name"])
+            out[i] = dataclasses.replace(out[i], uplink_bps=uplink)
+    if "uplink_gbps" in data:  # every node without its own
+        every = _uplink(data["uplink_gbps"], rate_scale, "uplink_gbps")
+        out = [
+            n if n.uplink_bps is not None else dataclasses.replace(n, uplink_bps=every) for n in out
+        ]
+    return out
+
+
+def _uplink(raw: Any, rate_scale: float, where: str) -> float:
+    gbps = float(raw)
+    if not 0 < gbps <= 1e4:
+        raise ConfigError(f"{where}: uplink_gbps must be in (0, 10000]")
+    return gbps * 1e9 * rate_scale
 
 
 def _plain(exc: Exception) -> str:
@@ -321,12 +362,25 @@ class EmulatedNetwork:
                 if a != b:
                     seed = (scenario.seed * 1_000_003 + i * 1009 + j) & 0xFFFFFFFF
                     self.links[(a, b)] = LinkModel(scenario.params(a, b), seed)
+        self.uplinks: dict[str, LinkModel] = {
+            n.name: LinkModel(LinkParams(rate_bps=n.uplink_bps), 0)
+            for n in scenario.nodes
+            if n.uplink_bps is not None
+        }
+        """The nodes' shared uplinks: a datagram waits for its slot there, then for
+        its link's."""
         self._down: set[tuple[str, str]] = set()
         self._next_change = 0
 
     def transmit(self, src: str, dst: str, now: float, size: int) -> list[float]:
         """Arrival times (same clock as ``now``) of a datagram from ``src`` to ``dst``."""
         self.advance(now)
+        uplink = self.uplinks.get(src)
+        if uplink is not None:
+            left = uplink.transmit(now, size)  # no delay, jitter or loss: one time or none
+            if not left:
+                return []
+            now = left[0]
         return self.links[(src, dst)].transmit(now, size)
 
     def advance(self, now: float) -> None:

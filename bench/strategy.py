@@ -1,0 +1,337 @@
+#!/usr/bin/env python3
+"""Sync-strategy benchmark: the round time of each fixed strategy (``tree``, ``ring``,
+``hierarchical``) and of the automatic choice, with real daemons (QUIC, membership,
+routing, forwarding) in one process on emulated WANs.
+
+A round: every node broadcasts a payload of ``--payloads`` bytes at once (in pieces of
+at most 1 MiB, as a trainer's chunks go, named as one round); it ends when every node
+has every other node's whole payload. Round time: from the round's start until then.
+Each (scenario, strategy, payload) runs in a fresh mesh with the same seed: formed,
+``--settle`` seconds for every link to be measured and published, one warm-up round
+(its bulk frames measure the links' rates, which are then published), then
+``--rounds`` measured rounds. ``auto`` decides from the published state alone, in its
+own run (it does not try the others). The model's prediction for each strategy comes
+from the first node's published state at each round's start
+(core.mesh.strategy.predict_round_s).
+
+Scenarios (``--rtt FILE`` adds any RTT matrix, the first ``--nodes`` regions):
+
+- ``cities11``: the shipped 11-city matrix and its measured bandwidths;
+- ``multicloud``: the shipped 8-region multi-cloud matrix, 1 Gbit/s per pair;
+- ``two-regions``: four nodes in each of two regions, 1 ms and 10 Gbit/s inside,
+  80 ms and 0.5 Gbit/s between;
+- ``star``: a hub and five leaves, 10 ms and 2.5 Gbit/s between hub and leaf, 150 ms
+  and 0.25 Gbit/s between leaves: every direct path between leaves is slow.
+
+Every node's uplink is ``--uplink-gbps`` (1), shared by its links, and the nodes are
+told so (``mesh.node_uplink_bps``, and ``default_rate_bps`` for links not measured
+yet); every rate times ``--rate-scale`` (several pure-Python daemons on one
+machine cannot fill real inter-region links).
+
+    python bench/strategy.py --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from ciuic_p2p.config import Config, LogSection
+from ciuic_p2p.core.mesh.broadcast import Delivery
+from ciuic_p2p.core.mesh.strategy import STRATEGIES
+from ciuic_p2p.daemon.node import ChunkRecorder
+from ciuic_p2p.data import WAN_DIR
+from ciuic_p2p.emulator.model.scenario import Scenario, scenario_from_mapping, scenario_from_matrix
+from ciuic_p2p.lab.daemons import DaemonMesh
+from ciuic_p2p.logsetup import configure_logging
+from ciuic_p2p.transport.loop import new_event_loop
+
+PIECE = 1 << 20
+SHAKESPEARE_OUTER_BYTES = 2_400
+"""The outer-step mode's default pseudo-gradient of the Shakespeare model, per node and
+round: 425k parameters at 1.56% and 2 bits, Rice-coded positions (bench/training.py
+measured 2,242 bytes per node and step of UDP payload at H=30 with control; one round's
+chunks are about 2.4 kB)."""
+UPDATE_BYTES = 2_100_000
+"""One send of a 100M-parameter model's update at 1% density (bench/datapath.py)."""
+
+
+def uniform_pairs(
+    groups: dict[str, list[str]], inside: tuple[float, float], between: tuple[float, float]
+) -> list[dict[str, Any]]:
+    """Links for nodes in groups: (RTT ms, Gbit/s) inside a group and between groups."""
+    nodes = [(g, n) for g, names in groups.items() for n in names]
+    links = []
+    for i, (ga, a) in enumerate(nodes):
+        for gb, b in nodes[i + 1 :]:
+            rtt, gbps = inside if ga == gb else between
+            links.append(
+                {
+                    "src": a,
+                    "dst": b,
+                    "symmetric": True,
+                    "delay_ms": rtt / 2,
+                    "rate_mbps": gbps * 1e3,
+                }
+            )
+    return links
+
+
+def built_scenario(name: str, rate_scale: float, uplink_gbps: float) -> Scenario:
+    if name == "two-regions":
+        groups = {"west": [f"w{i}" for i in range(4)], "east": [f"e{i}" for i in range(4)]}
+        links = uniform_pairs(groups, (1.0, 10.0), (80.0, 0.5))
+    else:  # star: the hub is one group, each leaf its own
+        groups = {"hub": ["hub"], **{f"l{i}": [f"leaf{i}"] for i in range(5)}}
+        links = uniform_pairs(groups, (10.0, 2.5), (150.0, 0.25))
+        for link in links:
+            if "hub" in (link["src"], link["dst"]):
+                link.update(delay_ms=5.0, rate_mbps=2.5e3)
+    scaled = [{**link, "rate_mbps": link["rate_mbps"] * rate_scale} for link in links]
+    nodes = [{"name": n, "region": g} for g, names in groups.items() for n in names]
+    return scenario_from_mapping(
+        {
+            "seed": 7,
+            "rate_scale": rate_scale,
+            "uplink_gbps": uplink_gbps,
+            "nodes": nodes,
+            "links": scaled,
+        }
+    )
+
+
+def matrix_scenario(
+    rtt_csv: Path, bandwidth_csv: Path | None, nodes: int, rate_scale: float, uplink_gbps: float
+) -> Scenario:
+    base = scenario_from_matrix(
+        rtt_csv.read_text(),
+        bandwidth_csv.read_text() if bandwidth_csv else None,
+        seed=7,
+        rate_scale=rate_scale,
+    )
+    if nodes:
+        base = base.subset(base.node_names()[:nodes])
+    return dataclasses.replace(
+        base,
+        nodes=tuple(
+            dataclasses.replace(n, uplink_bps=uplink_gbps * 1e9 * rate_scale) for n in base.nodes
+        ),
+    )
+
+
+async def run_rounds(
+    scenario: Scenario,
+    strategy: str,
+    payload: int,
+    rounds: int,
+    settle_s: float,
+    timeout_s: float,
+) -> dict[str, Any]:
+    names = scenario.node_names()
+    uplink = min(n.uplink_bps or 0.0 for n in scenario.nodes)
+    base = Config.wan()
+    # The nodes know their uplink (their NIC's rate, scaled as every rate is) and take
+    # it for a link no transfer has measured yet.
+    mesh_cfg = dataclasses.replace(
+        base.mesh,
+        strategy=strategy,  # type: ignore[arg-type]
+        node_uplink_bps=uplink,
+        default_rate_bps=uplink or base.mesh.default_rate_bps,
+    )
+    config = dataclasses.replace(base, mesh=mesh_cfg)
+    pieces = [PIECE] * (payload // PIECE) + ([payload % PIECE] if payload % PIECE else [])
+    got: dict[int, dict[str, int]] = {}
+    done_at: dict[int, float] = {}
+    need = (len(names) - 1) * len(pieces)
+
+    def recorder(who: str) -> ChunkRecorder:
+        def record(d: Delivery) -> None:
+            r = int.from_bytes(d.payload[:4], "little")
+            per = got.setdefault(r, {})
+            per[who] = per.get(who, 0) + 1
+            if all(per.get(n, 0) >= need for n in names):
+                done_at.setdefault(r, time.monotonic())
+
+        return ChunkRecorder(record)
+
+    out: dict[str, Any] = {"round_s": [], "predicted_s": [], "chosen": []}
+    async with DaemonMesh(scenario, names, config, observer=recorder, trainers=False) as mesh:
+        await mesh.form()
+        await asyncio.sleep(settle_s)
+        first = mesh.daemons[names[0]].mesh
+        for r in range(rounds + 1):  # round 0 warms up: its frames measure the links
+            chosen = strategy
+            if strategy != "auto":
+                predicted = first.predict_round_s(strategy, payload)  # type: ignore[arg-type]
+            t0 = time.monotonic()
+            for n in names:
+                daemon = mesh.daemons[n]
+                for piece in pieces:
+                    body = r.to_bytes(4, "little") + bytes(max(0, piece - 4))
+                    daemon.broadcast(body, round_id=r, round_bytes=payload)
+            if strategy == "auto":
+                status = first.strategy()
+                chosen = str(status["strategy"])
+                predicted = first.predict_round_s(chosen, payload)  # type: ignore[arg-type]
+            try:
+                await mesh.until(lambda r=r: r in done_at, timeout_s)
+                took = done_at[r] - t0
+            except TimeoutError:
+                took = float("inf")
+            if r > 0:
+                out["round_s"].append(took)
+                out["predicted_s"].append(predicted)
+                out["chosen"].append(chosen)
+            await asyncio.sleep(0.2)
+    return out
+
+
+def scenarios_of(args: argparse.Namespace) -> dict[str, Scenario]:
+    out: dict[str, Scenario] = {}
+    for name in args.scenarios.split(","):
+        if name == "cities11":
+            out[name] = matrix_scenario(
+                WAN_DIR / "rtt_cloudping_11cities.csv", WAN_DIR / "bandwidth_11cities.csv",
+                args.nodes, args.rate_scale, args.uplink_gbps,
+            )  # fmt: skip
+        elif name == "multicloud":
+            out[name] = matrix_scenario(
+                WAN_DIR / "rtt_multicloud_8regions.csv", None,
+                args.nodes, args.rate_scale, args.uplink_gbps,
+            )  # fmt: skip
+        elif name in ("two-regions", "star"):
+            out[name] = built_scenario(name, args.rate_scale, args.uplink_gbps)
+        else:
+            raise SystemExit(f"--scenarios: unknown {name!r}")
+    for path in args.rtt:
+        out[Path(path).stem] = matrix_scenario(
+            Path(path), None, args.nodes, args.rate_scale, args.uplink_gbps
+        )
+    return out
+
+
+def summarize(row: dict[str, Any], strategies: list[str]) -> None:
+    """The row's best fixed strategy, its lead over the worst, and how auto did."""
+    fixed = {s: row[s]["round_s"] for s in strategies if s != "auto" and s in row}
+    if not fixed:
+        return
+    best = min(fixed, key=fixed.__getitem__)
+    row["best"] = best
+    row["best_over_worst"] = max(fixed.values()) / fixed[best]
+    if "auto" in row:
+        measured = row["auto"]["round_s"]
+        row["auto_over_best"] = measured / fixed[best]
+        row["model_error"] = abs(row["auto"]["predicted_s"] - measured) / measured
+        row["auto_chose"] = row["auto"]["chosen"][-1]
+
+
+def tree_large_ratio() -> float | None:
+    """bench/dissemination.py's 1 MB tree row on the multi-cloud matrix at rate scale
+    0.01: the p50 of one broadcast per origin over its store-and-forward optimum."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import dissemination  # noqa: PLC0415
+
+    mc = scenario_from_matrix(
+        (WAN_DIR / "rtt_multicloud_8regions.csv").read_text(), None, seed=7, rate_scale=0.01
+    )
+    rates = [p.rate_bps for p in mc.links.values() if p.rate_bps]
+    loop = new_event_loop()
+    try:
+        ratios = loop.run_until_complete(
+            dissemination.run_mode(mc, "tree", 0, 1, 12.0, statistics.median(rates))
+        )
+    finally:
+        loop.close()
+    found: float | None = dissemination.pct(ratios["large"], 50)
+    return found
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--rtt", action="append", default=[], help="another RTT matrix (CSV)")
+    ap.add_argument("--nodes", type=int, default=6, help="regions of a matrix scenario (6)")
+    ap.add_argument("--rate-scale", type=float, default=0.02)
+    ap.add_argument("--uplink-gbps", type=float, default=1.0)
+    ap.add_argument("--payloads", default=f"{SHAKESPEARE_OUTER_BYTES},{UPDATE_BYTES}")
+    ap.add_argument("--rounds", type=int, default=2, help="measured rounds per run (2)")
+    ap.add_argument("--settle", type=float, default=8.0)
+    ap.add_argument("--timeout", type=float, default=180.0, help="seconds a round may take")
+    ap.add_argument("--scenarios", default="cities11,multicloud,two-regions,star")
+    ap.add_argument("--strategies", default="tree,ring,hierarchical,auto")
+    ap.add_argument("--skip-dissemination", action="store_true", help="no 1 MB tree row")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    configure_logging(LogSection(level="error"))
+    scenarios = scenarios_of(args)
+    strategies = args.strategies.split(",")
+    for s in strategies:
+        if s != "auto" and s not in STRATEGIES:
+            ap.error(f"--strategies: unknown {s!r}")
+    payloads = [int(p) for p in args.payloads.split(",")]
+    table: list[dict[str, Any]] = []
+    loop = new_event_loop()
+    try:
+        for sname, scenario in scenarios.items():
+            for payload in payloads:
+                row: dict[str, Any] = {
+                    "scenario": sname,
+                    "nodes": scenario.node_names(),
+                    "payload_bytes": payload,
+                }
+                for strategy in strategies:
+                    t0 = time.monotonic()
+                    r = loop.run_until_complete(
+                        run_rounds(
+                            scenario, strategy, payload, args.rounds, args.settle, args.timeout
+                        )
+                    )
+                    row[strategy] = {
+                        "round_s": statistics.median(r["round_s"]),
+                        "rounds_s": [round(x, 3) for x in r["round_s"]],
+                        "predicted_s": statistics.median(r["predicted_s"]),
+                        "chosen": r["chosen"],
+                        "wall_s": round(time.monotonic() - t0, 1),
+                    }
+                    print(f"{sname} {payload} {strategy}: {row[strategy]}", file=sys.stderr)
+                summarize(row, strategies)
+                table.append(row)
+    finally:
+        loop.close()
+    tree_large = None if args.skip_dissemination else tree_large_ratio()
+    result = {
+        "benchmark": "strategy",
+        "rate_scale": args.rate_scale,
+        "uplink_gbps": args.uplink_gbps,
+        "rounds": args.rounds,
+        "scenarios": table,
+        "auto_over_best_max": max((r.get("auto_over_best", 0.0) for r in table), default=None),
+        "best_over_worst_max": max((r.get("best_over_worst", 0.0) for r in table), default=None),
+        "model_error_max": max((r.get("model_error", 0.0) for r in table), default=None),
+        "tree_large_p50_ratio_multicloud": tree_large,
+    }
+    for row in table:
+        cells = " ".join(
+            f"{s} {row[s]['round_s']:.2f}s/{row[s]['predicted_s']:.2f}p"
+            for s in strategies
+            if s in row
+        )
+        print(
+            f"{row['scenario']:12s} {row['payload_bytes']:>9d} B  {cells}  best {row.get('best')}"
+        )
+    print(f"multicloud 1 MB tree p50 over the optimum: {tree_large}")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

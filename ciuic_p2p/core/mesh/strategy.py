@@ -1,0 +1,520 @@
+"""How a round's payloads spread: three strategies, a cost model, and the choice.
+
+In a round every replica sends its payload (an outer-step pseudo-gradient, an update)
+to every other: an all-gather. Each strategy is a pure planner that gives, for every
+origin, the tree its payload travels down (children per node), from the published
+link state (one-way delays, link rates) and the payload's size:
+
+- ``tree``: the latency-optimal, fan-out-limited tree of core.mesh.routing, shaped for
+  the payload's piece size (a large piece counts its serialization at each hop).
+- ``ring``: the nodes in one ring, ordered by measured cost as PCCL orders its ring
+  (nearest neighbour from every start, then 2-opt, on delay plus serialization); each
+  origin's payload goes once around it. Every node forwards N - 2 payloads to one
+  neighbour, every link carries at most N - 1: the bandwidth-optimal all-gather when
+  a node's uplink, not the path, limits.
+- ``hierarchical``: clusters of nearby nodes (single linkage: RTTs under
+  ``cluster_rtt_s``), a leader per cluster (the member nearest the other clusters);
+  an origin sends to its own cluster and to its leader, the leader to the other
+  leaders (a tree among them), each leader to its cluster. A payload crosses each
+  slow inter-cluster path once per cluster instead of once per node.
+
+The ring all-gathers the compressed payloads; it does not sum them on the way
+(reduce-scatter). A relay that summed would have to decode, add and re-encode other
+replicas' contributions: the union of sparse index sets grows at each hop, the values
+are quantized again (error compounds), and the sum no longer carries any origin's
+signature, so any member on the ring could change every other member's contribution.
+Forwarding each signed payload untouched keeps a member's power to its own.
+
+The cost model (:func:`predict_round_s`) plays the round out on the published state:
+every origin starts at once, each payload is cut into pieces of at most
+``piece_bytes`` that travel store-and-forward, a link sends one piece after another
+(FIFO, at its rate) and a node sends one copy at a time (its uplink), unless its
+links are known to be independent. The round ends when the last node holds the last
+piece. The chooser
+(:class:`Chooser`) picks the strategy with the least predicted time, and leaves the
+current one only for a gain of ``hysteresis``; it decides at round boundaries. Pure:
+no clock, no I/O; the same state gives the same trees and the same choice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ciuic_p2p.config.sections import MeshSection
+from ciuic_p2p.core.mesh.routing import build_tree
+
+Strategy = Literal["tree", "ring", "hierarchical"]
+STRATEGIES: tuple[Strategy, ...] = ("tree", "ring", "hierarchical")
+"""In the order of their wire code (core.mesh.messages: a chunk names its route); only
+append."""
+
+Tree = dict[str, list[str]]
+"""Children of every node in one origin's tree."""
+
+
+DelayFn = Callable[[str, str], float | None]
+"""One-way delay from one node to another in seconds (None: not known)."""
+RateFn = Callable[[str, str], float | None]
+"""The published rate from one node to another in bits/s (None: not measured)."""
+
+
+@dataclass(frozen=True, slots=True)
+class LinkCosts:
+    """The published state a plan is made from: nodes (in name order), the one-way
+    delay and the rate of every directed link known (read as needed: a large mesh's
+    map is never copied), and what a node's links share, ``uplink_bps``: 0 (not known)
+    counts a node's copies one after another at their links' rates; infinity counts
+    its links as independent; a rate counts the copies one after another through an
+    uplink of that rate."""
+
+    nodes: tuple[str, ...]
+    delay_of: DelayFn
+    rate_of: RateFn
+    default_rate_bps: float = 1e9
+    uplink_bps: float = 0.0
+    relay_s: float = 0.002
+    """What a relay adds per piece it forwards (receive, check, queue)."""
+
+    @classmethod
+    def from_tables(
+        cls,
+        nodes: Sequence[str],
+        delay_s: Mapping[tuple[str, str], float],
+        rate_bps: Mapping[tuple[str, str], float],
+        default_rate_bps: float = 1e9,
+        uplink_bps: float = 0.0,
+        relay_s: float = 0.002,
+    ) -> LinkCosts:
+        return cls(
+            tuple(sorted(nodes)),
+            lambda u, v: delay_s.get((u, v)),
+            lambda u, v: rate_bps.get((u, v)),
+            default_rate_bps,
+            uplink_bps,
+            relay_s,
+        )
+
+    def delay(self, u: str, v: str) -> float | None:
+        return self.delay_of(u, v)
+
+    def rate(self, u: str, v: str) -> float:
+        """The link's rate, never above ``default_rate_bps`` (a published rate may
+        make a link slower than an unmeasured one, not faster: core.mesh.routing)."""
+        r = self.rate_of(u, v)
+        return min(r, self.default_rate_bps) if r else self.default_rate_bps
+
+    def hop_s(self, u: str, v: str, size: int) -> float | None:
+        """Delay plus serialization of ``size`` bytes from u to v (None: no link)."""
+        d = self.delay(u, v)
+        return None if d is None else d + size * 8 / self.rate(u, v)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """One strategy's trees, one per origin."""
+
+    strategy: Strategy
+    trees: Mapping[str, Tree]
+
+
+# -- the planners ---------------------------------------------------------------------
+
+
+def plan(strategy: Strategy, costs: LinkCosts, piece_bytes: int, settings: MeshSection) -> Plan:
+    """Every origin's tree under ``strategy``."""
+    if strategy == "tree":
+        return Plan("tree", {o: tree_for(o, costs, piece_bytes, settings) for o in costs.nodes})
+    if strategy == "ring":
+        order = ring_order(costs, piece_bytes)
+        return Plan("ring", {o: ring_tree(o, order) for o in costs.nodes})
+    groups = clusters(costs, settings.cluster_rtt_s)
+    leaders = cluster_leaders(groups, costs, piece_bytes)
+    return Plan(
+        "hierarchical",
+        {
+            o: hierarchical_tree(o, groups, leaders, costs, piece_bytes, settings)
+            for o in costs.nodes
+        },
+    )
+
+
+def tree_for(origin: str, costs: LinkCosts, piece_bytes: int, settings: MeshSection) -> Tree:
+    """core.mesh.routing's tree, shaped for pieces of ``piece_bytes``."""
+
+    def rtt(u: str, v: str) -> float | None:
+        d = costs.delay(u, v)
+        return None if d is None else 2 * d
+
+    return build_tree(
+        origin,
+        costs.nodes,
+        rtt,
+        settings,
+        chunk_bytes=piece_bytes,
+        rate=costs.rate_of,
+        uplink_bps=costs.uplink_bps or None,
+    )
+
+
+RING_STARTS = 8
+"""Nearest-neighbour rings started from at most this many nodes (all of them in small
+meshes), each improved by 2-opt."""
+
+
+def ring_order(costs: LinkCosts, piece_bytes: int) -> tuple[str, ...]:
+    """The ring, as PCCL orders one: the least total cost of its hops (delay plus a
+    piece's serialization, directed), by nearest neighbour from several starts and then
+    2-opt; ties by name. Starts at the first node by name."""
+    nodes = costs.nodes
+    if len(nodes) <= 3:
+        return tuple(nodes)
+    unreachable = 1e9
+    index = {n: i for i, n in enumerate(nodes)}
+    table = [[0.0] * len(nodes) for _ in nodes]
+    for u in nodes:
+        for v in nodes:
+            if u != v:
+                h = costs.hop_s(u, v, piece_bytes)
+                table[index[u]][index[v]] = unreachable if h is None else h
+    step = max(1, len(nodes) // RING_STARTS)
+    best: list[int] | None = None
+    best_cost = float("inf")
+    for start in range(0, len(nodes), step):
+        order = [start]
+        left = set(range(len(nodes))) - {start}
+        while left:
+            here = table[order[-1]]
+            nxt = min(sorted(left), key=lambda v: here[v])
+            order.append(nxt)
+            left.remove(nxt)
+        order, c = _two_opt(order, table)
+        if c < best_cost - 1e-12:
+            best, best_cost = order, c
+    assert best is not None
+    i = best.index(0)
+    return tuple(nodes[k] for k in best[i:] + best[:i])
+
+
+def _two_opt(order: list[int], c: Sequence[Sequence[float]]) -> tuple[list[int], float]:
+    """Reverse segments while that shortens the directed cycle (first improvement; each
+    candidate costed in O(1) from prefix sums of the hops forward and backward)."""
+    n = len(order)
+    passes = 0
+    while passes < 4 * n:
+        passes += 1
+        cyc = [*order, order[0]]
+        fwd, rev = [0.0], [0.0]
+        for t in range(n):
+            fwd.append(fwd[-1] + c[cyc[t]][cyc[t + 1]])
+            rev.append(rev[-1] + c[cyc[t + 1]][cyc[t]])
+        total = fwd[n]
+        found = False
+        for i in range(1, n - 1):
+            a = order[i - 1]
+            for j in range(i + 1, n):
+                b = cyc[j + 1]
+                old = c[a][order[i]] + fwd[j] - fwd[i] + c[order[j]][b]
+                new = c[a][order[j]] + rev[j] - rev[i] + c[order[i]][b]
+                if new < old - 1e-12:
+                    order = order[:i] + order[i : j + 1][::-1] + order[j + 1 :]
+                    found = True
+                    break
+            if found:
+                break
+        if not found:
+            return order, total
+    return order, sum(c[order[t]][order[(t + 1) % n]] for t in range(n))
+
+
+def ring_tree(origin: str, order: Sequence[str]) -> Tree:
+    """The origin's payload once around the ring: each node's child is the next."""
+    n = len(order)
+    i = order.index(origin)
+    tree: Tree = {node: [] for node in order}
+    for k in range(n - 1):
+        tree[order[(i + k) % n]] = [order[(i + k + 1) % n]]
+    return tree
+
+
+def clusters(costs: LinkCosts, cluster_rtt_s: float) -> tuple[tuple[str, ...], ...]:
+    """Single linkage: two nodes share a cluster when a chain of links of RTT under
+    ``cluster_rtt_s`` (both directions measured) joins them. In name order."""
+    parent = {n: n for n in costs.nodes}
+
+    def find(x: str) -> str:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for u, v in itertools.combinations(costs.nodes, 2):
+        a, b = costs.delay(u, v), costs.delay(v, u)
+        if a is not None and b is not None and a + b < cluster_rtt_s:
+            ru, rv = find(u), find(v)
+            if ru != rv:
+                parent[max(ru, rv)] = min(ru, rv)
+    groups: dict[str, list[str]] = {}
+    for n in costs.nodes:
+        groups.setdefault(find(n), []).append(n)
+    return tuple(tuple(g) for _, g in sorted(groups.items()))
+
+
+def cluster_leaders(
+    groups: Sequence[Sequence[str]], costs: LinkCosts, piece_bytes: int
+) -> dict[tuple[str, ...], str]:
+    """Per cluster, the member with the least total cost of a piece to the other
+    clusters' nodes (ties by name); the lone member of a cluster of one."""
+    out: dict[tuple[str, ...], str] = {}
+    for g in groups:
+        others = [n for h in groups if h is not g for n in h]
+
+        def reach(u: str, others: list[str] = others) -> float:
+            return sum(costs.hop_s(u, v, piece_bytes) or 1e9 for v in others)
+
+        out[tuple(g)] = min(sorted(g), key=reach)
+    return out
+
+
+def hierarchical_tree(
+    origin: str,
+    groups: Sequence[Sequence[str]],
+    leaders: Mapping[tuple[str, ...], str],
+    costs: LinkCosts,
+    piece_bytes: int,
+    settings: MeshSection,
+) -> Tree:
+    """The origin to its cluster and its leader; the leaders among themselves (the
+    routing tree over the leaders, from the origin's); each leader to its cluster."""
+    tree: Tree = {n: [] for n in costs.nodes}
+    home = next(tuple(g) for g in groups if origin in g)
+    home_leader = leaders[home]
+    tree[origin] = [n for n in home if n != origin]
+    sub = dataclasses.replace(costs, nodes=tuple(sorted(leaders.values())))
+    between = tree_for(home_leader, sub, piece_bytes, settings)
+    for leader, kids in between.items():
+        tree[leader] = tree[leader] + [k for k in kids if k not in tree[leader]]
+    for g in groups:
+        leader = leaders[tuple(g)]
+        if tuple(g) == home:
+            continue
+        tree[leader] = tree[leader] + [n for n in g if n != leader]
+    return tree
+
+
+# -- the cost model -------------------------------------------------------------------
+
+
+def predict_round_s(plan_: Plan, costs: LinkCosts, payload_bytes: int, piece_bytes: int) -> float:
+    """When the last node holds the last piece of every origin's payload, every origin
+    starting at time 0 (see the module docstring). Infinite if a tree misses a node or
+    uses a link with no known delay."""
+    pieces = _pieces(payload_bytes, piece_bytes)
+    link_free: dict[tuple[str, str], float] = {}
+    up_free: dict[str, float] = {}
+    done = 0.0
+    events: list[tuple[float, int, str, str, int]] = []
+    order = itertools.count()
+    for origin in costs.nodes:
+        for k in range(len(pieces)):
+            heapq.heappush(events, (0.0, next(order), origin, origin, k))
+    held: set[tuple[str, str, int]] = set()
+    while events:
+        t, _, node, origin, k = heapq.heappop(events)
+        if (node, origin, k) in held:
+            continue
+        held.add((node, origin, k))
+        done = max(done, t)
+        size = pieces[k]
+        ready = t + (costs.relay_s if node != origin else 0.0)
+        for child in plan_.trees[origin].get(node, []):
+            d = costs.delay(node, child)
+            if d is None:
+                return float("inf")
+            rate = min(costs.rate(node, child), costs.uplink_bps or math.inf)
+            start = max(ready, link_free.get((node, child), 0.0))
+            if costs.uplink_bps != math.inf:  # the node sends one copy at a time
+                start = max(start, up_free.get(node, 0.0))
+                up_free[node] = start + size * 8 / rate
+            leave = start + size * 8 / rate
+            link_free[(node, child)] = leave
+            heapq.heappush(events, (leave + d, next(order), child, origin, k))
+    if len(held) < len(costs.nodes) ** 2 * len(pieces):
+        return float("inf")
+    return done
+
+
+def _pieces(payload_bytes: int, piece_bytes: int) -> list[int]:
+    piece = max(1, piece_bytes)
+    full, rest = divmod(max(1, payload_bytes), piece)
+    return [piece] * full + ([rest] if rest else [])
+
+
+# -- the choice -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    """A decision: the strategy, and every strategy's predicted round time."""
+
+    strategy: Strategy
+    predicted_s: Mapping[Strategy, float]
+    payload_bytes: int
+
+
+@dataclass
+class Chooser:
+    """The strategy in force and when it changes (at round boundaries, by
+    :meth:`decide`): the least predicted round time, leaving the current strategy
+    only when another is faster by ``hysteresis`` of its time."""
+
+    settings: MeshSection
+    piece_bytes: int
+    current: Choice | None = None
+    switches: int = 0
+    plans: dict[Strategy, Plan] = field(default_factory=dict)
+
+    def decide(
+        self, costs: LinkCosts, payload_bytes: int, allowed: Sequence[Strategy] = STRATEGIES
+    ) -> Choice:
+        piece = min(self.piece_bytes, max(1, payload_bytes))
+        predicted: dict[Strategy, float] = {}
+        for s in allowed:
+            p = plan(s, costs, piece, self.settings)
+            self.plans[s] = p
+            predicted[s] = predict_round_s(p, costs, payload_bytes, self.piece_bytes)
+        best = min(allowed, key=lambda s: (predicted[s], STRATEGIES.index(s)))
+        now = self.current
+        keep = now is not None and now.strategy in predicted
+        if keep:
+            assert now is not None
+            current_s = predicted[now.strategy]
+            if predicted[best] < current_s * (1.0 - self.settings.strategy_hysteresis):
+                keep = False
+        chosen: Strategy = now.strategy if keep and now is not None else best
+        if now is not None and chosen != now.strategy:
+            self.switches += 1
+        self.current = Choice(chosen, predicted, payload_bytes)
+        return self.current
+
+
+# -- a node's plans and choice, kept current ------------------------------------------
+
+AUTO_MAX_NODES = 64
+"""``auto`` plays rounds out for meshes up to this size; past it, ``tree``: the model
+costs O(N^2) per piece and strategy, and a large mesh's rounds are its trees' anyway."""
+
+
+def piece_class(payload_bytes: int, settings: MeshSection) -> int:
+    """The size a payload's trees are shaped for: the next power of two, at least
+    ``tree_chunk_bytes``. Every node computes it from the payload it holds, so all
+    shape a chunk's trees alike."""
+    n = max(1, payload_bytes)
+    return max(settings.tree_chunk_bytes, 1 << (n - 1).bit_length())
+
+
+class Plans:
+    """One node's trees of every strategy for the published state it has (rebuilt as
+    needed after :meth:`update` brings a new state), and its own choice of strategy
+    for its rounds (``mesh.strategy``; ``auto``: :class:`Chooser`)."""
+
+    def __init__(self, settings: MeshSection, piece_bytes: int) -> None:
+        self.settings = settings
+        self.piece_bytes = piece_bytes
+        """The most a chunk carries (rounds travel in pieces of at most this)."""
+        self.chooser = Chooser(settings, piece_bytes)
+        self.costs: LinkCosts | None = None
+        self._key: object = None
+        self._trees: dict[tuple[Strategy, int, str], Tree] = {}
+        self._rings: dict[int, tuple[str, ...]] = {}
+        self._groups: dict[int, tuple[tuple[tuple[str, ...], ...], dict[tuple[str, ...], str]]] = {}
+        self._round: object = None
+
+    def update(self, key: object, costs: LinkCosts) -> None:
+        """The published state (``key`` names it: a new key, new plans)."""
+        if key != self._key:
+            self._key = key
+            self.costs = costs
+            self._trees.clear()
+            self._rings.clear()
+            self._groups.clear()
+
+    def children(self, route: int, origin: str, node: str, payload_bytes: int) -> list[str]:
+        """``node``'s children in ``origin``'s tree of strategy ``route`` (its code)
+        for a payload of this size."""
+        if self.costs is None or not 0 <= route < len(STRATEGIES):
+            return []
+        return list(self.tree(STRATEGIES[route], origin, payload_bytes).get(node, []))
+
+    def tree(self, strategy: Strategy, origin: str, payload_bytes: int) -> Tree:
+        costs = self.costs
+        assert costs is not None
+        if origin not in costs.nodes:  # an origin outside the view: its own tree
+            costs = dataclasses.replace(costs, nodes=tuple(sorted((*costs.nodes, origin))))
+        piece = piece_class(payload_bytes, self.settings)
+        key = (strategy, piece, origin)
+        tree = self._trees.get(key)
+        if tree is None:
+            tree = self._trees[key] = self._plan(strategy, origin, piece, costs)
+        return tree
+
+    def _plan(self, strategy: Strategy, origin: str, piece: int, costs: LinkCosts) -> Tree:
+        if strategy == "tree":
+            return tree_for(origin, costs, piece, self.settings)
+        if strategy == "ring":
+            order = self._rings.get(piece)
+            if order is None or origin not in order:
+                order = self._rings[piece] = ring_order(costs, piece)
+            return ring_tree(origin, order)
+        found = self._groups.get(piece)
+        if found is None or origin not in costs.nodes:
+            groups = clusters(costs, self.settings.cluster_rtt_s)
+            found = self._groups[piece] = (groups, cluster_leaders(groups, costs, piece))
+        groups, leaders = found
+        return hierarchical_tree(origin, groups, leaders, costs, piece, self.settings)
+
+    def route_for(self, round_id: object, round_bytes: int) -> int:
+        """The code of the strategy this node's round ``round_id`` (of ``round_bytes``
+        per origin) spreads by: the configured one, or under ``auto`` the chooser's,
+        decided once per round (at its first chunk) from the published state."""
+        fixed = self.settings.strategy
+        if fixed != "auto":
+            return STRATEGIES.index(fixed)
+        costs = self.costs
+        if costs is None or len(costs.nodes) < 2 or len(costs.nodes) > AUTO_MAX_NODES:
+            return 0
+        if round_id != self._round or self.chooser.current is None:
+            self._round = round_id
+            self.chooser.decide(costs, round_bytes)
+        current = self.chooser.current
+        assert current is not None
+        return STRATEGIES.index(current.strategy)
+
+    def predict(self, strategy: Strategy, round_bytes: int) -> float:
+        """The cost model's round time of ``strategy`` on this node's published state
+        (infinite before a state)."""
+        costs = self.costs
+        if costs is None:
+            return math.inf
+        piece = min(self.piece_bytes, max(1, round_bytes))
+        return predict_round_s(
+            plan(strategy, costs, piece, self.settings), costs, round_bytes, self.piece_bytes
+        )
+
+    def status(self) -> dict[str, object]:
+        """The choice in force, for ``status``, metrics and the page."""
+        c = self.chooser.current
+        configured = self.settings.strategy
+        in_force = configured if configured != "auto" else "tree" if c is None else c.strategy
+        return {
+            "configured": configured,
+            "strategy": in_force,
+            "round_bytes": None if c is None else c.payload_bytes,
+            "predicted_s": {} if c is None else {k: round(v, 4) for k, v in c.predicted_s.items()},
+            "switches": self.chooser.switches,
+        }

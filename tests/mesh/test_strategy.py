@@ -1,0 +1,255 @@
+"""The three sync strategies as pure planners, the cost model and the choice
+(core.mesh.strategy): each plan reaches every node once per origin, the model plays a
+round out as the emulator would carry it, and the choice is the least predicted time,
+kept against noise."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import math
+
+import pytest
+
+from ciuic_p2p.config import Config, MeshSection
+from ciuic_p2p.core.mesh.strategy import (
+    STRATEGIES,
+    Chooser,
+    LinkCosts,
+    Plan,
+    clusters,
+    plan,
+    predict_round_s,
+    ring_order,
+    ring_tree,
+)
+from ciuic_p2p.data import scenario_path
+from ciuic_p2p.emulator.meshsim import SimMesh
+from ciuic_p2p.emulator.model.scenario import EmulatedNetwork, scenario_from_mapping
+from ciuic_p2p.emulator.scenarios import load_scenario
+
+MESH = Config.wan().mesh
+
+
+def _uniform(
+    n: int, delay_s: float = 0.05, rate_bps: float = 8e6, uplink_bps: float = math.inf
+) -> LinkCosts:
+    nodes = tuple(f"n{i}" for i in range(n))
+    pairs = [(u, v) for u in nodes for v in nodes if u != v]
+    return LinkCosts.from_tables(
+        nodes,
+        dict.fromkeys(pairs, delay_s),
+        dict.fromkeys(pairs, rate_bps),
+        default_rate_bps=1e12,
+        uplink_bps=uplink_bps,
+        relay_s=0.0,
+    )
+
+
+def _two_regions(uplink_bps: float = math.inf) -> LinkCosts:
+    """Four nodes in each of two regions: 1 ms and 100 Mbit/s inside, 40 ms and
+    4 Mbit/s between."""
+    nodes = tuple([f"a{i}" for i in range(4)] + [f"b{i}" for i in range(4)])
+    delay, rate = {}, {}
+    for u, v in itertools.permutations(nodes, 2):
+        same = u[0] == v[0]
+        delay[(u, v)] = 0.001 if same else 0.04
+        rate[(u, v)] = 1e8 if same else 4e6
+    return LinkCosts.from_tables(nodes, delay, rate, 1e12, uplink_bps, 0.0)
+
+
+def _reaches_everyone_once(p: Plan, nodes: tuple[str, ...]) -> None:
+    for origin, tree in p.trees.items():
+        reached = [c for kids in tree.values() for c in kids]
+        assert sorted(reached) == sorted(n for n in nodes if n != origin), (p.strategy, origin)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("costs", [_uniform(2), _uniform(7), _two_regions()])
+def test_every_plan_reaches_every_node_once_from_every_origin(
+    strategy: str, costs: LinkCosts
+) -> None:
+    p = plan(strategy, costs, 4096, MESH)  # type: ignore[arg-type]
+    assert set(p.trees) == set(costs.nodes)
+    _reaches_everyone_once(p, costs.nodes)
+
+
+def test_the_ring_follows_the_cheap_links_and_each_origin_goes_once_around() -> None:
+    """Two regions: the best ring crosses between them only twice."""
+    order = ring_order(_two_regions(), 65536)
+    crossings = sum(order[i][0] != order[(i + 1) % len(order)][0] for i in range(len(order)))
+    assert crossings == 2 and order[0] == "a0"
+    tree = ring_tree("b1", order)
+    hops, node = [], "b1"
+    while tree[node]:
+        (node,) = tree[node]
+        hops.append(node)
+    assert len(hops) == len(order) - 1 and "b1" not in hops
+
+
+def test_clusters_are_joined_by_short_links_and_leaders_relay_between_them() -> None:
+    costs = _two_regions()
+    groups = clusters(costs, 0.02)
+    assert groups == (("a0", "a1", "a2", "a3"), ("b0", "b1", "b2", "b3"))
+    p = plan("hierarchical", costs, 65536, MESH)
+    crossing = [(u, v) for u, kids in p.trees["a2"].items() for v in kids if u[0] != v[0]]
+    assert len(crossing) == 1  # a2's payload crosses once, leader to leader
+    assert clusters(costs, 0.0) == tuple((n,) for n in costs.nodes)
+
+
+def test_the_model_gives_the_closed_forms_of_simple_rounds() -> None:
+    """Uniform links, no uplink limit: a star (the tree with a fan-out past N) delivers
+    in one hop's time; the ring in N - 1 hops' (each link carries N - 1 payloads,
+    one after the other, and the last starts N - 2 payloads late)."""
+    n, size, delay, rate = 5, 100_000, 0.05, 8e6
+    costs = _uniform(n, delay, rate)
+    star = dataclasses.replace(MESH, tree_max_fanout=n)
+    hop = delay + size * 8 / rate
+    got = predict_round_s(plan("tree", costs, size, star), costs, size, size)
+    assert got == pytest.approx(hop)
+    got = predict_round_s(plan("ring", costs, size, star), costs, size, size)
+    assert got == pytest.approx((n - 1) * hop)
+    # In ten pieces the ring pipelines: each link still carries N - 1 payloads' bytes
+    # back to back, but the delays overlap.
+    piece = size // 10
+    got = predict_round_s(plan("ring", costs, piece, star), costs, size, piece)
+    assert (n - 1) * size * 8 / rate <= got < (n - 1) * hop
+
+
+def test_a_shared_uplink_makes_the_ring_the_fastest_for_large_rounds() -> None:
+    """With every node's uplink the limit, a star sends N - 1 copies of each payload
+    through it, and so does the ring, but spread over the round: equal bytes; with
+    relays counted, the tree never beats the ring by much, and for a large payload in
+    pieces the ring wins."""
+    costs = _uniform(8, 0.02, 8e7, uplink_bps=8e6)
+    size = 1_000_000
+    times = {
+        s: predict_round_s(plan(s, costs, 65536, MESH), costs, size, 65536) for s in STRATEGIES
+    }
+    assert min(times, key=times.__getitem__) == "ring"
+    # The bound: every node must send (N - 1) payloads' bytes through its uplink.
+    assert times["ring"] >= 7 * size * 8 / 8e6
+
+
+def test_the_model_matches_the_emulators_links() -> None:
+    """The model's arithmetic is the emulator's: a payload's pieces sent back to back
+    on one link arrive when the link's FIFO and delay say."""
+    scenario = scenario_from_mapping(
+        {
+            "defaults": {"delay_ms": 30.0, "rate_mbps": 8.0, "queue_bytes": 10_000_000},
+            "nodes": [{"name": "a"}, {"name": "b"}],
+        }
+    )
+    net = EmulatedNetwork(scenario)
+    arrivals = [net.transmit("a", "b", 0.0, 1000)[0] for _ in range(100)]
+    both = [("a", "b"), ("b", "a")]
+    costs = LinkCosts.from_tables(
+        ("a", "b"), dict.fromkeys(both, 0.03), dict.fromkeys(both, 8e6), 1e12, 0.0, 0.0
+    )
+    p = Plan("tree", {"a": {"a": ["b"], "b": []}, "b": {"b": ["a"], "a": []}})
+    assert predict_round_s(p, costs, 100_000, 1000) == pytest.approx(max(arrivals), rel=1e-6)
+
+
+def test_a_plan_that_misses_a_node_or_a_link_never_wins() -> None:
+    costs = _uniform(3)
+    broken = Plan("tree", {o: {o: []} for o in costs.nodes})
+    assert predict_round_s(broken, costs, 1000, 1000) == float("inf")
+    holes = dataclasses.replace(
+        costs, delay_of=lambda u, v: 0.01 if (u, v) == ("n0", "n1") else None
+    )
+    assert predict_round_s(plan("ring", costs, 1000, MESH), holes, 1000, 1000) == float("inf")
+
+
+def test_the_choice_is_the_fastest_and_moves_only_past_the_hysteresis() -> None:
+    mesh = dataclasses.replace(MESH, strategy_hysteresis=0.2)
+    chooser = Chooser(mesh, piece_bytes=65536)
+    small = chooser.decide(_two_regions(uplink_bps=8e6), 4096)
+    assert small.strategy == min(small.predicted_s, key=small.predicted_s.__getitem__)
+    big = chooser.decide(_two_regions(uplink_bps=8e6), 4_000_000)
+    fastest = min(big.predicted_s, key=big.predicted_s.__getitem__)
+    held = big.predicted_s[small.strategy] <= big.predicted_s[fastest] / 0.8
+    assert big.strategy == (small.strategy if held else fastest)
+    # The same state gives the same choice on every node: deterministic.
+    again = Chooser(mesh, piece_bytes=65536)
+    again.decide(_two_regions(uplink_bps=8e6), 4096)
+    assert again.decide(_two_regions(uplink_bps=8e6), 4_000_000) == big
+
+
+def test_a_near_tie_does_not_switch_the_strategy() -> None:
+    chooser = Chooser(MESH, piece_bytes=65536)
+    first = chooser.decide(_uniform(4), 50_000, allowed=("tree", "hierarchical"))
+    for _ in range(5):
+        assert (
+            chooser.decide(_uniform(4), 50_000, allowed=("tree", "hierarchical")).strategy
+            == first.strategy
+        )
+    assert chooser.switches == 0
+
+
+def test_config_rules_for_the_strategy() -> None:
+    from ciuic_p2p.config import config_from_mapping  # noqa: PLC0415
+    from ciuic_p2p.errors import ConfigError  # noqa: PLC0415
+
+    assert config_from_mapping({"mesh": {"strategy": "ring"}}).mesh.strategy == "ring"
+    for bad in ({"strategy": "star"}, {"strategy_hysteresis": 1.0}, {"node_uplink_bps": -1}):
+        with pytest.raises(ConfigError):
+            config_from_mapping({"mesh": bad})
+    assert isinstance(MESH, MeshSection)
+
+
+@pytest.mark.parametrize("strategy", ["tree", "ring", "hierarchical", "auto"])
+def test_rounds_reach_every_node_exactly_once_by_the_origins_strategy(strategy: str) -> None:
+    """Six nodes of the 11-city WAN on virtual time, 1% loss: every origin's round
+    pieces go by its strategy (named in each chunk, followed by every relay) and reach
+    every node once; the ring relays each piece N - 2 times."""
+    names = ["Tokyo", "Singapore", "Frankfurt", "London", "Virginia", "Oregon"]
+    scenario = load_scenario(scenario_path("cities11")).subset(names)
+    scenario = dataclasses.replace(
+        scenario,
+        links={k: dataclasses.replace(v, loss=0.01) for k, v in scenario.links.items()},
+    )
+    mesh = dataclasses.replace(MESH, strategy=strategy)  # type: ignore[arg-type]
+    sim = SimMesh(scenario, mesh, seed=3)
+    sim.start_all(join_through="Tokyo")
+    sim.run_until_true(sim.agree, limit_s=10)
+    sim.run_for(15)
+    sent = []
+    for r in range(3):
+        for origin in names:
+            for piece in range(2):
+                seq = sim.broadcast(
+                    origin, bytes([r, piece]) * 3000, round_id=r, round_bytes=12_000
+                )
+                sent.append((origin, seq))
+        sim.run_for(2.0)
+    sim.run_for(10)
+    for name in names:
+        got = collections.Counter((d.origin, d.seq) for d in sim.take_deliveries(name))
+        assert set(got) == {s for s in sent if s[0] != name}, name
+        assert max(got.values()) == 1
+    for name in names:
+        status = sim.nodes[name].strategy()
+        assert status["configured"] == strategy
+        assert status["strategy"] in STRATEGIES
+        if strategy != "auto":
+            assert status["strategy"] == strategy
+        else:
+            assert set(status["predicted_s"]) == set(STRATEGIES)  # type: ignore[call-overload]
+
+
+def test_a_ring_round_is_relayed_around_the_ring() -> None:
+    names = ["Tokyo", "Singapore", "Frankfurt", "London", "Virginia"]
+    scenario = load_scenario(scenario_path("cities11")).subset(names)
+    sim = SimMesh(scenario, dataclasses.replace(MESH, strategy="ring"), seed=5)
+    sim.start_all(join_through="Tokyo")
+    sim.run_until_true(sim.agree, limit_s=10)
+    sim.run_for(15)
+    seq = sim.broadcast("London", b"r" * 5000, round_id=1, round_bytes=5000)
+    sim.run_for(5)
+    hops = {}
+    for name in names:
+        for d in sim.take_deliveries(name):
+            if d.seq == seq:
+                hops[name] = d.hops
+    assert sorted(hops.values()) == list(range(len(names) - 1))  # one after another
