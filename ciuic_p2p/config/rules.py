@@ -166,6 +166,9 @@ def validate(cfg: Sections) -> None:
         (2 <= m.max_members <= 1 << 20, "mesh.max_members", "must be in [2, 1048576]"),
         (m.address_change_min_s >= 0, "mesh.address_change_min_s", "must be >= 0"),
         (0 <= m.strategy_hysteresis < 1, "mesh.strategy_hysteresis", "must be in [0, 1)"),
+        (0 <= m.rate_probe_bytes <= 2 * 256 * 1024, "mesh.rate_probe_bytes",
+         "must be in [0, 524288] (two frames of at most 256 KiB)"),
+        (m.rate_probe_interval_s >= 1, "mesh.rate_probe_interval_s", "must be >= 1"),
         (0 <= m.cluster_rtt_s <= 10, "mesh.cluster_rtt_s", "must be in [0, 10]"),
         (m.node_uplink_bps >= 0, "mesh.node_uplink_bps", "must be >= 0 (inf: independent links)"),
     ]  # fmt: skip

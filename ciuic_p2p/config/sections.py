@@ -285,6 +285,17 @@ class MeshSection:
     leaders, then back), or ``auto``: the least round time the cost model predicts
     from the published link state and the round's size, chosen by each origin at its
     round boundaries (its chunks name the strategy, so relays follow it)."""
+    rate_probe_bytes: int = 0
+    """Filler sent to a peer that has not measured the link from this node yet (its
+    published rate for it is missing), so that every link's rate is known before a
+    round depends on it: two frames of half this, each a sample of the link's pace
+    (core.link.throughput). 0 (the default): no probes. A probe of a few hundred KiB
+    on an idle connection measures QUIC's slow start more than the link (256 KiB read
+    4 Mbit/s on a 140 ms, 20 Mbit/s emulated path, where a 2 MB transfer read 20):
+    ``default_rate_bps`` set to the nodes' uplink was the better guess in
+    bench/strategy.py."""
+    rate_probe_interval_s: float = 60.0
+    """A link is probed at most this often, and never while bulk data waits for it."""
     strategy_hysteresis: float = 0.1
     """``auto`` leaves the strategy in force only for one predicted faster by this
     fraction (predictions move with every RTT and rate sample)."""

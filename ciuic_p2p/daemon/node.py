@@ -33,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import time
 import zlib
 from collections.abc import Callable
@@ -212,6 +213,8 @@ class MeshDaemon:
         self.mesh_bytes_sent: collections.Counter[str] = collections.Counter()
         self.mesh_messages_sent: collections.Counter[str] = collections.Counter()
         self._next_rate_feed = 0.0
+        self._probed_at: dict[str, float] = {}
+        """When each peer was last sent a rate probe (daemon clock)."""
         self.traffic: collections.defaultdict[str, PeerTraffic] = collections.defaultdict(
             PeerTraffic
         )
@@ -432,9 +435,38 @@ class MeshDaemon:
             self._pump()  # re-arms the timer whatever happened
 
     def _feed_rates(self, node: MeshNode) -> None:
-        """Hand the links' measured receive rates to the mesh (it publishes them)."""
+        """Hand the links' measured receive rates to the mesh (it publishes them), and
+        probe a link its peer has not measured yet."""
         for peer, rate_bps in nodestatus.receive_rates(self).items():
             node.observe_rate(peer, rate_bps)
+        self._probe_rates(node, self.clock())
+
+    def _probe_rates(self, node: MeshNode, now: float) -> None:
+        """To one live peer a turn whose rate from this node no one has published (it
+        carried too little to measure), ``rate_probe_bytes`` of filler in two frames,
+        unless bulk data waits for that peer: at most once per link every
+        ``rate_probe_interval_s``; the peer measures their pace and drops them."""
+        m = self.config.mesh
+        if m.rate_probe_bytes <= 0:
+            return
+        members = node.members()
+        for peer in node.view():
+            if peer == self.peer_id or node.rate_bps(self.peer_id, peer) is not None:
+                continue
+            member = members.get(peer)
+            if member is None or member.address not in self._peer_at:  # no link yet
+                continue
+            address = member.address
+            if self._bulk_queued(address):
+                continue
+            if now - self._probed_at.get(peer, -math.inf) < m.rate_probe_interval_s:
+                continue
+            self._probed_at[peer] = now
+            half = m.rate_probe_bytes // 2
+            for _ in range(2):
+                self._enqueue(address, FrameType.RATE_PROBE, bytes(half))
+            self.counters["rate_probes_sent"] += 1
+            return  # one link a turn: probes never crowd a node's uplink
 
     def _member_changed(self, event: MemberEvent) -> None:
         self.member_events[event.state.name.lower()] += 1
@@ -465,6 +497,8 @@ class MeshDaemon:
             FrameType.MESH_CHUNK,
         ):
             self._on_frame(event)
+        elif isinstance(event, FrameReceived) and event.type is FrameType.RATE_PROBE:
+            self.counters["rate_probes_received"] += 1  # measured on arrival; dropped
         elif isinstance(event, FrameReceived) and event.type is FrameType.DIRECT:
             self.counters["direct_received"] += 1
             self.listener.direct_received(peer_id_of(event.peer), event.payload)

@@ -103,6 +103,9 @@ class QuicBackend:
             self._configuration = importlib.import_module(f"{name}.quic.configuration")
             self._connection = importlib.import_module(f"{name}.quic.connection")
             self.events: ModuleType = importlib.import_module(f"{name}.quic.events")
+            self.connection_error: type[Exception] = self._connection.QuicConnectionError
+            """What the library raises when asked to drive a connection it closed (qh3
+            2.x raises "connection is closed" from a timer that outlived it)."""
         except ImportError as exc:  # unsupported_reason checked it is installed
             raise ValueError(f"transport.quic_backend = {name!r}: {exc}") from exc
 

@@ -406,7 +406,11 @@ class QuicTransport(Transport):
         now = self.clock()
         quic_at = link.quic.get_timer()
         if quic_at is not None and now >= quic_at:
-            link.quic.handle_timer(now=now)
+            try:
+                link.quic.handle_timer(now=now)
+            except self.backend.connection_error as exc:  # the library closed it already
+                self._link_gone(link, f"connection closed ({exc})")
+                return
         session_at = link.session.get_timer()
         if session_at is not None and now >= session_at:
             link.session.handle_timer(now)

@@ -5,6 +5,7 @@ rate, measured from the chunks alone, and its link state carries it to the sende
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import pytest
 
@@ -63,3 +64,29 @@ async def test_a_links_rate_is_measured_from_the_chunks_it_carries() -> None:
         # link's receiver's word counts for it: unknown, not borrowed.
         (mine,) = nodestatus.status(sender)["members"]
         assert mine["receive_rate_bps"] is None and mine["published_rate_bps"] is None
+
+
+async def test_a_link_nothing_large_crossed_is_probed_once_and_measured() -> None:
+    """Active and bounded: with no traffic at all, each node sends each peer one probe
+    (two frames of filler) and the peer publishes the link's rate from it; the same
+    link is not probed again within ``rate_probe_interval_s``."""
+    scenario = load_scenario(scenario_path("multicloud8"), rate_scale=RATE_SCALE)
+    names = [*NAMES, "gcp:europe-west6-a"]
+    wan = Config.wan()  # probes are off by default
+    probing = dataclasses.replace(wan.mesh, rate_probe_bytes=256 * 1024)
+    async with DaemonMesh(scenario, names, dataclasses.replace(wan, mesh=probing)) as mesh:
+        await mesh.form()
+        daemons = [mesh.daemons[n] for n in names]
+        pairs = [(a, b) for a in daemons for b in daemons if a is not b]
+
+        def all_measured() -> bool:
+            return all(a.mesh.rate_bps(a.peer_id, b.peer_id) is not None for a, b in pairs)
+
+        await mesh.until(all_measured, 30)
+        for a, b in pairs:
+            shaped = scenario.params(mesh.name_of[a.peer_id], mesh.name_of[b.peer_id]).rate_bps
+            rate = a.mesh.rate_bps(a.peer_id, b.peer_id)
+            assert shaped is not None and rate is not None and rate <= 1.15 * shaped
+        sent = sum(d.counters["rate_probes_sent"] for d in daemons)
+        assert sent == len(pairs)  # once per link; measured, never again
+        assert sum(d.counters["rate_probes_received"] for d in daemons) == 2 * len(pairs)

@@ -23,6 +23,7 @@ from ciuic_p2p.core.mesh.strategy import (
     predict_round_s,
     ring_order,
     ring_tree,
+    slow_start_s,
 )
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
@@ -99,11 +100,11 @@ def test_clusters_are_joined_by_short_links_and_leaders_relay_between_them() -> 
 
 
 def test_the_model_gives_the_closed_forms_of_simple_rounds() -> None:
-    """Uniform links, no uplink limit: a star (the tree with a fan-out past N) delivers
-    in one hop's time; the ring in N - 1 hops' (each link carries N - 1 payloads,
-    one after the other, and the last starts N - 2 payloads late)."""
+    """Uniform links, no uplink limit, no slow start: a star (the tree with a fan-out
+    past N) delivers in one hop's time; the ring in N - 1 hops' (each link carries
+    N - 1 payloads, one after the other, and the last starts N - 2 payloads late)."""
     n, size, delay, rate = 5, 100_000, 0.05, 8e6
-    costs = _uniform(n, delay, rate)
+    costs = dataclasses.replace(_uniform(n, delay, rate), initial_window_bytes=1 << 40)
     star = dataclasses.replace(MESH, tree_max_fanout=n)
     hop = delay + size * 8 / rate
     got = predict_round_s(plan("tree", costs, size, star), costs, size, size)
@@ -253,3 +254,44 @@ def test_a_ring_round_is_relayed_around_the_ring() -> None:
             if d.seq == seq:
                 hops[name] = d.hops
     assert sorted(hops.values()) == list(range(len(names) - 1))  # one after another
+
+
+def test_the_model_matches_the_emulators_uplink_in_front_of_slower_links() -> None:
+    """An 8 Mbit/s uplink in front of two 4 Mbit/s links: the uplink passes the copy to
+    b, then the one to c, each at its own rate; each link paces its copy at its rate.
+    The model gives the emulator's last arrival, copies sent one after the other."""
+    link = {"delay_ms": 10.0, "rate_mbps": 4.0, "queue_bytes": 10_000_000}
+    scenario = scenario_from_mapping(
+        {
+            "defaults": link,
+            "nodes": [{"name": "a", "uplink_gbps": 0.008}, {"name": "b"}, {"name": "c"}],
+        }
+    )
+    net = EmulatedNetwork(scenario)
+    arrivals = [net.transmit("a", dst, 0.0, 1000)[0] for dst in ("b", "c") for _ in range(100)]
+    pairs = [(u, v) for u in "abc" for v in "abc" if u != v]
+    costs = LinkCosts.from_tables(
+        ("a", "b", "c"), dict.fromkeys(pairs, 0.01), dict.fromkeys(pairs, 4e6), 1e12, 8e6, 0.0
+    )
+    # Every node does what a does, each over its own uplink: the round ends when a's does.
+    p = Plan("tree", {o: {o: [n for n in "abc" if n != o]} for o in "abc"})
+    got = predict_round_s(p, costs, 100_000, 100_000)
+    assert got == pytest.approx(max(arrivals), rel=0.02)
+
+
+def test_an_idle_links_first_piece_pays_slow_start_and_the_next_does_not() -> None:
+    """QUIC starts an idle link's window at ten datagrams and doubles it each RTT: a
+    piece as large as the path's bandwidth-delay product takes log2(BDP / window + 1)
+    RTTs instead of one; the piece behind it on the same link goes at the rate."""
+    delay, rate = 0.05, 8e6
+    bdp = int(rate * 2 * delay / 8)  # 100 kB
+    costs = _uniform(2, delay, rate)
+    window = costs.initial_window_bytes
+    ramp = slow_start_s(bdp, rate, 2 * delay, window)
+    assert ramp == pytest.approx(2 * delay * math.log2(bdp / window + 1) - bdp * 8 / rate)
+    star = dataclasses.replace(MESH, tree_max_fanout=2)
+    one = predict_round_s(plan("tree", costs, bdp, star), costs, bdp, bdp)
+    assert one == pytest.approx(delay + bdp * 8 / rate + ramp)
+    two = predict_round_s(plan("tree", costs, bdp, star), costs, 2 * bdp, bdp)
+    assert two == pytest.approx(delay + 2 * bdp * 8 / rate + ramp)
+    assert slow_start_s(window, rate, 2 * delay, window) == 0.0

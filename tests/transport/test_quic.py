@@ -227,3 +227,19 @@ async def test_a_peer_that_leaves_its_control_stream_unacknowledged_is_dropped(
             await server.send(peer, FrameType.GOSSIP, b"g" * 60_000)
     assert peer not in server.peers()
     hostile.close()
+
+
+async def test_a_connection_the_library_closed_under_the_link_is_dropped_quietly(
+    make_node: NodeFactory,
+) -> None:
+    """The QUIC library may close a connection on its own (an idle timeout, its own
+    error): the link goes and nothing counts as a fault (a timer of ours that outlives
+    the connection, which qh3 2.x answers with "connection is closed", drops the link
+    too: seen when a mesh of daemons closed at once)."""
+    a, b = await make_node(), await make_node()
+    await a.connect((b.host, b.port))
+    link = a.connection(b.local_key)
+    assert link is not None
+    link.quic.close(error_code=0, reason_phrase="gone")
+    await eventually(lambda: b.local_key not in a.peers(), timeout_s=10)
+    assert a.guard.total == 0, a.guard.counts

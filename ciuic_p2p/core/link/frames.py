@@ -34,6 +34,10 @@ class FlowControlError(FramingError):
     """A peer sent more bulk bytes than the credit it was granted."""
 
 
+MAX_RATE_PROBE_BYTES = 256 * 1024
+"""One RATE_PROBE frame's payload at most."""
+
+
 class FrameType(enum.IntEnum):
     """Append only: the numbers are part of the protocol."""
 
@@ -60,6 +64,9 @@ class FrameType(enum.IntEnum):
     """Shared-store queries and requests (core.store.messages), not forwarded."""
     STORE_DATA = 12
     """Shared-store offers and pieces (core.store.messages); bulk."""
+    RATE_PROBE = 13
+    """Filler the receiver measures its link's rate from and drops: sent, bounded, to a
+    peer that has not measured the link yet (daemon.node); bulk."""
 
 
 MAX_PAYLOAD = {
@@ -75,9 +82,16 @@ MAX_PAYLOAD = {
     FrameType.DIRECT: MAX_CHUNK_MESSAGE_BYTES,
     FrameType.STORE_CONTROL: MAX_CONTROL_BYTES,
     FrameType.STORE_DATA: MAX_DATA_BYTES,
+    FrameType.RATE_PROBE: MAX_RATE_PROBE_BYTES,
 }
 BULK_TYPES = frozenset(
-    {FrameType.CHUNK, FrameType.MESH_CHUNK, FrameType.DIRECT, FrameType.STORE_DATA}
+    {
+        FrameType.CHUNK,
+        FrameType.MESH_CHUNK,
+        FrameType.DIRECT,
+        FrameType.STORE_DATA,
+        FrameType.RATE_PROBE,
+    }
 )
 MAX_BULK_FRAME = max(MAX_PAYLOAD[t] for t in BULK_TYPES) + FRAME_HEADER.size
 

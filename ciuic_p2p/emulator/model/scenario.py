@@ -349,6 +349,11 @@ def _change(raw: Mapping[str, Any], names: set[str]) -> ScheduledChange:
 # -- the emulated network --------------------------------------------------------------
 
 
+UPLINK_QUEUE_BYTES = 1000 * 1500
+"""A node's uplink queues up to a host's default transmit queue: 1000 packets
+(``txqueuelen``) of 1500 bytes; past it, tail drop."""
+
+
 class EmulatedNetwork:
     """Every directed link of a scenario, its schedule, and manual changes. Pure: the
     caller passes ``now`` (seconds since the scenario started)."""
@@ -363,7 +368,7 @@ class EmulatedNetwork:
                     seed = (scenario.seed * 1_000_003 + i * 1009 + j) & 0xFFFFFFFF
                     self.links[(a, b)] = LinkModel(scenario.params(a, b), seed)
         self.uplinks: dict[str, LinkModel] = {
-            n.name: LinkModel(LinkParams(rate_bps=n.uplink_bps), 0)
+            n.name: LinkModel(LinkParams(rate_bps=n.uplink_bps, queue_bytes=UPLINK_QUEUE_BYTES), 0)
             for n in scenario.nodes
             if n.uplink_bps is not None
         }
