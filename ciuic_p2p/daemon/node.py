@@ -450,7 +450,10 @@ class MeshDaemon:
         if m.rate_probe_bytes <= 0:
             return
         members = node.members()
-        for peer in node.view():
+        view = node.view()
+        for gone in [p for p in self._probed_at if p not in view]:
+            del self._probed_at[gone]
+        for peer in view:
             if peer == self.peer_id or node.rate_bps(self.peer_id, peer) is not None:
                 continue
             member = members.get(peer)

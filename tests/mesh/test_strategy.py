@@ -13,11 +13,14 @@ import math
 import pytest
 
 from ciuic_p2p.config import Config, MeshSection
+from ciuic_p2p.core.mesh.messages import MAX_ROUTE
 from ciuic_p2p.core.mesh.strategy import (
     STRATEGIES,
     Chooser,
     LinkCosts,
     Plan,
+    Plans,
+    cluster_leaders,
     clusters,
     plan,
     predict_round_s,
@@ -295,3 +298,58 @@ def test_an_idle_links_first_piece_pays_slow_start_and_the_next_does_not() -> No
     two = predict_round_s(plan("tree", costs, bdp, star), costs, 2 * bdp, bdp)
     assert two == pytest.approx(delay + 2 * bdp * 8 / rate + ramp)
     assert slow_start_s(window, rate, 2 * delay, window) == 0.0
+
+
+def test_every_route_code_a_chunk_may_name_is_a_strategy() -> None:
+    assert len(STRATEGIES) - 1 == MAX_ROUTE
+
+
+def test_an_origin_outside_the_view_gets_a_tree_and_leaves_the_views_plans_alone() -> None:
+    """A chunk of a member that just left (or just joined) is forwarded down a tree of
+    its own; the ring and clusters of the view are not replanned around it."""
+    costs = _two_regions()
+    plans = Plans(dataclasses.replace(MESH, strategy="ring"), piece_bytes=1 << 20)
+    plans.update(1, costs)
+    before = {o: plans.tree(s, o, 5000) for o in costs.nodes for s in STRATEGIES}
+    for route in range(len(STRATEGIES)):
+        kids = plans.children(route, "outsider", "outsider", 5000)
+        assert kids and "outsider" not in kids
+    assert {o: plans.tree(s, o, 5000) for o in costs.nodes for s in STRATEGIES} == before
+    _reaches_everyone_once(plan("ring", costs, 4096, MESH), costs.nodes)
+
+
+def test_a_leader_spreads_inside_its_cluster_by_a_fan_out_limited_tree() -> None:
+    """A big cluster is not one leader's N - 1 copies of every chunk."""
+    nodes = tuple([f"a{i:02d}" for i in range(12)] + ["far"])
+    pairs = [(u, v) for u in nodes for v in nodes if u != v]
+    delay = {(u, v): 0.001 if "far" not in (u, v) else 0.05 for u, v in pairs}
+    costs = LinkCosts.from_tables(nodes, delay, dict.fromkeys(pairs, 8e6), 1e12, 8e6, 0.0)
+    p = plan("hierarchical", costs, 65536, MESH)
+    _reaches_everyone_once(p, nodes)
+    # A leader's children: its cluster's tree and the leaders' tree, each limited.
+    assert max(len(k) for t in p.trees.values() for k in t.values()) <= 2 * MESH.tree_max_fanout
+
+
+def test_a_member_claiming_short_links_joins_no_cluster_and_leads_none() -> None:
+    """Clusters and leaders go by the RTT both ends published: a member that says its
+    links are 0.1 ms, where its peers measured 80 ms, stays alone."""
+    costs = _two_regions()
+    liar = "x"
+    nodes = (*costs.nodes, liar)
+    published = {
+        (u, v): (costs.delay(u, v) or 0.0) * 2 for u in costs.nodes for v in costs.nodes if u != v
+    }
+    for n in costs.nodes:
+        published[(liar, n)] = 0.0001  # its own claim
+        published[(n, liar)] = 0.08  # what its peers measured
+
+    def both(u: str, v: str) -> float | None:
+        a, b = published.get((u, v)), published.get((v, u))
+        return None if a is None or b is None else max(a, b)
+
+    honest = dataclasses.replace(costs, nodes=tuple(sorted(nodes)), rtt_both_of=both)
+    groups = clusters(honest, 0.02)
+    assert (liar,) in groups and len(groups) == 3
+    leaders = cluster_leaders(groups, honest, 65536)
+    assert [leader for g, leader in leaders.items() if g != (liar,)] != [liar]
+    assert liar not in {leader for g, leader in leaders.items() if len(g) > 1}

@@ -390,3 +390,16 @@ def test_a_chunk_claiming_a_far_future_round_is_refused_before_anything_changes(
     assert all(torch.equal(a, b) for a, b in zip(me.buckets, before, strict=True))
     assert all(torch.equal(a, b) for a, b in zip(me.outer.buffers, momentum, strict=True))
     assert me.stats.refused["range"] == len(far)
+
+
+def test_a_states_round_count_past_the_staleness_bound_is_not_followed() -> None:
+    """A donor's ``next_round`` is range-checked: no live replica's rounds stay open
+    further back than the staleness bound and a round."""
+    r = _replica(0, DENSE, NESTEROV)
+    assert r.outer is not None
+    latest = 100 // H + 1
+    r.start_at(100, {}, next_round=latest - 2)
+    assert r.outer.next_round == latest - 2
+    for bad in (1, 0, -5, latest + 1):
+        r.start_at(100, {}, next_round=bad)
+        assert r.outer.next_round == latest

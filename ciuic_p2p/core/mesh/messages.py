@@ -70,7 +70,8 @@ MAX_MESSAGE_BYTES = 64 * 1024 - 16
 """Control messages fit one GOSSIP frame (core.link.frames)."""
 MAX_CHUNK_MESSAGE_BYTES = MAX_CHUNK_BYTES + 512
 MAX_ROUTE = 2
-"""The highest route code a ROUTED_CHUNK may name (core.mesh.strategy's last)."""
+"""The highest route code a ROUTED_CHUNK may name: core.mesh.strategy's last (a test
+holds the two together)."""
 MAX_ID_BYTES = 128
 MAX_UPDATES = 4096
 MAX_LINKS = 1024

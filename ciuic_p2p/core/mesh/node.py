@@ -381,6 +381,7 @@ class MeshNode:
             s.default_rate_bps,
             s.node_uplink_bps,
             s.relay_penalty_s,
+            rtt_both_of=self.rttmap.rtt_both_s,
         )
 
     def _sign_links(self, links: Links) -> Links:

@@ -188,6 +188,13 @@ class RttMap:
                 values.append(v[0])
         return sum(values) / len(values) if values else None
 
+    def rtt_both_s(self, a: str, b: str) -> float | None:
+        """The pair's RTT as both ends published it, the larger of the two; None unless
+        both did (clusters go by it: one end's word, or a short claim, is not enough)."""
+        ab = self.published.get(a, {}).get(b)
+        ba = self.published.get(b, {}).get(a)
+        return None if ab is None or ba is None else max(ab[0], ba[0])
+
     def rate_bps(self, a: str, b: str) -> float | None:
         """The published rate from ``a`` to ``b``: what ``b`` measured receiving from
         ``a``, and only that. Not the other direction: a sender's word about its own

@@ -87,6 +87,17 @@ class LinkCosts:
     """What a relay adds per piece it forwards (receive, check, queue)."""
     initial_window_bytes: int = INITIAL_WINDOW_BYTES
     """QUIC's congestion window on a link that has been idle (slow start)."""
+    rtt_both_of: DelayFn | None = None
+    """The RTT of a pair as both its ends published it (the larger of the two; None
+    unless both did): what clusters and leaders go by, so that no member can pull
+    itself into every cluster, or make itself a leader, by claiming short links.
+    None: twice the one-way delays."""
+
+    def rtt_both(self, u: str, v: str) -> float | None:
+        if self.rtt_both_of is not None:
+            return self.rtt_both_of(u, v)
+        a, b = self.delay(u, v), self.delay(v, u)
+        return None if a is None or b is None else a + b
 
     @classmethod
     def from_tables(
@@ -251,7 +262,7 @@ def ring_tree(origin: str, order: Sequence[str]) -> Tree:
 
 def clusters(costs: LinkCosts, cluster_rtt_s: float) -> tuple[tuple[str, ...], ...]:
     """Single linkage: two nodes share a cluster when a chain of links of RTT under
-    ``cluster_rtt_s`` (both directions measured) joins them. In name order."""
+    ``cluster_rtt_s`` (as both ends published it) joins them. In name order."""
     parent = {n: n for n in costs.nodes}
 
     def find(x: str) -> str:
@@ -261,8 +272,8 @@ def clusters(costs: LinkCosts, cluster_rtt_s: float) -> tuple[tuple[str, ...], .
         return x
 
     for u, v in itertools.combinations(costs.nodes, 2):
-        a, b = costs.delay(u, v), costs.delay(v, u)
-        if a is not None and b is not None and a + b < cluster_rtt_s:
+        rtt = costs.rtt_both(u, v)
+        if rtt is not None and rtt < cluster_rtt_s:
             ru, rv = find(u), find(v)
             if ru != rv:
                 parent[max(ru, rv)] = min(ru, rv)
@@ -276,13 +287,18 @@ def cluster_leaders(
     groups: Sequence[Sequence[str]], costs: LinkCosts, piece_bytes: int
 ) -> dict[tuple[str, ...], str]:
     """Per cluster, the member with the least total cost of a piece to the other
-    clusters' nodes (ties by name); the lone member of a cluster of one."""
+    clusters' nodes, each RTT as both ends published it (ties by name); the lone
+    member of a cluster of one."""
     out: dict[tuple[str, ...], str] = {}
     for g in groups:
         others = [n for h in groups if h is not g for n in h]
 
         def reach(u: str, others: list[str] = others) -> float:
-            return sum(costs.hop_s(u, v, piece_bytes) or 1e9 for v in others)
+            total = 0.0
+            for v in others:
+                rtt = costs.rtt_both(u, v)
+                total += 1e9 if rtt is None else rtt / 2 + piece_bytes * 8 / costs.rate(u, v)
+            return total
 
         out[tuple(g)] = min(sorted(g), key=reach)
     return out
@@ -296,21 +312,22 @@ def hierarchical_tree(
     piece_bytes: int,
     settings: MeshSection,
 ) -> Tree:
-    """The origin to its cluster and its leader; the leaders among themselves (the
-    routing tree over the leaders, from the origin's); each leader to its cluster."""
+    """Inside the origin's cluster, the routing tree from the origin; among the
+    leaders, the routing tree from the origin's leader; inside every other cluster,
+    the routing tree from its leader (each fan-out-limited as any tree)."""
     tree: Tree = {n: [] for n in costs.nodes}
+
+    def merge(root: str, members: Sequence[str]) -> None:
+        sub = dataclasses.replace(costs, nodes=tuple(sorted(members)))
+        for node, kids in tree_for(root, sub, piece_bytes, settings).items():
+            tree[node] = tree[node] + [k for k in kids if k not in tree[node]]
+
     home = next(tuple(g) for g in groups if origin in g)
-    home_leader = leaders[home]
-    tree[origin] = [n for n in home if n != origin]
-    sub = dataclasses.replace(costs, nodes=tuple(sorted(leaders.values())))
-    between = tree_for(home_leader, sub, piece_bytes, settings)
-    for leader, kids in between.items():
-        tree[leader] = tree[leader] + [k for k in kids if k not in tree[leader]]
+    merge(origin, home)
+    merge(leaders[home], list(leaders.values()))
     for g in groups:
-        leader = leaders[tuple(g)]
-        if tuple(g) == home:
-            continue
-        tree[leader] = tree[leader] + [n for n in g if n != leader]
+        if tuple(g) != home:
+            merge(leaders[tuple(g)], g)
     return tree
 
 
@@ -437,17 +454,27 @@ class Chooser:
 
 # -- a node's plans and choice, kept current ------------------------------------------
 
-AUTO_MAX_NODES = 64
-"""``auto`` plays rounds out for meshes up to this size; past it, ``tree``: the model
-costs O(N^2) per piece and strategy, and a large mesh's rounds are its trees' anyway."""
+AUTO_MAX_NODES = 32
+"""Rings and clusters are planned for meshes up to this size (``auto`` plays rounds
+out, and a relay follows a chunk's route); past it every chunk goes down the
+``tree``: planning a ring or clusters costs O(N^3) per published state (0.08 s at
+80 nodes here), and a member could make every node pay it with each new link state."""
+
+
+LARGE_PIECE_BYTES = 64 * 1024
+"""A payload of more than this is a large piece: its trees are shaped for
+``strategy_piece_bytes``, where its serialization counts; below, for
+``tree_chunk_bytes``, where the delays do."""
 
 
 def piece_class(payload_bytes: int, settings: MeshSection) -> int:
-    """The size a payload's trees are shaped for: the next power of two, at least
-    ``tree_chunk_bytes``. Every node computes it from the payload it holds, so all
-    shape a chunk's trees alike."""
-    n = max(1, payload_bytes)
-    return max(settings.tree_chunk_bytes, 1 << (n - 1).bit_length())
+    """The size a payload's trees are shaped for: one of two, so that a node plans at
+    most two shapes per strategy and published state, whatever sizes members send.
+    Every node computes it from the payload it holds, so all shape a chunk's trees
+    alike."""
+    if payload_bytes > LARGE_PIECE_BYTES:
+        return max(settings.tree_chunk_bytes, settings.strategy_piece_bytes)
+    return settings.tree_chunk_bytes
 
 
 class Plans:
@@ -486,8 +513,13 @@ class Plans:
     def tree(self, strategy: Strategy, origin: str, payload_bytes: int) -> Tree:
         costs = self.costs
         assert costs is not None
-        if origin not in costs.nodes:  # an origin outside the view: its own tree
-            costs = dataclasses.replace(costs, nodes=tuple(sorted((*costs.nodes, origin))))
+        if origin not in costs.nodes or len(costs.nodes) > AUTO_MAX_NODES:
+            # An origin outside the view (it just left, or it just joined) gets a tree
+            # of its own, never a ring or clusters, which are kept for the view; and a
+            # large mesh plans trees only (AUTO_MAX_NODES).
+            strategy = "tree"
+            if origin not in costs.nodes:
+                costs = dataclasses.replace(costs, nodes=tuple(sorted((*costs.nodes, origin))))
         piece = piece_class(payload_bytes, self.settings)
         key = (strategy, piece, origin)
         tree = self._trees.get(key)
@@ -500,11 +532,11 @@ class Plans:
             return tree_for(origin, costs, piece, self.settings)
         if strategy == "ring":
             order = self._rings.get(piece)
-            if order is None or origin not in order:
+            if order is None:
                 order = self._rings[piece] = ring_order(costs, piece)
             return ring_tree(origin, order)
         found = self._groups.get(piece)
-        if found is None or origin not in costs.nodes:
+        if found is None:
             groups = clusters(costs, self.settings.cluster_rtt_s)
             found = self._groups[piece] = (groups, cluster_leaders(groups, costs, piece))
         groups, leaders = found

@@ -74,6 +74,7 @@ class OuterStep:
 
     def __init__(self, buckets: Sequence[torch.Tensor], train: TrainSection) -> None:
         self.inner_steps = max(1, train.inner_steps)
+        self.bound_steps = train.staleness_bound_steps
         self.lr = train.outer_lr
         self.momentum = train.outer_momentum if train.outer_optimizer == "nesterov" else 0.0
         self.buffers: list[torch.Tensor] = (
@@ -209,7 +210,12 @@ class OuterStep:
         it (a state of an older version, or a count no replica at ``step`` could
         hold), every round through ``step`` counts as complete."""
         latest = step // self.inner_steps + 1
-        in_range = next_round is not None and 1 <= next_round <= latest
+        # No live replica's rounds are incomplete further back than the staleness
+        # bound and a round: a donor's word past that is refused, not followed (its
+        # completions would all run at the first settle, and rounds ahead would need
+        # mu to the power of the gap).
+        oldest = latest - (self.bound_steps + self.inner_steps) // self.inner_steps - 1
+        in_range = next_round is not None and max(1, oldest) <= next_round <= latest
         self.next_round = next_round if next_round is not None and in_range else latest
         self.deferred = []
 
