@@ -321,6 +321,10 @@ def test_a_joiner_and_a_membership_change_seen_at_different_steps_leave_no_drift
     mesh.pending.append((35, b, "p2", encode_presence(PayloadKind.JOIN, run)))  # b: later
     for now in range(30, 34):
         mesh.step_all(now)
+    # b answers the joiner's JOIN with its own, to everyone: it reaches a before b's
+    # last chunks do, and claims a step that a has not applied yet.
+    a.receive("p1", encode_presence(PayloadKind.JOIN, run, step=b.step))
+    assert a.peers["p1"].step == b.step > a.applied_steps()["p1"]
     # The state a hands over (with the encoder idle, as the hook does).
     for mine, donors in zip(c.buckets, a.shared_params(), strict=True):
         mine.copy_(donors)

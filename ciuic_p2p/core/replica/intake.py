@@ -353,6 +353,7 @@ class Intake:
             self.outer.record(h.bucket, h.range_start, item.positions, item.values, w, h.step)
         if state is not None:
             state.step = max(state.step, h.step)
+            state.applied_step = max(state.applied_step, h.step)
             state.applied += 1
             if state.lagging and state.step > step - self.train.staleness_bound_steps:
                 state.lagging = False

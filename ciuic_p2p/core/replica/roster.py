@@ -11,7 +11,13 @@ from dataclasses import dataclass
 @dataclass(slots=True)
 class PeerState:
     step: int = 0
-    """Newest step of this origin applied here (all replicas start at step 0)."""
+    """How far this origin is known to be: its newest chunk applied or kept here, or
+    the step its JOIN claimed (all replicas start at step 0). Staleness and settlement
+    read it; it is no record of what the parameters hold (:attr:`applied_step`)."""
+    applied_step: int = 0
+    """Newest update step of this origin applied here: what a state snapshot says it
+    holds. A JOIN's claim runs ahead of the chunks still on their way, and a state
+    that claimed them would have its joiner drop them for good."""
     done_at: int | None = None
     chunks_sent: int = 0
     """Update chunks the origin says it sent (from its DONE)."""

@@ -459,8 +459,12 @@ class Replica:
 
     def applied_steps(self) -> dict[str, int]:
         """For each origin, the newest of its update steps in :meth:`shared_params`
-        (this replica's own: the last it sent): travels with a state snapshot."""
-        return {self.peer: self.last_send_step, **{k: p.step for k, p in self.peers.items()}}
+        (this replica's own: the last it sent): travels with a state snapshot. Only
+        chunks applied count, and the floors of the state this one started from."""
+        held = dict(self.intake.floors)
+        for k, p in self.peers.items():
+            held[k] = max(held.get(k, 0), p.applied_step)
+        return {**held, self.peer: self.last_send_step}
 
     def shared_params(self) -> list[torch.Tensor]:
         """The parameters as every replica will hold them once what this one has
