@@ -21,6 +21,7 @@ The update rule and its references: core.replica.rule.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import time
 from pathlib import Path
@@ -49,6 +50,7 @@ from ciuic_p2p.core.replica.schedule import (
     ReplicaSchedule,
     ScheduleAction,
     StepFacts,
+    WaitForEncoder,
 )
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel, LocalDaemon
@@ -144,6 +146,8 @@ class MeshSync:
         self._alive_seen: list[str] | None = None
         self.wait_s = 0.0
         self.max_wait_s = 0.0
+        self.round_waits = 0
+        """Round ends (outer mode) that waited for the encoder instead of merging."""
         """The longest a single step waited for other replicas (a stall)."""
         self.hook_s = 0.0
         self.finished = False
@@ -250,6 +254,8 @@ class MeshSync:
         r = self.replica
         update_due = r.local_step()
         facts = self._facts(update_due=update_due, params_due=r.wants_params())
+        if r.outer is not None:
+            facts = dataclasses.replace(facts, round_end=update_due)
         for action in self.schedule.after_step(facts, time.monotonic()):
             self._carry_out(action)
         self._between_steps()  # after the update: a snapshot never delays it
@@ -269,7 +275,15 @@ class MeshSync:
 
     def _carry_out(self, action: ScheduleAction) -> None:
         r, enc = self.replica, self.encoder
-        if isinstance(action, HandState):
+        if isinstance(action, WaitForEncoder):
+            # Bounded: a job stuck past it is queued behind anyway (jobs run in order).
+            w0 = time.perf_counter()
+            enc.idle.wait(self.config.train.finish_timeout_s)
+            waited = time.perf_counter() - w0
+            self.wait_s += waited
+            self.max_wait_s = max(self.max_wait_s, waited)
+            self.round_waits += 1
+        elif isinstance(action, HandState):
             self.state.hand_state(write_checkpoint_too=action.checkpoint)
         elif isinstance(action, EncodeParams):
             alone = r.snapshot_params()
@@ -501,6 +515,7 @@ class MeshSync:
             "residual_norm_max": s.residual_norm_max,
             "wait_s": self.wait_s,
             "max_wait_s": self.max_wait_s,
+            "round_waits": self.round_waits,
             "hook_s": self.hook_s,
             "encoder_s": self.encoder.busy_s,
             "udp_bytes_sent": int(self.channel.stats.get("udp_bytes_sent", 0)),

@@ -43,6 +43,7 @@ class SyncStats(TypedDict):
     residual_norm_max: float
     wait_s: float
     max_wait_s: float
+    round_waits: int
     hook_s: float
     encoder_s: float
     udp_bytes_sent: int
@@ -89,8 +90,11 @@ STATS_DOC: dict[str, str] = {
     "density": "fraction of entries sent now (shrinks under back-off)",
     "residual_norm": "the norm of what is not sent yet (error feedback)",
     "residual_norm_max": "its largest value so far",
-    "wait_s": "seconds `step()` waited for a replica behind the staleness bound",
+    "wait_s": "seconds `step()` waited for a replica behind the staleness bound, or "
+    "(outer mode) for the encoder at a round's end",
     "max_wait_s": "the longest single such wait",
+    "round_waits": "outer mode: round ends that waited for the encoder (a round's send is "
+    "never merged into the next)",
     "hook_s": "seconds spent in `step()` in all",
     "encoder_s": "seconds the encoder thread was busy",
     "udp_bytes_sent": "UDP bytes this node's daemon sent (all traffic)",

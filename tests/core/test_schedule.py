@@ -9,6 +9,7 @@ from ciuic_p2p.core.replica.schedule import (
     ReplicaSchedule,
     ReportStats,
     StepFacts,
+    WaitForEncoder,
 )
 
 
@@ -35,6 +36,22 @@ def test_a_joiners_snapshot_goes_first_and_the_update_waits() -> None:
     facts = StepFacts(step=3, update_due=True, snapshot_wanted=True)
     assert s.after_step(facts, 0.0) == [HandState(checkpoint=False)]
     assert s.merged_steps == 1  # one encoder job at a time
+
+
+def test_a_rounds_send_is_never_merged_and_goes_before_a_joiners_snapshot() -> None:
+    """Outer mode: the peers complete a round only with every replica's send of it."""
+    s = schedule()
+    busy = StepFacts(step=5, update_due=True, encoder_idle=False, round_end=True)
+    assert s.after_step(busy, 0.0) == [WaitForEncoder(), EncodeUpdate()]
+    joiner = StepFacts(step=10, update_due=True, snapshot_wanted=True, round_end=True)
+    assert s.after_step(joiner, 0.0) == [EncodeUpdate()]
+    assert s.merged_steps == 0
+    # The snapshot follows once the encoder is free, between steps.
+    assert s.between_steps(StepFacts(step=10, snapshot_wanted=True, encoder_idle=False)) == []
+    assert s.between_steps(StepFacts(step=10, snapshot_wanted=True)) == [HandState(False)]
+    # Inside a round the snapshot goes at once, as in step mode.
+    inside = StepFacts(step=11, snapshot_wanted=True, round_end=False)
+    assert s.after_step(inside, 0.0) == [HandState(checkpoint=False)]
 
 
 def test_no_snapshot_before_the_state_is_restored() -> None:

@@ -18,7 +18,11 @@ The policy:
   fragment when one is due (after the update, in the same job: an update never
   waits behind a mix); a pending fragment alone; a periodic checkpoint.
 - An update due while the encoder is busy is not sent: its steps stay in the local
-  progress and go with the next send (``merged_steps``). A mix due while another is
+  progress and go with the next send (``merged_steps``). Not so the send that ends an
+  outer round (``round_end``): the peers complete the round only with it, so the step
+  waits for the encoder (``WaitForEncoder``, counted as waiting) and the round's send
+  goes before a snapshot a joiner waits for (that one follows once the encoder is
+  free, between steps). A mix due while another is
   still pending is skipped (``params_skipped``): the encoder was busy a whole interval.
 - Every ``stats_every_steps`` steps the replica adapts to the daemon's backlog and the
   trainer's figures go to the daemon (``ReportStats``).
@@ -49,6 +53,14 @@ class StepFacts:
     """The replica's state is restored: only then may peers have it."""
     checkpointing: bool = False
     """A checkpoint directory is set."""
+    round_end: bool = False
+    """The update due ends an outer round (``train.mode = "outer"``): never merged."""
+
+
+@dataclass(frozen=True, slots=True)
+class WaitForEncoder:
+    """Wait (bounded, counted) until the encoder's job is done: the round's send that
+    follows may not be merged into the next."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,7 +90,7 @@ class ReportStats:
     chunks."""
 
 
-ScheduleAction = HandState | EncodeParams | EncodeUpdate | ReportStats
+ScheduleAction = WaitForEncoder | HandState | EncodeParams | EncodeUpdate | ReportStats
 
 
 class ReplicaSchedule:
@@ -108,7 +120,11 @@ class ReplicaSchedule:
         """The actions after one optimizer step, in order."""
         actions: list[ScheduleAction] = []
         idle = facts.encoder_idle
-        if facts.ready and facts.snapshot_wanted and idle:
+        rounds_send = facts.update_due and facts.round_end
+        if rounds_send and not idle:
+            actions.append(WaitForEncoder())
+            idle = True
+        if facts.ready and facts.snapshot_wanted and idle and not rounds_send:
             actions.append(HandState(checkpoint=False))
             idle = False
         if facts.params_due:
