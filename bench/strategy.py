@@ -61,6 +61,8 @@ measured 2,242 bytes per node and step of UDP payload at H=30 with control; one 
 chunks are about 2.4 kB)."""
 UPDATE_BYTES = 2_100_000
 """One send of a 100M-parameter model's update at 1% density (bench/datapath.py)."""
+SMALL_BYTES = 64 * 1024
+"""Payloads under this get ``--small-rounds`` measured rounds."""
 
 
 def uniform_pairs(
@@ -263,6 +265,13 @@ def main() -> int:
     ap.add_argument("--uplink-gbps", type=float, default=1.0)
     ap.add_argument("--payloads", default=f"{SHAKESPEARE_OUTER_BYTES},{UPDATE_BYTES}")
     ap.add_argument("--rounds", type=int, default=2, help="measured rounds per run (2)")
+    ap.add_argument(
+        "--small-rounds",
+        type=int,
+        default=9,
+        help="measured rounds per run for payloads under 64 KiB (9: they take 0.1 s, and "
+        "on 1 ms links one scheduling hiccup is most of one)",
+    )
     ap.add_argument("--settle", type=float, default=8.0)
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds a round may take")
     ap.add_argument("--scenarios", default="cities11,multicloud,two-regions,star")
@@ -289,10 +298,9 @@ def main() -> int:
                 }
                 for strategy in strategies:
                     t0 = time.monotonic()
+                    rounds = args.small_rounds if payload < SMALL_BYTES else args.rounds
                     r = loop.run_until_complete(
-                        run_rounds(
-                            scenario, strategy, payload, args.rounds, args.settle, args.timeout
-                        )
+                        run_rounds(scenario, strategy, payload, rounds, args.settle, args.timeout)
                     )
                     row[strategy] = {
                         "round_s": statistics.median(r["round_s"]),
@@ -312,6 +320,7 @@ def main() -> int:
         "rate_scale": args.rate_scale,
         "uplink_gbps": args.uplink_gbps,
         "rounds": args.rounds,
+        "small_rounds": args.small_rounds,
         "scenarios": table,
         "auto_over_best_max": max((r.get("auto_over_best", 0.0) for r in table), default=None),
         "best_over_worst_max": max((r.get("best_over_worst", 0.0) for r in table), default=None),

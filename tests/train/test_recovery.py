@@ -168,18 +168,20 @@ def test_joiners_spread_over_donors_and_a_donor_killed_mid_transfer_is_replaced(
         for t in threads:
             t.start()
 
-        def under_way() -> dict[str, Any] | None:
-            status = request(cluster.control(d), {"cmd": "status"}, timeout_s=5)
+        def fetching(node: str) -> dict[str, Any] | None:
+            status = request(cluster.control(node), {"cmd": "status"}, timeout_s=5)
             for f in status.get("store", {}).get("fetches", []):
-                if f["pieces"] and f["received"] >= f["pieces"] // 4 and f["donors"]:
+                if f["pieces"] and 0 < f["received"] < f["pieces"] and f["donors"]:
                     return dict(f)
             return None
 
         deadline = time.monotonic() + 120
-        while (f := under_way()) is None:
-            # c may finish first (on a loaded machine d can spend seconds on a busy
-            # donor before its own starts); what matters is d's transfer.
+        overlapped = False  # both transfers seen under way at once
+        while (f := fetching(d)) is None or f["received"] < f["pieces"] // 4:
+            # c may finish first (on a loaded machine d can take seconds to start its
+            # own); what matters is d's transfer.
             assert time.monotonic() < deadline and threads[1].is_alive(), results
+            overlapped = overlapped or (f is not None and fetching(c) is not None)
             time.sleep(0.05)
         victim = next(n for n in (a, b) if peer_of[n] == f["donors"][0])
         cluster.kill(victim)
@@ -190,8 +192,11 @@ def test_joiners_spread_over_donors_and_a_donor_killed_mid_transfer_is_replaced(
     for node in (c, d):
         assert (tmp_path / f"got-{node}").read_bytes() == blob.read_bytes()
     other = peer_of[b if victim == a else a]
-    # The two fetchers started on different donors (one upload slot each) ...
-    assert next(iter(rc["donors"])) == other, (rc, rd)
+    # Two fetches under way at once started on different donors (one upload slot
+    # each; CI once saw d start only after c had finished, on the same free donor) ...
+    print(f"the two fetches overlapped: {overlapped}")
+    if overlapped:
+        assert next(iter(rc["donors"])) == other, (rc, rd)
     # ... and d kept what it had from the donor that died and took the rest from the
     # other, without starting over.
     assert list(rd["donors"]) == [peer_of[victim], other], rd
