@@ -25,8 +25,10 @@ Scenarios (``--rtt FILE`` adds any RTT matrix, the first ``--nodes`` regions):
 
 Every node's uplink is ``--uplink-gbps`` (1), shared by its links, and the nodes are
 told so (``mesh.node_uplink_bps``, and ``default_rate_bps`` for links not measured
-yet); every rate times ``--rate-scale`` (several pure-Python daemons on one
-machine cannot fill real inter-region links).
+yet); every rate times ``--rate-scale`` (0.02; several pure-Python daemons on one
+machine cannot fill real inter-region links), and for payloads of 64 KiB and more
+times ``--large-rate-scale`` (0.01): the six daemons of one process spent about 11 s
+of CPU on each 2.1 MB round, as long as the links took at 0.02.
 
     python bench/strategy.py --json
 """
@@ -195,26 +197,26 @@ async def run_rounds(
     return out
 
 
-def scenarios_of(args: argparse.Namespace) -> dict[str, Scenario]:
+def scenarios_of(args: argparse.Namespace, rate_scale: float) -> dict[str, Scenario]:
     out: dict[str, Scenario] = {}
     for name in args.scenarios.split(","):
         if name == "cities11":
             out[name] = matrix_scenario(
                 WAN_DIR / "rtt_cloudping_11cities.csv", WAN_DIR / "bandwidth_11cities.csv",
-                args.nodes, args.rate_scale, args.uplink_gbps,
+                args.nodes, rate_scale, args.uplink_gbps,
             )  # fmt: skip
         elif name == "multicloud":
             out[name] = matrix_scenario(
                 WAN_DIR / "rtt_multicloud_8regions.csv", None,
-                args.nodes, args.rate_scale, args.uplink_gbps,
+                args.nodes, rate_scale, args.uplink_gbps,
             )  # fmt: skip
         elif name in ("two-regions", "star"):
-            out[name] = built_scenario(name, args.rate_scale, args.uplink_gbps)
+            out[name] = built_scenario(name, rate_scale, args.uplink_gbps)
         else:
             raise SystemExit(f"--scenarios: unknown {name!r}")
     for path in args.rtt:
         out[Path(path).stem] = matrix_scenario(
-            Path(path), None, args.nodes, args.rate_scale, args.uplink_gbps
+            Path(path), None, args.nodes, rate_scale, args.uplink_gbps
         )
     return out
 
@@ -262,6 +264,13 @@ def main() -> int:
     ap.add_argument("--rtt", action="append", default=[], help="another RTT matrix (CSV)")
     ap.add_argument("--nodes", type=int, default=6, help="regions of a matrix scenario (6)")
     ap.add_argument("--rate-scale", type=float, default=0.02)
+    ap.add_argument(
+        "--large-rate-scale",
+        type=float,
+        default=0.01,
+        help="rate scale for payloads of 64 KiB and more (0.01): at 0.02 the six daemons "
+        "in this one process needed as much CPU per 2.1 MB round (11 s) as the links took",
+    )
     ap.add_argument("--uplink-gbps", type=float, default=1.0)
     ap.add_argument("--payloads", default=f"{SHAKESPEARE_OUTER_BYTES},{UPDATE_BYTES}")
     ap.add_argument("--rounds", type=int, default=2, help="measured rounds per run (2)")
@@ -280,7 +289,8 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     configure_logging(LogSection(level="error"))
-    scenarios = scenarios_of(args)
+    scenarios = scenarios_of(args, args.rate_scale)
+    large_scenarios = scenarios_of(args, args.large_rate_scale)
     strategies = args.strategies.split(",")
     for s in strategies:
         if s != "auto" and s not in STRATEGIES:
@@ -289,16 +299,19 @@ def main() -> int:
     table: list[dict[str, Any]] = []
     loop = new_event_loop()
     try:
-        for sname, scenario in scenarios.items():
+        for sname in scenarios:
             for payload in payloads:
+                small = payload < SMALL_BYTES
+                scenario = scenarios[sname] if small else large_scenarios[sname]
                 row: dict[str, Any] = {
                     "scenario": sname,
                     "nodes": scenario.node_names(),
                     "payload_bytes": payload,
+                    "rate_scale": args.rate_scale if small else args.large_rate_scale,
                 }
                 for strategy in strategies:
                     t0 = time.monotonic()
-                    rounds = args.small_rounds if payload < SMALL_BYTES else args.rounds
+                    rounds = args.small_rounds if small else args.rounds
                     r = loop.run_until_complete(
                         run_rounds(scenario, strategy, payload, rounds, args.settle, args.timeout)
                     )
@@ -318,6 +331,7 @@ def main() -> int:
     result = {
         "benchmark": "strategy",
         "rate_scale": args.rate_scale,
+        "large_rate_scale": args.large_rate_scale,
         "uplink_gbps": args.uplink_gbps,
         "rounds": args.rounds,
         "small_rounds": args.small_rounds,
