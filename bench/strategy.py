@@ -165,7 +165,7 @@ async def run_rounds(
 
         return ChunkRecorder(record)
 
-    out: dict[str, Any] = {"round_s": [], "predicted_s": [], "chosen": []}
+    out: dict[str, Any] = {"round_s": [], "predicted_s": [], "chosen": [], "chosen_by_origin": []}
     async with DaemonMesh(scenario, names, config, observer=recorder, trainers=False) as mesh:
         await mesh.form()
         await asyncio.sleep(settle_s)
@@ -184,6 +184,12 @@ async def run_rounds(
                 status = first.strategy()
                 chosen = str(status["strategy"])
                 predicted = first.predict_round_s(chosen, payload)  # type: ignore[arg-type]
+                # Each origin chooses for its own payloads: the round ends with the
+                # slowest of them, so every origin's choice is reported.
+                if r > 0:
+                    out["chosen_by_origin"].append(
+                        {n: str(mesh.daemons[n].mesh.strategy()["strategy"]) for n in names}
+                    )
             try:
                 await mesh.until(lambda r=r: r in done_at, timeout_s)
                 took = done_at[r] - t0
@@ -194,6 +200,13 @@ async def run_rounds(
                 out["predicted_s"].append(predicted)
                 out["chosen"].append(chosen)
             await asyncio.sleep(0.2)
+        net = mesh.emulated.network
+        models = [*net.links.values(), *net.uplinks.values()]
+        # Whole run (warm-up and mesh upkeep included): the emulator's tail drops, in
+        # the links' queues (50 ms of their rate) and the uplinks' (1.5 MB), that QUIC
+        # had to recover from.
+        out["datagrams"] = sum(m.counters.sent for m in net.links.values())
+        out["queue_drops"] = sum(m.counters.queue_drops for m in models)
     return out
 
 
@@ -320,6 +333,9 @@ def main() -> int:
                         "rounds_s": [round(x, 3) for x in r["round_s"]],
                         "predicted_s": statistics.median(r["predicted_s"]),
                         "chosen": r["chosen"],
+                        "chosen_by_origin": r["chosen_by_origin"][-1:],
+                        "datagrams": r["datagrams"],
+                        "queue_drops": r["queue_drops"],
                         "wall_s": round(time.monotonic() - t0, 1),
                     }
                     print(f"{sname} {payload} {strategy}: {row[strategy]}", file=sys.stderr)
