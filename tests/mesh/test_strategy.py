@@ -318,6 +318,24 @@ def test_an_origin_outside_the_view_gets_a_tree_and_leaves_the_views_plans_alone
     _reaches_everyone_once(plan("ring", costs, 4096, MESH), costs.nodes)
 
 
+def test_auto_plays_rounds_out_again_only_for_a_new_state_or_size() -> None:
+    """Each round's first chunk asks for the strategy; the rounds are played out once
+    per published state and size (within a factor of two), not per round."""
+    plans = Plans(dataclasses.replace(MESH, strategy="auto"), piece_bytes=1 << 20)
+    plans.update(1, _two_regions(uplink_bps=8e6))
+    plans.route_for(1, 4096)
+    first = plans.chooser.current
+    plans.route_for(2, 5000)
+    assert plans.chooser.current is first
+    plans.route_for(3, 4_000_000)  # another size: played out for it
+    assert plans.chooser.current is not first and plans.chooser.current is not None
+    assert plans.chooser.current.payload_bytes == 4_000_000
+    again = plans.chooser.current
+    plans.update(2, _two_regions(uplink_bps=8e6))  # a new published state
+    plans.route_for(4, 4_000_000)
+    assert plans.chooser.current is not again
+
+
 def test_a_leader_spreads_inside_its_cluster_by_a_fan_out_limited_tree() -> None:
     """A big cluster is not one leader's N - 1 copies of every chunk."""
     nodes = tuple([f"a{i:02d}" for i in range(12)] + ["far"])
