@@ -207,6 +207,12 @@ async def run_rounds(
         # had to recover from.
         out["datagrams"] = sum(m.counters.sent for m in net.links.values())
         out["queue_drops"] = sum(m.counters.queue_drops for m in models)
+        spread = [mesh.daemons[n].mesh.dissemination for n in names]
+        # Chunks fetched by HEADS/WANT repair, and copies that arrived twice: with no
+        # node dying, each is a piece that was still on its way when asked for again.
+        out["repaired"] = sum(x.repaired for x in spread)
+        out["duplicates"] = sum(x.duplicates for x in spread)
+        out["lost"] = sum(x.lost for x in spread)
     return out
 
 
@@ -336,6 +342,9 @@ def main() -> int:
                         "chosen_by_origin": r["chosen_by_origin"][-1:],
                         "datagrams": r["datagrams"],
                         "queue_drops": r["queue_drops"],
+                        "repaired": r["repaired"],
+                        "duplicates": r["duplicates"],
+                        "lost": r["lost"],
                         "wall_s": round(time.monotonic() - t0, 1),
                     }
                     print(f"{sname} {payload} {strategy}: {row[strategy]}", file=sys.stderr)
