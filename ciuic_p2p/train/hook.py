@@ -21,7 +21,6 @@ The update rule and its references: core.replica.rule.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import signal
 import time
 from pathlib import Path
@@ -146,9 +145,9 @@ class MeshSync:
         self._alive_seen: list[str] | None = None
         self.wait_s = 0.0
         self.max_wait_s = 0.0
+        """The longest a single step waited for other replicas (a stall)."""
         self.round_waits = 0
         """Round ends (outer mode) that waited for the encoder instead of merging."""
-        """The longest a single step waited for other replicas (a stall)."""
         self.hook_s = 0.0
         self.finished = False
         self._terminate = False
@@ -254,8 +253,6 @@ class MeshSync:
         r = self.replica
         update_due = r.local_step()
         facts = self._facts(update_due=update_due, params_due=r.wants_params())
-        if r.outer is not None:
-            facts = dataclasses.replace(facts, round_end=update_due)
         for action in self.schedule.after_step(facts, time.monotonic()):
             self._carry_out(action)
         self._between_steps()  # after the update: a snapshot never delays it
@@ -271,6 +268,7 @@ class MeshSync:
             snapshot_wanted=self.channel.snapshot_wanted.is_set(),
             ready=self._ready,
             checkpointing=self.state.checkpoint_path is not None,
+            round_end=update_due and self.replica.outer is not None,
         )
 
     def _carry_out(self, action: ScheduleAction) -> None:
@@ -279,9 +277,7 @@ class MeshSync:
             # Bounded: a job stuck past it is queued behind anyway (jobs run in order).
             w0 = time.perf_counter()
             enc.idle.wait(self.config.train.finish_timeout_s)
-            waited = time.perf_counter() - w0
-            self.wait_s += waited
-            self.max_wait_s = max(self.max_wait_s, waited)
+            self._count_wait(time.perf_counter() - w0)
             self.round_waits += 1
         elif isinstance(action, HandState):
             self.state.hand_state(write_checkpoint_too=action.checkpoint)
@@ -332,7 +328,9 @@ class MeshSync:
                 break
             ch.wait_any(0.02)
             self.poll()
-        waited = time.perf_counter() - w0
+        self._count_wait(time.perf_counter() - w0)
+
+    def _count_wait(self, waited: float) -> None:
         self.wait_s += waited
         self.max_wait_s = max(self.max_wait_s, waited)
 

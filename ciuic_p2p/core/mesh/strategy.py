@@ -559,7 +559,7 @@ class Plans:
             # size (within a factor of two): three strategies' rounds cost 1.5 ms at 8
             # nodes, at each round's first chunk, ahead of the chunk.
             decided_for = (self._key, round_bytes.bit_length())
-            if decided_for != self._decided_for or self.chooser.current is None:
+            if decided_for != self._decided_for:
                 self._decided_for = decided_for
                 self.chooser.decide(costs, round_bytes)
         current = self.chooser.current
