@@ -488,7 +488,11 @@ class QuicTransport(Transport):
         sent_control = False
         for lane, data in link.session.data_to_send():
             stream = link.stream_of(lane)
-            link.quic.send_stream_data(stream, data)
+            try:
+                link.quic.send_stream_data(stream, data)
+            except self.backend.connection_error as exc:  # the library closed it already
+                self._link_gone(link, f"connection closed ({exc})")
+                return
             sent_control |= stream == CONTROL_STREAM
         if sent_control:
             self._check_control_backlog(link)
@@ -672,8 +676,11 @@ class QuicTransport(Transport):
 
     def _say_close(self, link: QuicLink, reason: str, quiet: bool) -> None:
         link.session.close(reason, quiet=quiet)  # a CLOSE frame when it was admitted
-        for lane, data in link.session.data_to_send():
-            link.quic.send_stream_data(link.stream_of(lane), data)
+        try:
+            for lane, data in link.session.data_to_send():
+                link.quic.send_stream_data(link.stream_of(lane), data)
+        except self.backend.connection_error:  # the library closed it already:
+            return  # nothing more to say on it
         # The CLOSE frame goes out before QUIC's close: qh3 cannot fit stream data and a
         # CONNECTION_CLOSE into one packet ("packet builder capacity exhausted").
         self._transmit(link)
