@@ -155,6 +155,8 @@ def validate(cfg: Sections) -> None:
          "must be in [0, 10]"),
         (m.heads_idle_interval_s >= m.heads_interval_s, "mesh.heads_idle_interval_s",
          "must be >= heads_interval_s"),
+        (m.repair_after_max_s >= m.repair_after_s, "mesh.repair_after_max_s",
+         "must be >= repair_after_s"),
         (m.retransmit_mult >= 1, "mesh.retransmit_mult", "must be >= 1"),
         (m.awareness_max >= 1, "mesh.awareness_max", "must be >= 1"),
         (m.tree_max_fanout >= 1, "mesh.tree_max_fanout", "must be >= 1"),

@@ -319,7 +319,11 @@ class MeshSection:
     (for the members a lost message or a random pick left out)."""
     heads_fanout: int = 2
     repair_after_s: float = 0.3
-    """A chunk known to exist but missing this long is requested from a holder."""
+    """A chunk known to exist but missing this long is requested from a holder (or
+    longer: as long as the tree's copies are measured to come late, core.mesh.lag)."""
+    repair_after_max_s: float = 10.0
+    """The longest repair wait the measured tree lag can set (what a member that sends
+    its copies late on purpose can hold a repair to)."""
     chunk_retain_s: float = 30.0
     """Delivered chunks are kept this long for peers that missed them."""
     chunk_retain_bytes: int = 256 * 1024 * 1024

@@ -11,6 +11,7 @@ import pytest
 from ciuic_p2p.config import MeshSection
 from ciuic_p2p.core.mesh.broadcast import (
     CLAIM_AHEAD,
+    GIVE_UP_ASKS,
     MAX_ABOVE,
     MAX_GAP,
     MAX_ORIGINS,
@@ -382,3 +383,160 @@ def test_a_change_reaches_every_member_in_turn_and_so_does_the_idle_repeat() -> 
         assert max(gaps) <= 4 * 4.0 + 0.25
     sent = sum(len(t) for t in told.values())
     assert sent <= 7 + 2 * (40 // 4 + 1)  # against 2 x 160 before
+
+
+def _lone(settings: MeshSection) -> Disseminator:
+    """A node whose tree sends it nothing unless the test hands it a chunk."""
+    return Disseminator(
+        "me",
+        settings,
+        children=lambda origin, route, size: [],
+        live=lambda: ["me", "holder", "parent"],
+        identities=identities("me", "origin"),
+    )
+
+
+def _wants(d: Disseminator) -> list[tuple[str, tuple[int, ...]]]:
+    return [(p, m.body.seqs) for p, m in d.messages_to_send() if isinstance(m.body, Want)]
+
+
+def test_a_slow_tree_is_waited_for_not_asked_twice() -> None:
+    """Large pieces on a slow link reach a node seconds after a holder announced them;
+    asking for them at 0.3 s sent a second full copy of each (the repair storm of
+    docs/benchmarks.md). The wait learns the tree's lag: after the first late copies
+    no chunk is asked for, and the wait stays under the cap."""
+    settings = MeshSection(heads_interval_s=0.05, repair_after_s=0.3, chunk_retain_s=60.0)
+    d = _lone(settings)
+    asked_for: set[int] = set()
+    now = 0.0
+    for seq in range(1, 11):
+        announced = now
+        d.handle(Message("holder", Heads((("origin", seq),))), now=now)
+        while now < announced + 2.0:
+            now = round(now + 0.05, 2)
+            d.handle_timer(now)
+            asked_for |= {s for _, seqs in _wants(d) for s in seqs}
+        d.handle(Message("parent", chunk("origin", seq, hops=2)), now=now)
+        now = round(now + 0.5, 2)
+    assert asked_for <= {1, 2, 3}, asked_for  # before two seconds of lag were measured
+    assert 2.0 < d.repair_wait_s("origin") <= settings.repair_after_max_s
+    assert d.repaired == 0 and d.duplicates == 0
+
+
+def test_a_repaired_chunks_late_tree_copy_teaches_the_wait() -> None:
+    """A wait set too short never sees a tree copy come first; the tree copy that
+    comes after the repair, as a duplicate, is the sample (Karn's problem, reversed)."""
+    settings = MeshSection(heads_interval_s=0.05, repair_after_s=0.3, chunk_retain_s=60.0)
+    d = _lone(settings)
+    d.handle(Message("parent", chunk("origin", 1, hops=1)), now=0.0)  # the origin's log
+    d.handle(Message("holder", Heads((("origin", 2),))), now=0.0)
+    now = 0.0
+    while not _wants(d):
+        now = round(now + 0.05, 2)
+        d.handle_timer(now)
+    assert now == pytest.approx(0.3, abs=0.06)
+    d.handle(Message("holder", chunk("origin", 2, hops=255)), now=0.5)
+    assert d.repaired == 1 and d.repair_wait_s("origin") == 0.3
+    d.handle(Message("parent", chunk("origin", 2, hops=3)), now=2.5)
+    assert d.duplicates == 1
+    assert d.repair_wait_s("origin") >= 2.5
+    # A second late copy of the same chunk teaches nothing more.
+    before = d.repair_wait_s("origin")
+    d.handle(Message("parent", chunk("origin", 2, hops=3)), now=9.0)
+    assert d.repair_wait_s("origin") == before
+
+
+def test_late_copies_hold_a_repair_to_the_cap_and_no_longer() -> None:
+    """A member that forwards its copies a minute late (or a relay that died) can
+    raise the wait to ``repair_after_max_s``, never past it: the chunk is still asked
+    for then."""
+    settings = MeshSection(
+        heads_interval_s=0.05, repair_after_s=0.3, repair_after_max_s=4.0, chunk_retain_s=120.0
+    )
+    d = _lone(settings)
+    for seq in range(1, 6):
+        d.handle(Message("holder", Heads((("origin", seq),))), now=0.0)
+        d.handle(Message("parent", chunk("origin", seq, hops=1)), now=60.0 * seq)
+    assert d.repair_wait_s("origin") == 4.0
+    now = start = 400.0
+    d.handle(Message("holder", Heads((("origin", 6),))), now=now)
+    while not _wants(d):
+        now = round(now + 0.05, 2)
+        d.handle_timer(now)
+    assert now - start == pytest.approx(4.0, abs=0.06)
+
+
+def test_a_relays_repairs_forwarded_down_are_not_the_trees_lag() -> None:
+    """A chunk its relay had to repair (forwarded with hops 254) came as late as the
+    relay's repair; waiting that long for it in future would make every node below a
+    lossy relay slower to repair with each burst."""
+    settings = MeshSection(heads_interval_s=0.05, repair_after_s=0.3, chunk_retain_s=60.0)
+    d = _lone(settings)
+    for seq in range(1, 6):
+        d.handle(Message("holder", Heads((("origin", seq),))), now=10.0 * seq)
+        d.handle(Message("parent", chunk("origin", seq, hops=254)), now=10.0 * seq + 5.0)
+    assert d.repair_wait_s("origin") == 0.3
+
+
+def test_a_want_is_not_repeated_while_the_answer_is_measured_to_be_on_its_way() -> None:
+    """Asking a second holder 0.6 s after the first, when a repair takes 3 s to come
+    back (a 1 MiB piece at 10 Mbit/s behind others), queued a second full copy."""
+    settings = MeshSection(heads_interval_s=0.05, repair_after_s=0.3, chunk_retain_s=60.0)
+    d = _lone(settings)
+    d.handle(Message("parent", chunk("origin", 1, hops=1)), now=0.0)  # the origin's log
+    d.handle(Message("holder", Heads((("origin", 2),))), now=0.0)
+    for now in (0.05 * i for i in range(1, 8)):
+        d.handle_timer(round(now, 2))
+    assert _wants(d) == [("holder", (2,))]
+    d.handle(Message("holder", chunk("origin", 2, hops=255)), now=3.3)
+    asked: list[float] = []
+    d.handle(Message("holder", Heads((("origin", 3),))), now=10.0)
+    now = 10.0
+    while now < 16.0:
+        now = round(now + 0.05, 2)
+        d.handle_timer(now)
+        asked += [now for _ in _wants(d)]
+    assert asked[0] == pytest.approx(10.3, abs=0.06)
+    assert all(b - a >= 3.0 for a, b in itertools.pairwise(asked)), asked
+
+
+def test_a_number_missing_past_the_retain_time_is_still_asked_for_then_given_up() -> None:
+    """On a slow round an announcer may lack the number it is asked for (it announces
+    the highest it holds), a repair takes seconds to come back (so asks are seconds
+    apart), and the holders that got the chunk last keep it for ``chunk_retain_s``
+    from then: a number missing that long was given up after two or three asks and
+    never asked for again, and the round never completed (bench/strategy.py, 2.1 MB
+    on the multi-cloud matrix). It is given up only after ``GIVE_UP_ASKS`` asks too."""
+    settings = MeshSection(heads_interval_s=0.25, repair_after_s=0.3, chunk_retain_s=10.0)
+    d = _lone(settings)
+    d.handle(Message("parent", chunk("origin", 1, hops=1)), now=0.0)
+    d.handle(Message("holder", Heads((("origin", 2),))), now=0.0)
+    now = 0.0
+    while not _wants(d):
+        now = round(now + 0.25, 2)
+        d.handle_timer(now)
+    d.handle(Message("holder", chunk("origin", 2, hops=255)), now=now + 3.0)  # 3 s back
+    now = 4.0
+    d.handle(Message("holder", Heads((("origin", 4),))), now=now)  # holds 4, lacks 3
+    d.handle(Message("parent", chunk("origin", 4, hops=1)), now=now)
+    answered_at = None
+    while now < 60.0 and answered_at is None:
+        now = round(now + 0.25, 2)
+        if now == 12.0:
+            d.handle(Message("late", Heads((("origin", 4),))), now=now)  # holds 3
+        d.handle_timer(now)
+        if any(peer == "late" for peer, _ in _wants(d)):
+            d.handle(Message("late", chunk("origin", 3, hops=255)), now=now)
+            answered_at = now
+    assert answered_at is not None and answered_at > 4.0 + settings.chunk_retain_s
+    assert d.lost == 0 and d.logs["origin"].contiguous & 0xFFFF == 4
+    # Nobody holds 5: asked for in turn, then given up once retained and asked enough.
+    d.handle(Message("holder", Heads((("origin", 6),))), now=now)
+    d.handle(Message("parent", chunk("origin", 6, hops=1)), now=now)
+    asks = 0
+    end = now + 200.0
+    while now < end:
+        now = round(now + 0.25, 2)
+        d.handle_timer(now)
+        asks += sum(5 in seqs for _, seqs in _wants(d))
+    assert d.lost == 1 and asks == GIVE_UP_ASKS

@@ -24,16 +24,19 @@ changed, a tick at a time until every member was told, then every
 ``heads_idle_interval_s`` while nothing changes (an unchanged announcement repeats
 what its receivers most likely heard: sent to random members every tick for ever, it
 was a third of an idle mesh's bytes and a sixth of a training one's).
-A node that learns of a
-chunk it lacks, and still lacks it ``repair_after_s`` later (the tree had its chance),
-asks an announcer for it (``WANT``), and asks again every 2 x ``repair_after_s``, of
-its last four announcers in turn (the adapter queues no second copy of a chunk already
-queued for that peer). Holders keep delivered chunks for
-``chunk_retain_s`` (and at most ``chunk_retain_bytes``), so a chunk whose relay died
-still reaches everyone while anyone holds it: in particular while its origin lives.
-A repaired chunk is forwarded down the tree like any other first arrival, so the
-subtree under a dead relay is repaired through its root. A gap no holder can fill
-within ``chunk_retain_s`` is given up and counted (``lost``).
+A node that learns of a chunk it lacks, and still lacks it a repair wait later (the
+tree had its chance), asks an announcer for it (``WANT``), and asks again every 2 x
+``repair_after_s`` (and no sooner than a repair has been measured to take to come
+back), of its last four announcers in turn (the adapter queues no second copy of a
+chunk already queued for that peer). The wait is ``repair_after_s``, or longer where
+the tree copies are measured to come later (core.mesh.lag: a large piece on a slow
+link takes seconds, and asking sooner sends a second copy that slows everything else),
+at most ``repair_after_max_s``. Holders keep delivered chunks for ``chunk_retain_s``
+(and at most ``chunk_retain_bytes``), so a chunk whose relay died still reaches
+everyone while anyone holds it: in particular while its origin lives. A repaired chunk
+is forwarded down the tree like any other first arrival, so the subtree under a dead
+relay is repaired through its root. A gap no holder fills within ``chunk_retain_s``
+and ``GIVE_UP_ASKS`` requests is given up and counted (``lost``).
 
 Bounds (members are admitted, but a faulty one must not hang the others): per origin
 at most ``MAX_GAP`` missing numbers are tracked at a time (the window moves as the gap
@@ -65,6 +68,7 @@ from dataclasses import dataclass, field
 
 from ciuic_p2p.config.sections import MeshSection
 from ciuic_p2p.core.mesh.identities import Identities
+from ciuic_p2p.core.mesh.lag import LagEstimator
 from ciuic_p2p.core.mesh.messages import (
     MAX_HEADS,
     MAX_MESSAGE_BYTES,
@@ -94,6 +98,19 @@ given up (``lost``), as it would be after ``chunk_retain_s``."""
 MAX_ORIGINS = 8192
 """Origins with a log; a new origin past this (announced by a faulty member, say) is
 ignored and counted unless it is live."""
+GIVE_UP_ASKS = 8
+"""A missing number is given up once ``chunk_retain_s`` has passed since it was known
+missing *and* it was asked for this often (two turns through its last four
+announcers): on a slow round the holders that got it last still keep it, and a number
+given up is never asked for again."""
+REPAIRED_HOPS = 254
+"""The hop count of a repaired chunk forwarded down the tree (a repair answer is 255):
+its lag is the repair's upstream, not the tree's, and is not sampled (a subtree below
+a relay that repairs a burst would otherwise learn to wait for that relay's repairs,
+and wait longer with every burst)."""
+MAX_REPAIRED_TRACKED = 4096
+"""Repaired chunks whose tree copy, when it comes as a duplicate, is still measured (the
+oldest forgotten first)."""
 MAX_SESSION = (1 << 24) - 1
 """Sessions past this share it (a node restarted 16 million times): a restart then
 goes unnoticed until its count passes the previous life's, as before sessions."""
@@ -138,7 +155,11 @@ class _OriginLog:
     """Highest sequence number entered in ``missing_since`` (or known held)."""
     missing_since: dict[int, float] = field(default_factory=dict)
     requested_at: dict[int, float] = field(default_factory=dict)
+    asks: dict[int, int] = field(default_factory=dict)
+    """WANTs sent for each missing number so far."""
     holders: Holders = field(default_factory=Holders)
+    tree_lag: LagEstimator = field(default_factory=LagEstimator)
+    """How late this origin's tree copies come after they are known missing."""
 
     def has(self, seq: int) -> bool:
         return seq <= self.contiguous or seq in self.above
@@ -148,19 +169,22 @@ class _OriginLog:
         while self.contiguous + 1 in self.above:
             self.contiguous += 1
             self.above.discard(self.contiguous)
-        self.missing_since.pop(seq, None)
-        self.requested_at.pop(seq, None)
+        self.forget_missing(seq)
         self.high = max(self.high, seq)
         self.held_high = max(self.held_high, seq)
+
+    def forget_missing(self, seq: int) -> None:
+        self.missing_since.pop(seq, None)
+        self.requested_at.pop(seq, None)
+        self.asks.pop(seq, None)
 
     def give_up_oldest_gap(self) -> int:
         """Skip to the lowest chunk held above the gap; how many were given up."""
         first = min(self.above)
         skipped = first - 1 - self.contiguous
         self.contiguous = first - 1
-        for table in (self.missing_since, self.requested_at):
-            for q in [q for q in table if q <= first]:
-                del table[q]
+        for q in [q for q in self.missing_since if q <= first]:
+            self.forget_missing(q)
         self.add(first)
         return skipped
 
@@ -231,6 +255,12 @@ class Disseminator:
         self.bad_signatures = 0
         """Chunks whose origin signature did not verify (or whose origin has no
         credential here): dropped, never delivered, forwarded or held."""
+        self.tree_lag = LagEstimator()
+        """Every origin's tree lags: the wait for an origin not measured yet."""
+        self.answer_lag = LagEstimator()
+        """From a WANT to the repaired chunk's arrival."""
+        self._repaired_since: OrderedDict[tuple[str, int], float] = OrderedDict()
+        """Repaired chunks, by when they were first known missing."""
         self._heads_turn = 0
         self._claims: dict[str, _Claim] = {}
         """Heads announced in a session no signed chunk has shown yet, by origin."""
@@ -350,7 +380,10 @@ class Disseminator:
                 self.stale += 1
                 return
             if known.has(chunk.seq):
-                self.duplicates += 1  # no signature to check: nothing changes
+                self.duplicates += 1  # no signature to check: nothing changes but a lag
+                since = self._repaired_since.pop((chunk.origin, chunk.seq), None)
+                if since is not None and chunk.hops < REPAIRED_HOPS:  # the tree's, late
+                    self._sample_tree_lag(known, now - since)
                 return
         if not self.identities.verify_chunk(chunk):
             self.bad_signatures += 1
@@ -358,8 +391,7 @@ class Disseminator:
         log = self._log(chunk.origin, chunk.seq)
         if log is None:
             return
-        if chunk.hops == 255:
-            self.repaired += 1
+        self._note_arrival(log, chunk, now)
         log.add(chunk.seq)
         self._learn(log, chunk.seq, sender, now)
         claim = self._claims.get(chunk.origin)
@@ -371,7 +403,7 @@ class Disseminator:
         self._keep(chunk.origin, chunk.seq, chunk.payload, chunk.signature, now, chunk.route)
         self.deliveries.append(Delivery(chunk.origin, chunk.seq, chunk.payload, now, chunk.hops))
         mode = self.settings.dissemination
-        hops = min(chunk.hops + 1, 254)
+        hops = min(chunk.hops + 1, REPAIRED_HOPS)
         if mode == "tree":
             kids = self.children(chunk.origin, chunk.route, len(chunk.payload))
             targets = [c for c in kids if c != sender]
@@ -405,6 +437,49 @@ class Disseminator:
 
     # -- repair -----------------------------------------------------------------------------
 
+    def _max_wait_s(self) -> float:
+        s = self.settings
+        return max(s.repair_after_s, s.repair_after_max_s)
+
+    def _note_arrival(self, log: _OriginLog, chunk: Chunk, now: float) -> None:
+        """A new chunk's lags: the tree's (since it was known missing), or a
+        repair's (since it was asked for), and what its tree copy will teach."""
+        since = log.missing_since.get(chunk.seq)
+        if chunk.hops == 255:
+            self.repaired += 1
+            asked = log.requested_at.get(chunk.seq)
+            if asked is not None:
+                self.answer_lag.add(min(now - asked, self._max_wait_s()))
+            if since is not None:
+                self._repaired_since[(chunk.origin, chunk.seq)] = since
+                if len(self._repaired_since) > MAX_REPAIRED_TRACKED:
+                    self._repaired_since.popitem(last=False)
+        elif since is not None and chunk.hops < REPAIRED_HOPS:
+            self._sample_tree_lag(log, now - since)
+
+    def _sample_tree_lag(self, log: _OriginLog, lag_s: float) -> None:
+        lag_s = min(lag_s, self._max_wait_s())
+        log.tree_lag.add(lag_s)
+        self.tree_lag.add(lag_s)
+
+    def repair_wait_s(self, origin: str) -> float:
+        """How long a chunk of ``origin`` known to exist may be missing before it is
+        asked for: ``repair_after_s``, or what its tree copies are measured to take
+        (every origin's, while this one's are not measured), at most
+        ``repair_after_max_s``."""
+        log = self.logs.get(origin)
+        lag = log.tree_lag if log is not None and log.tree_lag.samples else self.tree_lag
+        return min(max(self.settings.repair_after_s, lag.bound_s()), self._max_wait_s())
+
+    def _reask_wait_s(self) -> float:
+        """``2 x repair_after_s``, and no sooner than a repair is measured to come
+        back (asking a second holder while the first one's copy is on its way doubles
+        the bytes; before any repair came back, what the tree's copies take stands in
+        for it: the same pieces over the same links)."""
+        s = self.settings
+        lag = self.answer_lag if self.answer_lag.samples else self.tree_lag
+        return max(2 * s.repair_after_s, min(lag.bound_s(), self._max_wait_s()))
+
     def _arm_heads(self, now: float) -> None:
         if self._next_heads is None:
             self._next_heads = now + self.settings.heads_interval_s
@@ -421,27 +496,27 @@ class Disseminator:
         self._ask_claims(now)
         for origin, log in self.logs.items():
             wanted = []
+            wait_s = self.repair_wait_s(origin)
+            reask_s = self._reask_wait_s()
             for seq, since in sorted(log.missing_since.items()):
                 if log.has(seq):
                     continue
-                if now - since > s.chunk_retain_s:
+                if now - since > s.chunk_retain_s and log.asks.get(seq, 0) >= GIVE_UP_ASKS:
                     # Given up: counted and no longer asked for, but not held: the
                     # number was only claimed, and a real chunk that comes later is
                     # still delivered (once).
                     self.lost += 1
-                    del log.missing_since[seq]
-                    log.requested_at.pop(seq, None)
+                    log.forget_missing(seq)
                     continue
                 asked = log.requested_at.get(seq)
-                # No back-off: a longer one (tried, up to 16-32 x) delayed real repairs
-                # by seconds and pushed replicas past the staleness bound; what fed the
-                # backlogs, a second copy queued behind the first, the adapter's outbox
-                # now refuses (daemon.outbox).
-                if now - since >= s.repair_after_s and (
-                    asked is None or now - asked >= 2 * s.repair_after_s
-                ):
+                # No blind back-off: one (tried, up to 16-32 x) delayed real repairs
+                # by seconds and pushed replicas past the staleness bound. The wait
+                # follows the measured lags instead, and a second copy queued behind
+                # the first the adapter's outbox refuses (daemon.outbox).
+                if now - since >= wait_s and (asked is None or now - asked >= reask_s):
                     wanted.append(seq)
                     log.requested_at[seq] = now
+                    log.asks[seq] = log.asks.get(seq, 0) + 1
                 if len(wanted) >= MAX_WANT:
                     break
             log.track(now)  # the window moves on as the gap fills
