@@ -322,8 +322,8 @@ class MeshSection:
     """A chunk known to exist but missing this long is requested from a holder (or
     longer: as long as the tree's copies are measured to come late, core.mesh.lag)."""
     repair_after_max_s: float = 10.0
-    """The longest repair wait the measured tree lag can set (what a member that sends
-    its copies late on purpose can hold a repair to)."""
+    """The longest repair wait the measured tree lag can set (what a relay that sends
+    its copies late on purpose can hold a repair to), at most ``chunk_retain_s``."""
     chunk_retain_s: float = 30.0
     """Delivered chunks are kept this long for peers that missed them."""
     chunk_retain_bytes: int = 256 * 1024 * 1024

@@ -96,7 +96,11 @@ def test_a_killed_node_restarts_syncs_and_rejoins_while_the_others_go_on(
         watch.until(lambda: all(watch.last(n, "done") is not None for n in names), 600, "the end")
         watch.lines.close()
     attached = _all(watch, victim, "attached")
-    assert [a["restored"]["source"] for a in attached] == ["fresh", "mesh"], attached
+    # Its first start may come after the others took their first steps on a loaded
+    # machine (CI: step 31): it then joins from the mesh's state, as it should.
+    print("first attach restored from", attached[0]["restored"])
+    assert len(attached) == 2 and attached[-1]["restored"]["source"] == "mesh", attached
+    assert attached[0]["restored"]["source"] in ("fresh", "mesh"), attached
     again = attached[-1]
     first = _all(watch, victim, "first_step")[-1]
     # It resumed at the run's step, not from scratch, and trained to the end.

@@ -27,16 +27,17 @@ was a third of an idle mesh's bytes and a sixth of a training one's).
 A node that learns of a chunk it lacks, and still lacks it a repair wait later (the
 tree had its chance), asks an announcer for it (``WANT``), and asks again every 2 x
 ``repair_after_s`` (and no sooner than a repair has been measured to take to come
-back), of its last four announcers in turn (the adapter queues no second copy of a
-chunk already queued for that peer). The wait is ``repair_after_s``, or longer where
-the tree copies are measured to come later (core.mesh.lag: a large piece on a slow
-link takes seconds, and asking sooner sends a second copy that slows everything else),
-at most ``repair_after_max_s``. Holders keep delivered chunks for ``chunk_retain_s``
-(and at most ``chunk_retain_bytes``), so a chunk whose relay died still reaches
-everyone while anyone holds it: in particular while its origin lives. A repaired chunk
-is forwarded down the tree like any other first arrival, so the subtree under a dead
-relay is repaired through its root. A gap no holder fills within ``chunk_retain_s``
-and ``GIVE_UP_ASKS`` requests is given up and counted (``lost``).
+back), of its last four announcers in turn and every second time of its origin (the
+adapter queues no second copy of a chunk already queued for that peer). The wait is
+``repair_after_s``, or longer where the tree copies are measured to come later
+(core.mesh.lag: a large piece on a slow link takes seconds, and asking sooner sends a
+second copy that slows everything else), at most ``repair_after_max_s``. Holders keep
+delivered chunks for ``chunk_retain_s`` (and at most ``chunk_retain_bytes``), so a
+chunk whose relay died still reaches everyone while anyone holds it: in particular
+while its origin lives. A repaired chunk is forwarded down the tree like any other
+first arrival, so the subtree under a dead relay is repaired through its root. A gap
+no holder fills within ``chunk_retain_s`` and ``GIVE_UP_ASKS`` requests is given up
+and counted (``lost``).
 
 Bounds (members are admitted, but a faulty one must not hang the others): per origin
 at most ``MAX_GAP`` missing numbers are tracked at a time (the window moves as the gap
@@ -55,6 +56,13 @@ claimed of an origin (or a session) that no signed chunk has shown yet is asked 
 alone, on the repair timetable (``repair_after_s``, then every 2 x that), until a
 signed chunk of it arrives and opens the log (whose window then fetches the rest) or
 ``chunk_retain_s`` passes: a liar's claim costs one small request now and then.
+The measured lags are guarded the same way: a lag sample starts only when a number is
+known to exist on more than one member's word (a signed chunk of it or above, or a
+second announcer), so claims ahead of an origin do not make its honest copies look
+late; a repaired chunk's late copy is a sample only from the member that sends that
+origin's tree copies here, with its origin's signature; a holder's slow answers set
+the re-ask interval only of what was asked of it. What is left: a relay can hold the
+repairs of the origins it relays, below it, to ``repair_after_max_s``.
 """
 
 from __future__ import annotations
@@ -108,6 +116,8 @@ REPAIRED_HOPS = 254
 its lag is the repair's upstream, not the tree's, and is not sampled (a subtree below
 a relay that repairs a burst would otherwise learn to wait for that relay's repairs,
 and wait longer with every burst)."""
+MAX_HOLDER_LAGS = 1024
+"""Holders whose answer lag is kept (the least recently heard from forgotten first)."""
 MAX_REPAIRED_TRACKED = 4096
 """Repaired chunks whose tree copy, when it comes as a duplicate, is still measured (the
 oldest forgotten first)."""
@@ -153,10 +163,24 @@ class _OriginLog:
     numbers its chunks one by one)."""
     tracked: int = 0
     """Highest sequence number entered in ``missing_since`` (or known held)."""
+    high_by: str = ""
+    """The announcer whose claim set ``high``."""
     missing_since: dict[int, float] = field(default_factory=dict)
     requested_at: dict[int, float] = field(default_factory=dict)
     asks: dict[int, int] = field(default_factory=dict)
     """WANTs sent for each missing number so far."""
+    asked_of: dict[int, str] = field(default_factory=dict)
+    """The holder each missing number was last asked of."""
+    known_at: dict[int, float] = field(default_factory=dict)
+    """When each missing number was known to exist on more than one member's word (a
+    signed chunk of it or above, or a second announcer): where a lag sample starts.
+    One member's claim alone would let it start every sample early (claim numbers
+    ahead of the origin, and every honest copy of them seems late)."""
+    claimed_by: dict[int, str] = field(default_factory=dict)
+    """Missing numbers known on one announcer's word only: that announcer."""
+    tree_sender: str = ""
+    """The sender of this origin's last first-arriving tree copy: only its late
+    copies of a repaired chunk are samples (anyone holding a chunk could replay it)."""
     holders: Holders = field(default_factory=Holders)
     tree_lag: LagEstimator = field(default_factory=LagEstimator)
     """How late this origin's tree copies come after they are known missing."""
@@ -174,9 +198,23 @@ class _OriginLog:
         self.held_high = max(self.held_high, seq)
 
     def forget_missing(self, seq: int) -> None:
-        self.missing_since.pop(seq, None)
-        self.requested_at.pop(seq, None)
-        self.asks.pop(seq, None)
+        for table in (
+            self.missing_since,
+            self.requested_at,
+            self.asks,
+            self.asked_of,
+            self.known_at,
+            self.claimed_by,
+        ):
+            table.pop(seq, None)
+
+    def confirm(self, upto: int, by: str | None, now: float) -> None:
+        """Missing numbers up to ``upto`` are known to exist: on a signed chunk's word
+        (``by`` None) or on announcer ``by``'s, which counts for the numbers another
+        announcer claimed first."""
+        for seq in [q for q, c in self.claimed_by.items() if q <= upto and c != by]:
+            del self.claimed_by[seq]
+            self.known_at.setdefault(seq, now)
 
     def give_up_oldest_gap(self) -> int:
         """Skip to the lowest chunk held above the gap; how many were given up."""
@@ -195,8 +233,12 @@ class _OriginLog:
         held = max(self.held_high, self.contiguous)
         end = min(self.high, held + CLAIM_AHEAD, self.contiguous + MAX_GAP)
         for seq in range(max(self.contiguous, self.tracked) + 1, end + 1):
-            if seq not in self.above:
-                self.missing_since.setdefault(seq, now)
+            if seq not in self.above and seq not in self.missing_since:
+                self.missing_since[seq] = now
+                if seq < self.held_high:  # a signed chunk above it is held
+                    self.known_at[seq] = now
+                else:
+                    self.claimed_by[seq] = self.high_by
         self.tracked = max(self.tracked, end)
         return bool(self.missing_since)
 
@@ -257,8 +299,9 @@ class Disseminator:
         credential here): dropped, never delivered, forwarded or held."""
         self.tree_lag = LagEstimator()
         """Every origin's tree lags: the wait for an origin not measured yet."""
-        self.answer_lag = LagEstimator()
-        """From a WANT to the repaired chunk's arrival."""
+        self.answer_lags: OrderedDict[str, LagEstimator] = OrderedDict()
+        """From a WANT to the repaired chunk's arrival, by the holder asked: a holder
+        that answers late holds up only the asks sent to it."""
         self._repaired_since: OrderedDict[tuple[str, int], float] = OrderedDict()
         """Repaired chunks, by when they were first known missing."""
         self._heads_turn = 0
@@ -359,16 +402,22 @@ class Disseminator:
                 self.lost += sum(1 for q in log.missing_since if not log.has(q))
             base = session << SESSION_SHIFT
             log = _OriginLog(contiguous=max(base, seq - 1 - REORDER_WINDOW), session=session)
+            self._forget_repaired(origin)
             self.logs[origin] = log
         return log
 
-    def _learn(self, log: _OriginLog, high: int, holder: str, now: float) -> None:
-        log.high = max(log.high, high)
+    def _learn(
+        self, log: _OriginLog, high: int, holder: str, now: float, signed: bool = False
+    ) -> None:
+        if high > log.high:
+            log.high, log.high_by = high, holder
         log.holders.note(holder)
         while len(log.above) > MAX_ABOVE:
             self.lost += log.give_up_oldest_gap()
         if log.track(now):
             self._arm_heads(now)
+        if log.claimed_by:
+            log.confirm(high, None if signed else holder, now)
 
     def _on_chunk(self, sender: str, chunk: Chunk, now: float) -> None:
         if chunk.origin == self.node:
@@ -381,9 +430,7 @@ class Disseminator:
                 return
             if known.has(chunk.seq):
                 self.duplicates += 1  # no signature to check: nothing changes but a lag
-                since = self._repaired_since.pop((chunk.origin, chunk.seq), None)
-                if since is not None and chunk.hops < REPAIRED_HOPS:  # the tree's, late
-                    self._sample_tree_lag(known, now - since)
+                self._note_late_copy(known, sender, chunk, now)
                 return
         if not self.identities.verify_chunk(chunk):
             self.bad_signatures += 1
@@ -391,9 +438,9 @@ class Disseminator:
         log = self._log(chunk.origin, chunk.seq)
         if log is None:
             return
-        self._note_arrival(log, chunk, now)
+        self._note_arrival(log, sender, chunk, now)
         log.add(chunk.seq)
-        self._learn(log, chunk.seq, sender, now)
+        self._learn(log, chunk.seq, sender, now, signed=True)
         claim = self._claims.get(chunk.origin)
         if claim is not None and claim.high >> SESSION_SHIFT <= log.session:
             del self._claims[chunk.origin]  # its session is shown: tracked in the log now
@@ -441,21 +488,51 @@ class Disseminator:
         s = self.settings
         return max(s.repair_after_s, s.repair_after_max_s)
 
-    def _note_arrival(self, log: _OriginLog, chunk: Chunk, now: float) -> None:
-        """A new chunk's lags: the tree's (since it was known missing), or a
-        repair's (since it was asked for), and what its tree copy will teach."""
-        since = log.missing_since.get(chunk.seq)
+    def _note_arrival(self, log: _OriginLog, sender: str, chunk: Chunk, now: float) -> None:
+        """A new chunk's lags: the tree's (since it was known to exist), or a
+        repair's (since it was asked for, of this sender, once), and what its tree
+        copy will teach."""
+        seq = chunk.seq
+        since = log.known_at.get(seq)
         if chunk.hops == 255:
             self.repaired += 1
-            asked = log.requested_at.get(chunk.seq)
-            if asked is not None:
-                self.answer_lag.add(min(now - asked, self._max_wait_s()))
+            asked = log.requested_at.get(seq)
+            if asked is not None and log.asks.get(seq) == 1 and log.asked_of.get(seq) == sender:
+                # Only the answer to a first ask: the answer to an earlier one that
+                # comes just after a re-ask would read as a quick repair.
+                self._answer_lag(sender).add(min(now - asked, self._max_wait_s()))
             if since is not None:
-                self._repaired_since[(chunk.origin, chunk.seq)] = since
+                self._repaired_since[(chunk.origin, seq)] = since
                 if len(self._repaired_since) > MAX_REPAIRED_TRACKED:
                     self._repaired_since.popitem(last=False)
-        elif since is not None and chunk.hops < REPAIRED_HOPS:
-            self._sample_tree_lag(log, now - since)
+        elif chunk.hops < REPAIRED_HOPS:
+            log.tree_sender = sender
+            if since is not None:
+                self._sample_tree_lag(log, now - since)
+
+    def _note_late_copy(self, log: _OriginLog, sender: str, chunk: Chunk, now: float) -> None:
+        """A second copy: if it is the tree's copy of a chunk repaired here, from the
+        member that sends this origin's tree copies and as its origin signed it, how
+        late the tree was (a wait set too short learns from nothing else)."""
+        key = (chunk.origin, chunk.seq)
+        since = self._repaired_since.get(key)
+        if since is None or chunk.hops >= REPAIRED_HOPS or sender != log.tree_sender:
+            return
+        kept = self.store.get(key)
+        if kept is None or kept[1] != chunk.signature:
+            return
+        del self._repaired_since[key]
+        self._sample_tree_lag(log, now - since)
+
+    def _answer_lag(self, holder: str) -> LagEstimator:
+        lag = self.answer_lags.get(holder)
+        if lag is None:
+            lag = self.answer_lags[holder] = LagEstimator()
+            if len(self.answer_lags) > MAX_HOLDER_LAGS:
+                self.answer_lags.popitem(last=False)
+        else:
+            self.answer_lags.move_to_end(holder)
+        return lag
 
     def _sample_tree_lag(self, log: _OriginLog, lag_s: float) -> None:
         lag_s = min(lag_s, self._max_wait_s())
@@ -471,13 +548,15 @@ class Disseminator:
         lag = log.tree_lag if log is not None and log.tree_lag.samples else self.tree_lag
         return min(max(self.settings.repair_after_s, lag.bound_s()), self._max_wait_s())
 
-    def _reask_wait_s(self) -> float:
-        """``2 x repair_after_s``, and no sooner than a repair is measured to come
-        back (asking a second holder while the first one's copy is on its way doubles
-        the bytes; before any repair came back, what the tree's copies take stands in
-        for it: the same pieces over the same links)."""
+    def _reask_wait_s(self, holder: str | None) -> float:
+        """``2 x repair_after_s``, and no sooner than a repair from the holder last
+        asked is measured to come back (asking a second holder while the first one's
+        copy is on its way doubles the bytes; before any repair came back from it,
+        what the tree's copies take stands in: the same pieces over the same links)."""
         s = self.settings
-        lag = self.answer_lag if self.answer_lag.samples else self.tree_lag
+        lag = self.answer_lags.get(holder) if holder is not None else None
+        if lag is None or not lag.samples:
+            lag = self.tree_lag
         return max(2 * s.repair_after_s, min(lag.bound_s(), self._max_wait_s()))
 
     def _arm_heads(self, now: float) -> None:
@@ -497,7 +576,6 @@ class Disseminator:
         for origin, log in self.logs.items():
             wanted = []
             wait_s = self.repair_wait_s(origin)
-            reask_s = self._reask_wait_s()
             for seq, since in sorted(log.missing_since.items()):
                 if log.has(seq):
                     continue
@@ -513,17 +591,35 @@ class Disseminator:
                 # by seconds and pushed replicas past the staleness bound. The wait
                 # follows the measured lags instead, and a second copy queued behind
                 # the first the adapter's outbox refuses (daemon.outbox).
-                if now - since >= wait_s and (asked is None or now - asked >= reask_s):
+                if now - since >= wait_s and (
+                    asked is None or now - asked >= self._reask_wait_s(log.asked_of.get(seq))
+                ):
                     wanted.append(seq)
                     log.requested_at[seq] = now
                     log.asks[seq] = log.asks.get(seq, 0) + 1
                 if len(wanted) >= MAX_WANT:
                     break
             log.track(now)  # the window moves on as the gap fills
-            holder = log.holders.next() if wanted else None
-            if holder is not None:
-                self._send(holder, Want(origin, tuple(wanted)))
+            if wanted:
+                self._ask(origin, log, wanted)
         self._evict(now)
+
+    def _ask(self, origin: str, log: _OriginLog, wanted: list[int]) -> None:
+        """WANTs for ``wanted``: of the next announcer, and every second ask of a
+        number of its origin, while it lives: the announcers may all lack it (each
+        announces the highest it holds, gaps below it or not), and the origin holds
+        every chunk it sent for ``chunk_retain_s``."""
+        to_origin = [q for q in wanted if log.asks[q] % 2 == 0]
+        if to_origin and origin in self.live():
+            wanted = [q for q in wanted if log.asks[q] % 2]
+            for seq in to_origin:
+                log.asked_of[seq] = origin
+            self._send(origin, Want(origin, tuple(to_origin)))
+        holder = log.holders.next() if wanted else None
+        if holder is not None:
+            for seq in wanted:
+                log.asked_of[seq] = holder
+            self._send(holder, Want(origin, tuple(wanted)))
 
     def _announce(self, now: float) -> None:
         """Send the heads while a change is still to reach every member (``fanout`` a
@@ -616,7 +712,12 @@ class Disseminator:
         """An origin left for good: stop expecting its chunks."""
         self.logs.pop(origin, None)
         self._claims.pop(origin, None)
+        self._forget_repaired(origin)
         self._turn_left = min(self._turn_left, len(self.logs))  # a turn that can end
+
+    def _forget_repaired(self, origin: str) -> None:
+        for key in [k for k in self._repaired_since if k[0] == origin]:
+            del self._repaired_since[key]
 
     # -- output -----------------------------------------------------------------------------
 
