@@ -157,6 +157,8 @@ def validate(cfg: Sections) -> None:
          "must be >= heads_interval_s"),
         (m.repair_after_s <= m.repair_after_max_s <= m.chunk_retain_s,
          "mesh.repair_after_max_s", "must be in [repair_after_s, chunk_retain_s]"),
+        (m.own_chunk_retain_s >= m.chunk_retain_s, "mesh.own_chunk_retain_s",
+         "must be >= chunk_retain_s"),
         (m.retransmit_mult >= 1, "mesh.retransmit_mult", "must be >= 1"),
         (m.awareness_max >= 1, "mesh.awareness_max", "must be >= 1"),
         (m.tree_max_fanout >= 1, "mesh.tree_max_fanout", "must be >= 1"),

@@ -272,7 +272,9 @@ async def test_no_member_publishes_as_another_or_takes_its_numbers(tmp_path: Pat
             Chunk(a.peer_id, nxt, 0, gone, bytes(64)),  # a's next number, no signature
             liar.signed_chunk(Chunk(a.peer_id, nxt + 1, 0, gone)),  # by the wrong key
         ]
-        payload, signature, _, _ = a.mesh.dissemination.store[(a.peer_id, warm)]
+        kept = a.mesh.dissemination.kept(a.peer_id, warm)
+        assert kept is not None
+        payload, signature, _, _ = kept
         replay = Chunk(a.peer_id, warm, 0, payload, signature)
         for name in ("b", "c"):
             await liar.say(name, *forged, replay)
@@ -397,7 +399,7 @@ async def test_a_want_for_everything_queues_a_bounded_amount(tmp_path: Path) -> 
         # 20 MB through one process's daemons: 20 s was too tight a bound on a
         # loaded 2-core machine (it failed there before and after the data-path work).
         await until(
-            lambda: all((a.peer_id, s) in b.mesh.dissemination.store for s in seqs),
+            lambda: all(b.mesh.dissemination.kept(a.peer_id, s) for s in seqs),
             90,
             "b holds a's chunks",
         )
