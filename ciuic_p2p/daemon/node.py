@@ -51,6 +51,7 @@ from ciuic_p2p.core.mesh.messages import (
     Chunk,
     MeshDecodeError,
     MeshKind,
+    Message,
     decode_message,
     encode_message,
 )
@@ -382,12 +383,21 @@ class MeshDaemon:
             save_incarnation(self.state_dir, event.incarnation)
 
     def _send_messages(self, node: MeshNode) -> None:
+        # A chunk forwarded to several children is one body in several messages from
+        # this node: encoded once (a 1 MiB join per child was one more pass per copy).
+        encoded: dict[int, tuple[Message, bytes]] = {}
         for address, msg in node.messages_to_send():
-            try:
-                data = encode_message(msg)
-            except ValueError as exc:  # our own message over a limit: a bug, not fatal
-                log.error("mesh_message_too_large", kind=msg.kind.name, error=str(exc))
-                continue
+            same = encoded.get(id(msg.body))
+            if same is not None and same[0].body is msg.body and same[0].sender == msg.sender:
+                data = same[1]
+            else:
+                try:
+                    data = encode_message(msg)
+                except ValueError as exc:  # our own message over a limit: a bug, not fatal
+                    log.error("mesh_message_too_large", kind=msg.kind.name, error=str(exc))
+                    continue
+                if isinstance(msg.body, Chunk):
+                    encoded[id(msg.body)] = (msg, data)
             self.mesh_bytes_sent[msg.kind.name] += len(data)
             self.mesh_messages_sent[msg.kind.name] += 1
             body = msg.body

@@ -45,7 +45,7 @@ from typing import Any, Protocol
 import structlog
 
 from ciuic_p2p.core.codec.chunk import parse_chunk
-from ciuic_p2p.core.codec.origin import sign_chunk
+from ciuic_p2p.core.codec.origin import signed_by
 from ciuic_p2p.core.mesh.broadcast import Delivery
 from ciuic_p2p.core.replica.messages import (
     PayloadKind,
@@ -363,17 +363,15 @@ class TrainerServer:
             self._done = self._done or msg.kind is PayloadKind.DONE
             d.broadcast(bytes(body))
             return
-        chunk = bytearray(msg.body)
         t0 = time.perf_counter()
         try:
-            header, _ = parse_chunk(chunk)
-            sign_chunk(chunk, d.key, header)
+            header, _ = parse_chunk(msg.body)
+            payload = signed_by(msg.body, d.key, header, prefix=bytes(body[:4]))
         except (CodecError, CiuicError) as exc:
             raise TrainWireError(f"published chunk refused: {exc}") from None
         self.progress.sign.add(time.perf_counter() - t0)
         update = msg.kind is PayloadKind.UPDATE
         self.progress.observe(d.peer_id, header.incarnation, header.step, d.clock(), update)
-        payload = bytes(body[:4]) + chunk
         d.counters["chunks_published"] += 1
         if msg.kind is PayloadKind.PARAMS:
             if header.step != self.snapshot_step:

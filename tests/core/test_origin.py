@@ -12,7 +12,13 @@ from ciuic_p2p.core.codec.chunk import (
     set_signature,
     signed_region,
 )
-from ciuic_p2p.core.codec.origin import ChunkFilter, ReplayWindow, sign_chunk, verify_chunk
+from ciuic_p2p.core.codec.origin import (
+    ChunkFilter,
+    ReplayWindow,
+    sign_chunk,
+    signed_by,
+    verify_chunk,
+)
 from ciuic_p2p.errors import CodecError, ReplayedChunkError, SignatureError
 from ciuic_p2p.identity import NodeKey
 from tests.core.helpers import heavy_tailed, reseal
@@ -131,3 +137,19 @@ def test_filter_refuses_origins_that_are_not_members_and_bounds_origins() -> Non
     for i in range(10):
         window.check_and_record(header(1, origin=bytes([i]) * 32))
     assert len(window._origins) == 3
+
+
+def test_a_chunk_signed_into_a_copy_is_the_chunk_signed_in_place() -> None:
+    """The daemon signs a published chunk into the one copy it prefixes anyway: the
+    bytes are those of signing in place (Ed25519 is deterministic), and it verifies."""
+    key = NodeKey.generate()
+    source = ChunkSource(b"r" * 16, key.public_key, incarnation=1, layout_id=5)
+    spec = BucketSpec(codec=Codec.SPARSE_INT8, density=0.05, chunk_payload_bytes=4096)
+    (unsigned, *_) = BucketEncoder(0, 100_000, spec, source).encode(heavy_tailed(100_000, 1), 1)
+    header, _ = parse_chunk(unsigned)
+    copy = signed_by(memoryview(bytes(unsigned)), key, header, prefix=b"ENV!")
+    sign_chunk(unsigned, key)
+    assert copy == b"ENV!" + bytes(unsigned)
+    assert verify_chunk(copy[4:]).origin == key.public_key
+    with pytest.raises(SignatureError):  # only its own chunks
+        signed_by(unsigned, NodeKey.generate(), header)

@@ -316,6 +316,28 @@ def set_signature(chunk: bytearray, signature: bytes, over_digest: bool = True) 
         chunk[_FLAGS_OFFSET] |= FLAG_SIGNED_DIGEST
 
 
+def signed_copy(
+    chunk: bytes | bytearray | memoryview, signature: bytes, prefix: bytes = b""
+) -> bytes:
+    """``prefix`` then a copy of ``chunk`` with ``signature`` (over
+    :func:`signed_digest`) in its slot and its flags saying so: one pass over the
+    chunk, where a copy to sign in place and a second one to prefix it were two."""
+    if len(signature) != SIGNATURE_LEN:
+        raise ValueError("an Ed25519 signature is 64 bytes")
+    view = memoryview(chunk).cast("B")
+    flags = (view[_FLAGS_OFFSET] & ~FLAG_SIGNED_DIGEST) | FLAG_SIGNED | FLAG_SIGNED_DIGEST
+    return b"".join(
+        (
+            prefix,
+            view[:_FLAGS_OFFSET],
+            bytes((flags,)),
+            view[_FLAGS_OFFSET + 1 : _SIGNATURE_OFFSET],
+            signature,
+            view[_SIGNATURE_END:],
+        )
+    )
+
+
 def parse_chunk(chunk: bytes | bytearray | memoryview) -> tuple[ChunkHeader, memoryview]:
     """Validate a chunk's framing and return its header and payload view.
 

@@ -26,6 +26,7 @@ from ciuic_p2p.core.codec.chunk import (
     ChunkHeader,
     parse_chunk,
     set_signature,
+    signed_copy,
     signed_digest,
     signed_region,
 )
@@ -42,6 +43,16 @@ def sign_chunk(chunk: bytearray, key: Signer, header: ChunkHeader | None = None)
     if header.origin != key.public_key:
         raise SignatureError("a node signs only chunks whose origin it is")
     set_signature(chunk, key.sign(signed_digest(chunk)))
+
+
+def signed_by(
+    chunk: bytes | bytearray | memoryview, key: Signer, header: ChunkHeader, prefix: bytes = b""
+) -> bytes:
+    """``prefix`` and the chunk signed with the origin's key, in one copy (``header``:
+    the chunk's, parsed by the caller; its origin must be that key's)."""
+    if header.origin != key.public_key:
+        raise SignatureError("a node signs only chunks whose origin it is")
+    return signed_copy(chunk, key.sign(signed_digest(chunk)), prefix)
 
 
 def verify_chunk(chunk: bytes | bytearray | memoryview) -> ChunkHeader:

@@ -18,6 +18,7 @@ import enum
 import struct
 from dataclasses import dataclass
 
+from ciuic_p2p.core.bytequeue import ByteQueue
 from ciuic_p2p.core.codec.chunk import MAX_CHUNK_BYTES
 from ciuic_p2p.core.mesh.messages import MAX_CHUNK_MESSAGE_BYTES
 from ciuic_p2p.core.store.messages import MAX_CONTROL_BYTES, MAX_DATA_BYTES
@@ -102,11 +103,15 @@ class Frame:
     payload: bytes
 
 
+def frame_header(frame_type: FrameType, payload_len: int) -> bytes:
+    """A frame's header, for a payload written after it as it is."""
+    if payload_len > MAX_PAYLOAD[frame_type]:
+        raise FramingError(f"{frame_type.name} payload of {payload_len} bytes exceeds its limit")
+    return FRAME_HEADER.pack(frame_type, payload_len)
+
+
 def encode_frame(frame_type: FrameType, payload: bytes | bytearray | memoryview) -> bytes:
-    n = len(payload)
-    if n > MAX_PAYLOAD[frame_type]:
-        raise FramingError(f"{frame_type.name} payload of {n} bytes exceeds its limit")
-    return FRAME_HEADER.pack(frame_type, n) + bytes(payload)
+    return frame_header(frame_type, len(payload)) + bytes(payload)
 
 
 def bulk_cost(frame_type: FrameType, payload_len: int) -> int:
@@ -122,7 +127,7 @@ class FrameReader:
     ``AUTH``, so a stranger's unread bytes stay under that frame's limit)."""
 
     def __init__(self, first: frozenset[FrameType] | None = None) -> None:
-        self._buf = bytearray()
+        self._buf = ByteQueue()
         self._need: tuple[FrameType, int] | None = None
         self._first = first
 
@@ -130,14 +135,16 @@ class FrameReader:
     def buffered(self) -> int:
         return len(self._buf)
 
-    def feed(self, data: bytes) -> list[Frame]:
-        self._buf += data
+    def feed(self, data: bytes | bytearray | memoryview) -> list[Frame]:
+        """The frames ``data`` completes, each payload copied once from the pieces
+        it came in (core.bytequeue)."""
+        self._buf.append(data)
         frames: list[Frame] = []
         while True:
             if self._need is None:
                 if len(self._buf) < FRAME_HEADER.size:
                     return frames
-                raw_type, length = FRAME_HEADER.unpack_from(self._buf, 0)
+                raw_type, length = FRAME_HEADER.unpack(self._buf.peek(FRAME_HEADER.size))
                 try:
                     frame_type = FrameType(raw_type)
                 except ValueError as exc:
@@ -150,17 +157,16 @@ class FrameReader:
                     )
                 self._need = (frame_type, length)
             frame_type, length = self._need
-            end = FRAME_HEADER.size + length
-            if len(self._buf) < end:
+            if len(self._buf) < FRAME_HEADER.size + length:
                 return frames
-            frames.append(Frame(frame_type, bytes(self._buf[FRAME_HEADER.size : end])))
-            del self._buf[:end]
+            self._buf.skip(FRAME_HEADER.size)
+            frames.append(Frame(frame_type, self._buf.take(length)))
             self._need = None
             self._first = None
 
     def end_of_stream(self) -> None:
         """The peer finished the stream: a partial frame is an error."""
-        if self._buf:
+        if len(self._buf):
             raise FramingError(f"stream ended inside a frame ({len(self._buf)} bytes left)")
 
 

@@ -20,6 +20,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from ciuic_p2p.core.bytequeue import ByteQueue
 from ciuic_p2p.core.replica.messages import MAX_PAYLOAD_BYTES, TrainWireError
 
 MAX_FRAME_BYTES = MAX_PAYLOAD_BYTES + 256
@@ -143,24 +144,23 @@ class TrainerFrameReader:
     Holds at most one frame (``MAX_FRAME_BYTES``) of unread input."""
 
     def __init__(self) -> None:
-        self._buf = bytearray()
+        self._buf = ByteQueue()
 
     def feed(self, data: bytes | bytearray | memoryview) -> list[tuple[TrainerFrame, memoryview]]:
-        self._buf += data
+        """The frames ``data`` completes, each body copied once (core.bytequeue)."""
+        self._buf.append(data)
         frames: list[tuple[TrainerFrame, memoryview]] = []
-        pos = 0
         buf = self._buf
-        while len(buf) - pos >= _LEN.size:
-            length, raw_type = _LEN.unpack_from(buf, pos)
+        while len(buf) >= _LEN.size:
+            length, raw_type = _LEN.unpack(buf.peek(_LEN.size))
             if length < 1 or length > MAX_FRAME_BYTES:
                 raise TrainWireError(f"frame length {length} outside [1, {MAX_FRAME_BYTES}]")
-            if len(buf) - pos < 4 + length:
+            if len(buf) < 4 + length:
                 break
             try:
                 ftype = TrainerFrame(raw_type)
             except ValueError:
                 raise TrainWireError(f"unknown frame type {raw_type}") from None
-            frames.append((ftype, memoryview(bytes(buf[pos + 5 : pos + 4 + length]))))
-            pos += 4 + length
-        del buf[:pos]
+            buf.skip(_LEN.size)
+            frames.append((ftype, memoryview(buf.take(length - 1))))
         return frames
