@@ -191,6 +191,41 @@ def test_a_near_tie_does_not_switch_the_strategy() -> None:
     assert chooser.switches == 0
 
 
+def _star(measured_leaf_links: bool) -> LinkCosts:
+    """A hub and five leaves (bench/strategy.py's star at rate scale 0.01): 10 ms and
+    25 Mbit/s hub to leaf, 150 ms and 2.5 Mbit/s leaf to leaf, behind 10 Mbit/s
+    uplinks that unmeasured links are taken at. The leaf-to-leaf links are measured
+    or not (no tree uses them, so only the rate probes measure them)."""
+    nodes = ("hub", *(f"leaf{i}" for i in range(5)))
+    delay, rate = {}, {}
+    for u, v in itertools.permutations(nodes, 2):
+        hub = "hub" in (u, v)
+        delay[(u, v)] = 0.005 if hub else 0.075
+        if hub:
+            rate[(u, v)] = 25e6
+        elif measured_leaf_links:
+            rate[(u, v)] = 2.5e6
+    return LinkCosts.from_tables(nodes, delay, rate, 10e6, 10e6, 0.002)
+
+
+def test_a_large_round_never_switches_to_a_strategy_on_unmeasured_links() -> None:
+    """The star's leaf-to-leaf links, taken at the 10 Mbit/s default, made the ring
+    look fastest for a 2.1 MB round; the ring round on the real 2.5 Mbit/s links took
+    53 s against the tree's 29 s (bench/strategy.py, auto's first round). A large
+    round stays on the strategy in force until another's links are all measured;
+    with them measured the choice is the model's; small rounds are not held back."""
+    size = 2_100_000
+    guessed = Chooser(MESH, piece_bytes=1 << 20).decide(_star(False), size)
+    assert guessed.predicted_s["ring"] < guessed.predicted_s["tree"]  # what went wrong
+    assert guessed.strategy == "tree" and "ring" in guessed.unmeasured
+    measured = Chooser(MESH, piece_bytes=1 << 20).decide(_star(True), size)
+    assert not measured.unmeasured
+    assert measured.strategy == min(measured.predicted_s, key=measured.predicted_s.__getitem__)
+    assert measured.strategy != "ring"
+    small = Chooser(MESH, piece_bytes=1 << 20).decide(_star(False), 2_400)
+    assert not small.unmeasured
+
+
 def test_config_rules_for_the_strategy() -> None:
     from ciuic_p2p.config import config_from_mapping  # noqa: PLC0415
     from ciuic_p2p.errors import ConfigError  # noqa: PLC0415

@@ -33,7 +33,8 @@ its own rate (at the link's where none is known), unless the links are known to 
 independent. The round ends when the last node holds the last
 piece. The chooser
 (:class:`Chooser`) picks the strategy with the least predicted time, and leaves the
-current one only for a gain of ``hysteresis``; it decides at round boundaries. Pure:
+current one only for a gain of ``hysteresis``, and for a large round only for a
+strategy whose links all have a published rate; it decides at round boundaries. Pure:
 no clock, no I/O; the same state gives the same trees and the same choice.
 """
 
@@ -414,6 +415,15 @@ class Choice:
     strategy: Strategy
     predicted_s: Mapping[Strategy, float]
     payload_bytes: int
+    unmeasured: frozenset[Strategy] = frozenset()
+    """Strategies whose trees send a large payload over a link with no published rate:
+    their predictions rest on ``default_rate_bps``, and none of them is switched to."""
+
+
+def unmeasured_links(plan_: Plan, costs: LinkCosts) -> int:
+    """Links of ``plan_``'s trees that carry a payload and have no published rate."""
+    edges = {(u, v) for tree in plan_.trees.values() for u, kids in tree.items() for v in kids}
+    return sum(1 for u, v in edges if not costs.rate_of(u, v))
 
 
 @dataclass
@@ -433,12 +443,25 @@ class Chooser:
     ) -> Choice:
         piece = min(self.piece_bytes, max(1, payload_bytes))
         predicted: dict[Strategy, float] = {}
+        unmeasured: set[Strategy] = set()
         for s in allowed:
             p = plan(s, costs, piece, self.settings)
             self.plans[s] = p
             predicted[s] = predict_round_s(p, costs, payload_bytes, self.piece_bytes)
-        best = min(allowed, key=lambda s: (predicted[s], STRATEGIES.index(s)))
+            if payload_bytes > LARGE_PIECE_BYTES and unmeasured_links(p, costs):
+                unmeasured.add(s)
         now = self.current
+        # A large round's time is its links' serialization, which an unmeasured link's
+        # default rate only guesses (a star's leaf-to-leaf links, which no tree uses,
+        # looked four times faster than they were, and a ring round on them took twice
+        # the tree's): the strategy in force (the tree at first) stays until another's
+        # links are measured (core.link.throughput, and the rate probes of the links
+        # nothing else measures).
+        incumbent: Strategy = now.strategy if now is not None else "tree"
+        candidates = [s for s in allowed if s not in unmeasured or s == incumbent]
+        if not candidates:
+            candidates = list(allowed)
+        best = min(candidates, key=lambda s: (predicted[s], STRATEGIES.index(s)))
         keep = now is not None and now.strategy in predicted
         if keep:
             assert now is not None
@@ -448,7 +471,7 @@ class Chooser:
         chosen: Strategy = now.strategy if keep and now is not None else best
         if now is not None and chosen != now.strategy:
             self.switches += 1
-        self.current = Choice(chosen, predicted, payload_bytes)
+        self.current = Choice(chosen, predicted, payload_bytes, frozenset(unmeasured))
         return self.current
 
 
@@ -587,5 +610,6 @@ class Plans:
             "strategy": in_force,
             "round_bytes": None if c is None else c.payload_bytes,
             "predicted_s": {} if c is None else {k: round(v, 4) for k, v in c.predicted_s.items()},
+            "unmeasured": [] if c is None else sorted(c.unmeasured),
             "switches": self.chooser.switches,
         }
