@@ -325,12 +325,12 @@ class MeshSection:
     """The longest repair wait the measured tree lag can set (what a relay that sends
     its copies late on purpose can hold a repair to), at most ``chunk_retain_s``."""
     chunk_retain_s: float = 30.0
-    """Delivered chunks are kept this long for peers that missed them (from when they
-    came, or were last asked for)."""
+    """Delivered chunks are kept this long for peers that missed them."""
     own_chunk_retain_s: float = 120.0
-    """A node keeps the chunks it published this long (within ``chunk_retain_bytes``,
-    others' chunks evicted first): every second repair ask goes to a chunk's origin,
-    and a round of large pieces on slow links can outlast ``chunk_retain_s``."""
+    """A node keeps the chunks it published this long (in at most half of
+    ``chunk_retain_bytes``; past the bound others' chunks go first): every second
+    repair ask goes to a chunk's origin, and a round of large pieces on slow links can
+    outlast ``chunk_retain_s``."""
     chunk_retain_bytes: int = 256 * 1024 * 1024
 
 

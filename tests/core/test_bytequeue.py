@@ -69,3 +69,15 @@ def test_frames_split_anywhere_come_out_whole() -> None:
     for at in range(0, len(raw), 777):
         got += [bytes(body) for _, body in trainer.feed(raw[at : at + 777])]
     assert got == bodies
+
+
+def test_a_frame_sent_a_byte_at_a_time_costs_its_size_not_an_object_per_byte() -> None:
+    """A peer may send a 1 MiB frame as 1-2 byte stream frames: kept one object per
+    piece, that held 20 times the frame's size while it was incomplete (and 200 times
+    while taken). Small pieces are gathered into buffers of 64 KiB."""
+    q = ByteQueue()
+    frame = bytes(range(256)) * 4096
+    for at in range(0, len(frame), 2):
+        q.append(frame[at : at + 2])
+    assert len(q._pieces) <= len(frame) // (64 * 1024) + 1
+    assert q.take(len(frame)) == frame

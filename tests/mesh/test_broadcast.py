@@ -668,22 +668,42 @@ def test_an_origin_keeps_its_chunks_past_a_slow_round() -> None:
     assert d.store_bytes == 0
 
 
-def test_a_chunk_still_asked_for_is_kept_from_the_last_ask() -> None:
-    """A holder keeps another origin's chunk ``chunk_retain_s`` from when it came or
-    was last asked for: a chunk asked for is still missing somewhere."""
-    settings = MeshSection(chunk_retain_s=30.0)
+def test_asking_for_a_chunk_keeps_it_no_longer() -> None:
+    """A member's WANTs (answered or not) do not keep a chunk past its retain time, so
+    they cannot pin chunks and push out those honest members still need."""
+    settings = MeshSection(chunk_retain_s=30.0, chunk_retain_bytes=8_000)
     d = _lone(settings)
-    d.handle(Message("parent", chunk("origin", 1, hops=1)), now=0.0)
-    d.handle(Message("parent", chunk("origin", 2, hops=1)), now=0.0)
+    d.handle(Message("parent", chunk("origin", 1, bytes(3000), hops=1)), now=0.0)
+    d.handle(Message("parent", chunk("origin", 2, bytes(3000), hops=1)), now=10.0)
+    for t in range(1, 29):
+        d.handle(Message("holder", Want("origin", (1,))), now=float(t))
     d.messages_to_send()
-    d.handle(Message("holder", Want("origin", (1,))), now=25.0)
-    assert _answers(d) == [1]
-    d.handle_timer(40.0)
-    d.handle(Message("holder2", Want("origin", (1, 2))), now=40.0)
-    assert _answers(d) == [1]  # 2 went at 30 s; 1 is kept until 25 + 30 s
-    d.handle_timer(71.0)
-    d.handle(Message("holder2", Want("origin", (1,))), now=71.0)
-    assert _answers(d) == []
+    d.handle(Message("parent", chunk("origin", 3, bytes(3000), hops=1)), now=29.0)
+    assert d.kept("origin", 1) is None  # the oldest goes first, asked for or not
+    assert d.kept("origin", 2) is not None and d.kept("origin", 3) is not None
+    d.handle_timer(41.0)
+    assert d.kept("origin", 2) is None
+
+
+def test_a_busy_publisher_still_holds_others_chunks() -> None:
+    """A node's own chunks take at most half of ``chunk_retain_bytes``: one that
+    publishes faster than the bound over ``own_chunk_retain_s`` held nobody else's
+    chunks, and its children's repair asks went unanswered."""
+    settings = MeshSection(chunk_retain_bytes=40_000)
+    d = Disseminator(
+        "me",
+        settings,
+        children=lambda origin, route, size: [],
+        live=lambda: ["me", "parent", "holder"],
+        identities=identities("me", "origin"),
+    )
+    d.handle(Message("parent", chunk("origin", 1, bytes(4000), hops=1)), now=0.0)
+    for i in range(20):
+        d.publish(bytes(4000), now=1.0 + i)
+    assert d.kept("origin", 1) is not None
+    assert d.store_bytes <= 40_000
+    own = sum(len(v[0]) for v in d.own.values())
+    assert 16_000 <= own <= 20_000
 
 
 def test_held_bytes_are_bounded_and_an_origins_own_chunks_go_last() -> None:

@@ -224,6 +224,11 @@ def test_a_large_round_never_switches_to_a_strategy_on_unmeasured_links() -> Non
     assert measured.strategy != "ring"
     small = Chooser(MESH, piece_bytes=1 << 20).decide(_star(False), 2_400)
     assert not small.unmeasured
+    # A strategy chosen for a small round is not carried into a large one on
+    # unmeasured links.
+    chooser = Chooser(MESH, piece_bytes=1 << 20)
+    chooser.current = dataclasses.replace(small, strategy="ring")
+    assert chooser.decide(_star(False), size).strategy == "tree"
 
 
 def test_config_rules_for_the_strategy() -> None:

@@ -32,11 +32,11 @@ adapter queues no second copy of a chunk already queued for that peer). The wait
 ``repair_after_s``, or longer where the tree copies are measured to come later
 (core.mesh.lag: a large piece on a slow link takes seconds, and asking sooner sends a
 second copy that slows everything else), at most ``repair_after_max_s``. Holders keep
-delivered chunks for ``chunk_retain_s`` after they came or were last asked for, and
-their origin its own for ``own_chunk_retain_s`` (all within ``chunk_retain_bytes``,
-others' chunks going first), so a chunk whose relay died still reaches everyone while
-anyone holds it, in particular while its origin lives, and a round slower than
-``chunk_retain_s`` (large pieces on slow links) loses nothing. A repaired chunk is
+delivered chunks for ``chunk_retain_s``, and their origin its own for
+``own_chunk_retain_s`` (all within ``chunk_retain_bytes``, at most half of it the
+node's own), so a chunk whose relay died still reaches everyone while anyone holds
+it, in particular while its origin lives, and a round slower than ``chunk_retain_s``
+(large pieces on slow links) loses nothing. A repaired chunk is
 forwarded down the tree like any other first arrival, so the subtree under a dead
 relay is repaired through its root. A gap
 no holder fills within ``chunk_retain_s`` and ``GIVE_UP_ASKS`` requests is given up
@@ -125,7 +125,7 @@ MAX_REPAIRED_TRACKED = 4096
 """Repaired chunks whose tree copy, when it comes as a duplicate, is still measured (the
 oldest forgotten first)."""
 Kept = tuple[bytes, bytes, float, int]
-"""A held chunk: (payload, its origin's signature, when kept or last asked for, route)."""
+"""A held chunk: (payload, its origin's signature, when kept, route)."""
 MAX_SESSION = (1 << 24) - 1
 """Sessions past this share it (a node restarted 16 million times): a restart then
 goes unnoticed until its count passes the previous life's, as before sessions."""
@@ -287,12 +287,14 @@ class Disseminator:
         self._base = min(max(0, session), MAX_SESSION) << SESSION_SHIFT
         self.next_seq = self._base + 1
         self.store: OrderedDict[tuple[str, int], Kept] = OrderedDict()
-        """Others' chunks: (origin, seq) -> (payload, its origin's signature, when kept
-        or last sent in answer to a WANT, its route), the least recently used first."""
+        """Others' chunks: (origin, seq) -> (payload, its origin's signature, when kept,
+        its route), the oldest first."""
         self.own: OrderedDict[tuple[str, int], Kept] = OrderedDict()
         """This node's chunks, kept for ``own_chunk_retain_s`` (as ``store``)."""
         self.store_bytes = 0
         """Bytes of payload in ``store`` and ``own``."""
+        self._others_bytes = 0
+        """Bytes of payload in ``store``."""
         self.deliveries: list[Delivery] = []
         self.duplicates = 0
         self.repaired = 0
@@ -370,7 +372,7 @@ class Disseminator:
                     self._claim(origin, high, msg.sender, now)
         elif isinstance(b, Want):
             for seq in b.seqs:
-                kept = self._still_wanted((b.origin, seq), now)
+                kept = self.kept(b.origin, seq)
                 if kept is not None:
                     self._send(msg.sender, Chunk(b.origin, seq, 255, kept[0], kept[1], kept[3]))
 
@@ -487,36 +489,38 @@ class Disseminator:
         store = self.own if origin == self.node else self.store
         store[(origin, seq)] = (payload, signature, now, route)
         self.store_bytes += len(payload)
+        if store is self.store:
+            self._others_bytes += len(payload)
         self._evict(now)
 
-    def _still_wanted(self, key: tuple[str, int], now: float) -> Kept | None:
-        """A held chunk a member asked for, kept from now on as if it had just come: a
-        chunk still asked for is still missing somewhere (on a round slower than the
-        retain time the last members to get it were asked after it would have gone)."""
-        store = self.own if key[0] == self.node else self.store
-        kept = store.get(key)
-        if kept is not None:
-            kept = store[key] = (kept[0], kept[1], now, kept[3])
-            store.move_to_end(key)
-        return kept
-
     def _evict(self, now: float) -> None:
-        """Chunks past their retain time go, then, while more than
-        ``chunk_retain_bytes`` are held, the least recently used: others' first (their
-        origins keep them), then this node's own."""
+        """Chunks past their retain time go, oldest first; this node's own take at most
+        half of ``chunk_retain_bytes`` (a node publishing faster than that bound over
+        ``own_chunk_retain_s`` would otherwise hold nobody else's chunks to repair
+        from), and past the bound others' go first (their origins keep them). The
+        order is when a chunk was kept: asking for a chunk keeps it no longer (a
+        member's asks would pin chunks and push honest ones out)."""
         s = self.settings
         own_retain_s = max(s.chunk_retain_s, s.own_chunk_retain_s)
         for store, retain_s in ((self.store, s.chunk_retain_s), (self.own, own_retain_s)):
             while store:
-                key, (payload, _, at, _) = next(iter(store.items()))
+                key, (_, _, at, _) = next(iter(store.items()))
                 if now - at <= retain_s:
                     break
-                del store[key]
-                self.store_bytes -= len(payload)
+                self._drop(store, key)
+        own_bytes = self.store_bytes - self._others_bytes
+        while self.own and own_bytes > s.chunk_retain_bytes // 2:
+            own_bytes -= self._drop(self.own, next(iter(self.own)))
         for store in (self.store, self.own):
             while store and self.store_bytes > s.chunk_retain_bytes:
-                _, (payload, _, _, _) = store.popitem(last=False)
-                self.store_bytes -= len(payload)
+                self._drop(store, next(iter(store)))
+
+    def _drop(self, store: OrderedDict[tuple[str, int], Kept], key: tuple[str, int]) -> int:
+        size = len(store.pop(key)[0])
+        self.store_bytes -= size
+        if store is self.store:
+            self._others_bytes -= size
+        return size
 
     # -- repair -----------------------------------------------------------------------------
 

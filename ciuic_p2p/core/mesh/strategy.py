@@ -457,12 +457,17 @@ class Chooser:
         # the tree's): the strategy in force (the tree at first) stays until another's
         # links are measured (core.link.throughput, and the rate probes of the links
         # nothing else measures).
-        incumbent: Strategy = now.strategy if now is not None else "tree"
+        # The incumbent of a small round does not count: unmeasured links cost it
+        # nothing there, and large rounds would inherit it.
+        large = payload_bytes > LARGE_PIECE_BYTES
+        incumbent: Strategy = "tree"
+        if now is not None and (not large or now.payload_bytes > LARGE_PIECE_BYTES):
+            incumbent = now.strategy
         candidates = [s for s in allowed if s not in unmeasured or s == incumbent]
         if not candidates:
             candidates = list(allowed)
         best = min(candidates, key=lambda s: (predicted[s], STRATEGIES.index(s)))
-        keep = now is not None and now.strategy in predicted
+        keep = now is not None and now.strategy in candidates
         if keep:
             assert now is not None
             current_s = predicted[now.strategy]
