@@ -690,13 +690,7 @@ def test_a_busy_publisher_still_holds_others_chunks() -> None:
     publishes faster than the bound over ``own_chunk_retain_s`` held nobody else's
     chunks, and its children's repair asks went unanswered."""
     settings = MeshSection(chunk_retain_bytes=40_000)
-    d = Disseminator(
-        "me",
-        settings,
-        children=lambda origin, route, size: [],
-        live=lambda: ["me", "parent", "holder"],
-        identities=identities("me", "origin"),
-    )
+    d = _lone(settings)
     d.handle(Message("parent", chunk("origin", 1, bytes(4000), hops=1)), now=0.0)
     for i in range(20):
         d.publish(bytes(4000), now=1.0 + i)
@@ -708,13 +702,7 @@ def test_a_busy_publisher_still_holds_others_chunks() -> None:
 
 def test_held_bytes_are_bounded_and_an_origins_own_chunks_go_last() -> None:
     settings = MeshSection(chunk_retain_bytes=10_000)
-    d = Disseminator(
-        "me",
-        settings,
-        children=lambda origin, route, size: [],
-        live=lambda: ["me", "parent", "holder"],
-        identities=identities("me", "origin"),
-    )
+    d = _lone(settings)
     own = d.publish(bytes(4000), now=0.0)
     for seq in range(1, 4):
         d.handle(Message("parent", chunk("origin", seq, bytes(4000), hops=1)), now=float(seq))
