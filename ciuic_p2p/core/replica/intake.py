@@ -4,7 +4,7 @@
 trainer's channel decodes on its reader thread while the model computes); ``apply``
 then, between two steps, checks what does (the RMS bound against this replica's own
 updates, exactly once per origin, incarnation, step, bucket and range start), queues
-the values, and ``flush`` adds every queued chunk with two ``index_add_`` per bucket.
+the values, and ``flush`` adds every queued chunk with two adds at positions per bucket.
 Every refusal names its reason (``other_run``, ``layout``, ``range``, ``malformed``,
 ``duplicate``, ``norm``) and is counted; nothing changes before a payload is accepted.
 JOIN, GONE and DONE of another run sharing the mesh are ignored and counted apart.

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from ciuic_p2p.config.sections import TrainSection
+from ciuic_p2p.core.replica.parameters import add_at
 
 
 @dataclass(frozen=True, slots=True)
@@ -173,7 +174,7 @@ class OuterStep:
                 target[start : start + values.numel()].add_(values, alpha=factor)
             else:
                 at = positions + start if start else positions
-                target.index_add_(0, at, values, alpha=factor)
+                add_at(target, at, values, factor)
 
     def complete_through(self, floor_step: int, before_round: int | None = None) -> list[Kick]:
         """Complete every round whose steps are all at or below ``floor_step`` (every

@@ -5,7 +5,7 @@ and the anchor of the textbook form, ``base = anchor - residual``, in one buffer
 
 What peers (and this replica's settlement and consensus mix) add to the model is not
 this replica's progress: it goes into ``p`` and into ``base`` alike. ``flush`` adds
-the queued chunks to ``p`` on the training thread (two ``index_add_`` per bucket and
+the queued chunks to ``p`` on the training thread (two adds at positions (``add_at``) per bucket and
 weight however many chunks arrived) and hands the same values to the base, which the
 encoder adds just before it reads ``p - base``. The two never run at once: the
 encoder holds the :class:`AccessGate` while it reads, and a flush that finds it held
@@ -52,6 +52,18 @@ class Fragment:
         if lo < 0 or lo + length > vals.numel():
             return None
         return vals[lo : lo + length]
+
+
+def add_at(
+    target: torch.Tensor, positions: torch.Tensor, values: torch.Tensor, alpha: float
+) -> None:
+    """``target[positions] += alpha * values``. ``scatter_add_`` rather than
+    ``index_add_``: on a CPU it took 5.2 ms where ``index_add_`` took 8.9 for 1M values
+    into 100M (one thread, 46 chunks, with the product by ``alpha`` of a copy of the
+    values); this is the training thread's largest cost per step."""
+    if positions.dtype != torch.int64:
+        positions = positions.long()
+    target.scatter_add_(0, positions, values if alpha == 1.0 else values.mul(alpha))
 
 
 def fragment_range(numel: int, index: int, fragments: int) -> tuple[int, int]:
@@ -159,7 +171,7 @@ class Parameters:
                 # Each chunk's own adds: concatenating them first cost as much as the
                 # adds (fresh buffers of 12 bytes per value, measured at 100M, 1%).
                 for positions, values in parts:
-                    self.buckets[bucket].index_add_(0, positions, values, alpha=w)
+                    add_at(self.buckets[bucket], positions, values, w)
                     self.traffic_bytes += values.numel() * (8 + 4 + 8)
                     self._base_pending.append((bucket, positions, 0, values, w))
             for bucket, _, start, values, w in self._queued_dense:
@@ -189,7 +201,7 @@ class Parameters:
                     self.base[bucket][start : start + values.numel()].add_(values, alpha=w)
                     self.traffic_bytes += values.numel() * (4 + 8)
                 else:
-                    self.base[bucket].index_add_(0, positions, values, alpha=w)
+                    add_at(self.base[bucket], positions, values, w)
                     self.traffic_bytes += values.numel() * (8 + 4 + 8)
 
     def discard_queued(self) -> None:

@@ -90,6 +90,7 @@ from ciuic_p2p.core.replica.parameters import (
     Fragment,
     Parameters,
     Range,
+    add_at,
     fragment_range,
 )
 from ciuic_p2p.core.replica.roster import PeerState, Roster
@@ -558,7 +559,7 @@ def _add_into(
     if positions is None:
         target[start : start + values.numel()].add_(values, alpha=alpha)
     else:
-        target.index_add_(0, positions + start, values, alpha=alpha)
+        add_at(target, positions + start, values, alpha)
 
 
 def _with_density(spec: BucketSpec, density: float) -> BucketSpec:
