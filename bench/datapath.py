@@ -25,7 +25,11 @@ others keep a first gradient) and SGD's step over every parameter, then a sleep 
 - ``staleness_*``: over all (send, receiver) pairs; a send never applied counts as
   unbounded (reported as ``null`` p99 when any is missing);
 - the transport section, side by side in the same run: bench/transport.py's goodput
-  and CPU per MB of the QUIC backend and of 1 vs 2 lanes.
+  and CPU per MB of the QUIC backend; bench/lanes.py's ``lanes_speedup``: what a
+  receiving daemon delivers with ``transport.lanes = 2`` on both ends over 1.
+
+``--lanes K`` runs the training daemons themselves with ``transport.lanes = K`` (their
+CPU then counts their lane processes').
 
     python bench/datapath.py --json                       # 3 nodes, 100M, 2 s steps
     python bench/datapath.py --nodes 2 --step-s 0.5 --json
@@ -61,14 +65,20 @@ consensus_interval_steps = {consensus_interval}
 consensus_fragments = {fragments}
 staleness_bound_steps = 64
 
+[transport]
+lanes = {lanes}
+
 [log]
 level = "warning"
 """
 
 
 def cpu_s(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:  # a lane that ended
+        return 0.0
     return (int(fields[11]) + int(fields[12])) / CLK
 
 
@@ -123,12 +133,33 @@ def run_transport(mb: int) -> dict[str, Any]:
         "transport_over_aioquic_cpu_runs": t["backend_over_aioquic_cpu_runs"],
         "transport_no_gso_cpu_ms_per_mb": t["no_gso_cpu_s_per_MB"] * 1e3,
         "transport_bare_aioquic_MBps": t["raw_aioquic_MBps"],
-        "one_lane_MBps": t["one_lane_goodput_MBps"],
-        "two_lanes_MBps": t["lanes_goodput_MBps"],
-        "lanes_speedup": t["lanes_speedup"],
-        "lanes_speedup_runs": t["lanes_speedup_runs"],
+        "transport_one_lane_MBps": t["one_lane_goodput_MBps"],
+        "transport_two_lanes_MBps": t["lanes_goodput_MBps"],
+        "transport_lanes_speedup": t["lanes_speedup"],
         "bare_aioquic_cpu_ms_per_mb": t["raw_aioquic_cpu_s_per_MB"] * 1e3,
         "bare_qh3_cpu_ms_per_mb": t["raw_qh3_cpu_s_per_MB"] * 1e3,
+    }
+
+
+def run_lanes(mb: int) -> dict[str, Any]:
+    """bench/lanes.py: two real daemons, 1 lane against 2, alternated."""
+    if mb <= 0:
+        return {}
+    out = subprocess.run(
+        [sys.executable, str(HERE / "lanes.py"), "--mb", str(mb), "--repeats", "3", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=True,
+    )
+    t = json.loads(out.stdout.strip().splitlines()[-1])
+    return {
+        "one_lane_MBps": t["one_lane_MBps"],
+        "two_lanes_MBps": t["lanes_MBps"],
+        "one_lane_daemons_cpu_ms_per_mb": t["one_lane_cpu_ms_per_mb"],
+        "two_lanes_daemons_cpu_ms_per_mb": t["lanes_cpu_ms_per_mb"],
+        "lanes_speedup": t["lanes_speedup"],
+        "lanes_speedup_runs": t["lanes_speedup_runs"],
     }
 
 
@@ -144,7 +175,13 @@ def main() -> int:
     ap.add_argument("--consensus-interval", type=int, default=8)
     ap.add_argument("--fragments", type=int, default=64)
     ap.add_argument("--scenario", default=None, help="emulated WAN scenario (default loopback)")
+    ap.add_argument(
+        "--lanes", type=int, default=1, help="the daemons' transport.lanes in the training run"
+    )
     ap.add_argument("--transport-mb", type=int, default=100, help="0: no transport section")
+    ap.add_argument(
+        "--lanes-mb", type=int, default=800, help="bench/lanes.py's megabytes (0: no lanes row)"
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     names = [f"n{i}" for i in range(args.nodes)]
@@ -153,6 +190,7 @@ def main() -> int:
         send_interval=args.send_interval,
         consensus_interval=args.consensus_interval,
         fragments=args.fragments,
+        lanes=args.lanes,
     )
     with tempfile.TemporaryDirectory(prefix="ciuic-datapath-") as tmp:
         work = Path(tmp)
@@ -170,6 +208,10 @@ def main() -> int:
         result.update(run_transport(args.transport_mb))
     except (subprocess.SubprocessError, OSError, ValueError, KeyError) as exc:
         result["transport_error"] = str(exc)[-500:]
+    try:
+        result.update(run_lanes(args.lanes_mb))
+    except (subprocess.SubprocessError, OSError, ValueError, KeyError) as exc:
+        result["lanes_error"] = str(exc)[-500:]
     print(
         f"{args.nodes} nodes, {result['params'] / 1e6:.0f}M parameters, {args.step_s:g} s steps, "
         f"{args.density:g} density: step fraction mean {result['step_frac_mean']:.2%} "
@@ -208,7 +250,8 @@ def measure(cluster: LocalCluster, args: argparse.Namespace, work: Path) -> dict
                 continue
             backlog[n] = int(st.get("backlog_bytes", 0))
             sent[n] = int(st.get("udp_bytes_sent", 0))
-            cpu[n] = cpu_s(pids[n])
+            lane_pids = (st.get("lanes") or {}).get("pids", [])
+            cpu[n] = cpu_s(pids[n]) + sum(cpu_s(p) for p in lane_pids)
         samples.append((time.monotonic(), backlog, sent, cpu))
         time.sleep(0.5)
     trainers = []
@@ -268,6 +311,7 @@ def summarize(
         "step_s": args.step_s,
         "density": args.density,
         "send_interval_steps": args.send_interval,
+        "transport_lanes": args.lanes,
         "steps": args.steps,
         "warmup_steps": args.warmup,
         "consensus_interval_steps": args.consensus_interval,

@@ -28,6 +28,7 @@ from ciuic_p2p.core.codec.chunk import Codec, set_signature, signed_region
 from ciuic_p2p.core.codec.origin import sign_chunk, verify_chunk
 from ciuic_p2p.core.link.auth import build_auth
 from ciuic_p2p.core.link.frames import FrameType, encode_frame
+from ciuic_p2p.core.link.lanes import encode_lane_ports
 from ciuic_p2p.core.mesh import messages as mw
 from ciuic_p2p.core.replica import messages as tw
 from ciuic_p2p.core.replica import trainersocket as ts
@@ -145,6 +146,7 @@ def _trainer() -> dict[str, bytes]:
 
 def _link() -> dict[str, bytes]:
     out = {f"frame_{t.name.lower()}": encode_frame(t, b"x" * 8) for t in FrameType}
+    out["lanes"] = encode_lane_ports((7300, 7301))
     out["auth"] = build_auth(KEY, b"\x30\x82fixed-der", "golden", b"s" * 32, b"c" * 8, b"o" * 8)
     return out
 

@@ -20,6 +20,7 @@ from ciuic_p2p.config.sections import (
     TransportSection,
     WebSection,
 )
+from ciuic_p2p.core.link.lanes import MAX_LANES
 from ciuic_p2p.errors import ConfigError
 
 
@@ -134,6 +135,17 @@ def validate(cfg: Sections) -> None:
             cfg.transport.max_credit_bytes >= cfg.transport.receive_window_bytes,
             "transport.max_credit_bytes",
             "must be >= receive_window_bytes",
+        ),
+        (
+            1 <= cfg.transport.lanes <= MAX_LANES,
+            "transport.lanes",
+            f"must be in [1, {MAX_LANES}]",
+        ),
+        (
+            cfg.transport.lane_base_port == 0
+            or 1024 <= cfg.transport.lane_base_port <= 65536 - cfg.transport.lanes,
+            "transport.lane_base_port",
+            "must be 0 (any free ports) or in [1024, 65536 - lanes]",
         ),
     ]
     m = cfg.mesh

@@ -45,6 +45,7 @@ from ciuic_p2p.daemon.web import WebServer
 from ciuic_p2p.errors import CiuicError
 from ciuic_p2p.identity import NodeKey, peer_id_of
 from ciuic_p2p.transport.base import Address, Transport
+from ciuic_p2p.transport.laned import LanedTransport
 from ciuic_p2p.transport.quic import AdmissionObserver, QuicTransport
 
 WrapUdp = Callable[[asyncio.DatagramTransport], asyncio.DatagramTransport]
@@ -65,9 +66,12 @@ def quic_transport(
     wallclock: Callable[[], dt.datetime] | None = None,
     wrap_udp: WrapUdp | None = None,
     on_admission: AdmissionObserver | None = None,
-) -> QuicTransport:
-    """The production transport of a node, listening where ``config.node`` says."""
-    return QuicTransport(
+) -> Transport:
+    """The production transport of a node, listening where ``config.node`` says: its
+    own QUIC link, with ``transport.lanes`` lane processes for its chunks when that is
+    2 or more and no ``wrap_udp`` shapes its datagrams (lanes' own sockets would pass
+    the WAN emulator by, so an emulated node keeps one)."""
+    main = QuicTransport(
         key,
         certificate,
         trust,
@@ -80,6 +84,10 @@ def quic_transport(
         on_admission=on_admission,
         wallclock=wallclock or (lambda: dt.datetime.now(dt.UTC)),
     )
+    lanes = config.transport.lanes
+    if lanes < 2 or wrap_udp is not None:
+        return main
+    return LanedTransport(main, key, certificate, lanes, base_port=config.transport.lane_base_port)
 
 
 def bare_daemon(

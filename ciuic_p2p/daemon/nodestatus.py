@@ -106,6 +106,7 @@ def status(d: MeshDaemon) -> dict[str, Any]:
         "banned": sorted(d.banned),
         "counters": dict(d.counters),
         "udp_bytes_sent": d.transport.udp_bytes_sent,
+        "lanes": d.transport.lanes_status(),
         "mesh_bytes_sent": dict(d.mesh_bytes_sent),
         "mesh_messages_sent": dict(d.mesh_messages_sent),
         "backlog_bytes": d.backlog_bytes(),

@@ -11,6 +11,7 @@ import abc
 import datetime as dt
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from ciuic_p2p.core.link.frames import FrameType
 from ciuic_p2p.core.link.trust import Trust
@@ -161,3 +162,7 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Close every link and stop listening."""
+
+    def lanes_status(self) -> dict[str, Any] | None:
+        """What the node's lane processes carry (transport.laned); None without lanes."""
+        return None

@@ -1,120 +1,295 @@
-"""Lanes: one node's bulk traffic spread over several processes, one core each.
+"""Lane processes: one node's bulk frames carried by several processes, one core each.
 
-Pure-Python QUIC moves about 15 MB/s per core here, below an inter-region link. A
-:class:`LanePool` starts K lane processes; each runs its own QuicTransport (own UDP
-socket, the node's own credentials) and verifies the origin signature of every chunk
-it receives before handing it up. Lane i of one node connects to lane i of a peer.
-The node sends a chunk through the lane its (bucket, range start) hashes to, so the
-chunks of one step spread over all lanes, and hands it over a pipe: a 1 MiB copy costs
-about 0.2 ms, against about 60 ms of QUIC work per MB on each side.
+A QUIC link costs its CPU in the process that runs it: about 7 ms per MB sent plus
+received on qh3 here, so one core carries about 1 Gbit/s at best, and the daemon's
+own work shares that core. A :class:`LanePool` starts K lane processes; each runs its
+own QuicTransport (own UDP socket, the node's own credentials and trust) and carries
+the bulk frames the node hands it (transport.laned decides which, and to which lane).
 
-Every lane is a process of ours, started with ``spawn`` and ended by its PID.
+Between the node and a lane there is one pipe and four bounds, so that neither side's
+memory grows with what the other does:
+
+- frames to send: the node counts the bytes it handed a lane for a peer and not yet
+  seen ``sent`` (the lane's QUIC took them under the peer's credit), and waits past
+  its bound (transport.laned);
+- frames received: a lane hands up at most ``LANE_HANDUP_BYTES`` the node has not
+  consumed; past it, the lane stops reading its links, so its peers' credit stops;
+- each side writes its pipe from one thread, in order: a large message never blocks
+  an event loop, and messages never interleave;
+- a lane whose pipe closes (the node died) ends itself.
+
+Every lane is a process of ours (``python -m ciuic_p2p.transport.lanes``, its set-up
+sent over a socket pair, never on its command line), ended by its PID.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
-import multiprocessing as mp
+import os
+import queue
+import socket
+import subprocess
+import sys
 import threading
-import zlib
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Protocol
 
 from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import TransportSection
-from ciuic_p2p.core.codec.origin import ChunkFilter
 from ciuic_p2p.core.link.frames import FrameType
 from ciuic_p2p.identity import NodeKey
-from ciuic_p2p.transport.base import Address, FrameReceived
-from ciuic_p2p.transport.quic import QuicTransport, TransportError
+from ciuic_p2p.logsetup import get_logger
+from ciuic_p2p.transport.base import Address, FrameReceived, PeerConnected, PeerDisconnected
+from ciuic_p2p.transport.errors import TransportError
+from ciuic_p2p.transport.lanering import LaneRing
+from ciuic_p2p.transport.quic import QuicTransport
+
+LANE_FRAME_TYPES = frozenset({FrameType.MESH_CHUNK})
+"""What lanes carry: the chunks, which are most of a node's bytes and need no order
+among themselves (each is signed and placed by its own header). Membership, probes,
+direct and store traffic stay on the node's own link."""
+LANE_HANDUP_BYTES = 16 * 1024 * 1024
+"""Received bytes a lane hands the node and the node has not consumed, at most."""
+CONSUMED_ACK_BYTES = 256 * 1024
+"""The node tells a lane what it consumed once this much has gathered."""
+OUT_OF_BAND_BYTES = 64 * 1024
+"""A payload this large crosses the pipe as raw bytes after its message, not pickled."""
+OUT_OF_BAND = "+"
+IN_RING = "@"
+RING_BYTES = 16 * 1024 * 1024
+"""Each way between the node and a lane (transport.lanering)."""
+PIPE_BUFFER_BYTES = 1 << 20
+"""Socket buffers of a lane's pipe: a 1 MiB frame in few system calls."""
+STATS_INTERVAL_S = 1.0
+START_TIMEOUT_S = 60.0
+log = get_logger("ciuic.lanes")
 
 
-def _read_in_thread(
-    conn: Connection, loop: asyncio.AbstractEventLoop, deliver: Callable[[Any], None]
+class PipeWriter:
+    """Messages written to a pipe by one thread, in the order given; a large payload
+    (a message's last element) through ``ring`` when it has room."""
+
+    def __init__(
+        self,
+        conn: Connection,
+        on_broken: Callable[[], None] | None = None,
+        ring: LaneRing | None = None,
+    ) -> None:
+        self._conn = conn
+        self._ring = ring
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._on_broken = on_broken
+        threading.Thread(target=self._run, name="ciuic-lane-writer", daemon=True).start()
+
+    def put(self, message: Any) -> None:
+        self._queue.put(message)
+
+    def stop(self) -> None:
+        self._queue.put(None)
+
+    def _run(self) -> None:
+        while (message := self._queue.get()) is not None:
+            try:
+                payload = message[-1]
+                if isinstance(payload, bytes) and len(payload) >= OUT_OF_BAND_BYTES:
+                    place = None if self._ring is None else self._ring.put(payload)
+                    if place is not None:
+                        self._conn.send((IN_RING, *message[:-1], *place))
+                    else:  # pickled, a payload would be copied once more each way
+                        self._conn.send((OUT_OF_BAND, *message[:-1]))
+                        self._conn.send_bytes(payload)
+                else:
+                    self._conn.send(message)
+            except (OSError, ValueError):  # the other side is gone
+                if self._on_broken is not None:
+                    self._on_broken()
+                return
+
+
+def read_pipe(
+    conn: Connection,
+    loop: asyncio.AbstractEventLoop,
+    deliver: Callable[[Any], None],
+    ring: LaneRing | None = None,
 ) -> None:
-    """Blocking reads of a pipe in a thread, each message handed to the loop: pipe
-    ends stay blocking (an event loop's reader would make them non-blocking, and a
-    large message then fails half-written)."""
+    """Blocking reads of a pipe in a thread, each message handed to the loop (pipe
+    ends stay blocking: an event loop's reader would make them non-blocking, and a
+    large message then fails half-written). ``deliver(None)`` once the pipe ends."""
 
     def run() -> None:
         while True:
             try:
                 message = conn.recv()
-            except (EOFError, OSError):
-                return
+                if message[0] == OUT_OF_BAND:
+                    message = (*message[1:], conn.recv_bytes())
+                elif message[0] == IN_RING and ring is not None:
+                    message = (*message[1:-3], ring.take(*message[-3:]))
+            except (EOFError, OSError, ValueError):
+                message = None
             try:
                 loop.call_soon_threadsafe(deliver, message)
             except RuntimeError:  # the loop is closed
                 return
+            if message is None:
+                return
 
-    threading.Thread(target=run, name="ciuic-lane-pipe", daemon=True).start()
-
-
-def lane_of(chunk: bytes, lanes: int) -> int:
-    """The lane a chunk travels on: a hash of its bucket and range start."""
-    return zlib.crc32(chunk[88:96] + chunk[104:108]) % lanes
+    threading.Thread(target=run, name="ciuic-lane-reader", daemon=True).start()
 
 
-def _lane_main(
-    conn: Connection,
-    key_pem: bytes,
-    cert_pem: bytes,
-    ca_pem: bytes,
-    settings: dict[str, Any],
-    host: str,
-) -> None:
+# -- the lane process --------------------------------------------------------------------
+
+
+class _Lane:
+    """What runs in one lane process: its transport, the node's commands, and the
+    frames and events it hands up."""
+
+    def __init__(self, node: QuicTransport, out: PipeWriter) -> None:
+        self.node = node
+        self.out = out
+        self.handed_up = 0
+        self.room = asyncio.Event()
+        self.room.set()
+        self.sends: dict[bytes, asyncio.Queue[tuple[FrameType, bytes]]] = {}
+        self.tasks: set[asyncio.Task[None]] = set()
+        self.dropped_types = 0
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def hand_up(self) -> None:
+        while True:
+            await self.room.wait()
+            event = await self.node.next_event()
+            if isinstance(event, FrameReceived):
+                if event.type not in LANE_FRAME_TYPES:
+                    self.dropped_types += 1  # a lane carries chunks, nothing else
+                    continue
+                self.handed_up += len(event.payload)
+                if self.handed_up >= LANE_HANDUP_BYTES:
+                    self.room.clear()
+                self.out.put(("frame", event.peer, int(event.type), event.payload))
+            elif isinstance(event, PeerConnected):
+                self.out.put(("up", event.peer))
+            elif isinstance(event, PeerDisconnected):
+                self.out.put(("down", event.peer, event.reason))
+
+    def consumed(self, nbytes: int) -> None:
+        self.handed_up = max(0, self.handed_up - nbytes)
+        if self.handed_up < LANE_HANDUP_BYTES:
+            self.room.set()
+
+    def send(self, peer: bytes, frame_type: FrameType, payload: bytes) -> None:
+        box = self.sends.get(peer)
+        if box is None:
+            box = self.sends[peer] = asyncio.Queue()
+            self.spawn(self._sender(peer, box))
+        box.put_nowait((frame_type, payload))
+
+    async def _sender(self, peer: bytes, box: asyncio.Queue[tuple[FrameType, bytes]]) -> None:
+        # One task per peer: a peer that grants no credit holds up only its own frames.
+        while True:
+            frame_type, payload = await box.get()
+            error = ""
+            try:
+                await self.node.send(peer, frame_type, payload)
+            except TransportError as exc:
+                error = str(exc)
+            self.out.put(("sent", peer, len(payload), error))
+
+    async def connect(self, request: int, address: Address, expected: bytes) -> None:
+        try:
+            self.out.put(("connected", request, await self.node.connect(address, expected)))
+        except TransportError as exc:
+            self.out.put(("failed", request, str(exc)))
+
+    async def report(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_INTERVAL_S)
+            self.out.put(("stats", self.stats(), self.node.udp_bytes_sent))
+
+    def stats(self) -> dict[bytes, tuple[int, int, float | None, int]]:
+        out = {}
+        for peer in self.node.peers():
+            s = self.node.link_stats(peer)
+            if s is not None:
+                out[peer] = (s.bytes_sent, s.bytes_received, s.receive_rate_bps, s.rate_samples)
+        return out
+
+
+def lane_main(conn: Connection) -> None:
+    """A lane process: its set-up is the first message on ``conn``."""
     from ciuic_p2p.transport.loop import new_event_loop  # noqa: PLC0415
 
+    try:
+        _, key_pem, cert_pem, trust_der, settings, address, rings = conn.recv()
+    except (EOFError, OSError):
+        return
+    # The node's ring to this lane, and this lane's to the node (or none).
+    inbound, outbound = (
+        (None, None)
+        if rings is None
+        else (
+            LaneRing(rings[0], rings[2]),
+            LaneRing(rings[1], rings[2]),
+        )
+    )
+
     async def run() -> None:
+        loop = asyncio.get_running_loop()
+        stopped = asyncio.Event()
+
+        def broken() -> None:
+            loop.call_soon_threadsafe(stopped.set)
+
+        out = PipeWriter(conn, on_broken=broken, ring=outbound)
         key = NodeKey(serialization.load_pem_private_key(key_pem, None))  # type: ignore[arg-type]
         node = QuicTransport(
             key,
             x509.load_pem_x509_certificate(cert_pem),
-            Trust(x509.load_pem_x509_certificate(ca_pem)),
-            host=host,
+            _trust(*trust_der),
+            host=address[0],
+            port=address[1],
             settings=TransportSection(**settings),
         )
-        address = await node.start()
-        conn.send(("ready", address))
-        loop = asyncio.get_running_loop()
-        inbox = ChunkFilter()
-        commands: asyncio.Queue[Any] = asyncio.Queue()
-        _read_in_thread(conn, loop, commands.put_nowait)
+        try:
+            bound = await node.start()
+        except OSError as exc:
+            out.put(("error", f"lane cannot listen on {address[0]}:{address[1]}: {exc}"))
+            out.stop()
+            return
+        out.put(("ready", bound))
+        lane = _Lane(node, out)
+        lane.spawn(lane.hand_up())
+        lane.spawn(lane.report())
 
-        async def forward() -> None:
-            while True:
-                event = await node.next_event()
-                if (
-                    isinstance(event, FrameReceived)
-                    and event.type is FrameType.CHUNK
-                    and inbox.admit(event.payload) is not None
-                ):
-                    conn.send(("chunk", event.peer, event.payload))
+        def command(message: Any) -> None:
+            if message is None or message[0] == "stop":
+                stopped.set()
+            elif message[0] == "send":
+                lane.send(message[1], FrameType(message[2]), message[3])
+            elif message[0] == "consumed":
+                lane.consumed(message[1])
+            elif message[0] == "connect":
+                lane.spawn(lane.connect(message[1], tuple(message[2]), message[3]))
+            elif message[0] == "disconnect":
+                lane.spawn(node.disconnect(message[1], message[2]))
+            elif message[0] == "trust":
+                node.set_trust(_trust(*message[1]))
 
-        forwarder = loop.create_task(forward())
-        while True:
-            command = await commands.get()
-            if command[0] == "connect":
-                try:
-                    conn.send(("connected", await node.connect(command[1])))
-                except TransportError as exc:
-                    conn.send(("error", str(exc)))
-            elif command[0] == "send":
-                try:
-                    await node.send(command[1], FrameType.CHUNK, command[2])
-                except TransportError as exc:
-                    conn.send(("error", str(exc)))
-            elif command[0] == "stop":
-                break
-        forwarder.cancel()
+        read_pipe(conn, loop, lambda message: node.guard.call("command", command, message), inbound)
+        await stopped.wait()
+        for task in list(lane.tasks):
+            task.cancel()
         await node.close()
+        out.stop()
 
     loop = new_event_loop()
     try:
@@ -123,100 +298,235 @@ def _lane_main(
         loop.close()
 
 
+def _rings() -> tuple[tuple[LaneRing, int], tuple[LaneRing, int]] | None:
+    """Two rings (node to lane, lane to node) and their descriptors; None where the
+    platform has no memfd (the pipe carries everything then)."""
+    try:
+        first = LaneRing.create(RING_BYTES)
+    except (OSError, AttributeError):
+        return None
+    try:
+        return first, LaneRing.create(RING_BYTES)
+    except OSError:
+        os.close(first[1])
+        return None
+
+
+def _trust(ca_der: bytes, crl_der: bytes | None) -> Trust:
+    return Trust(
+        x509.load_der_x509_certificate(ca_der),
+        None if crl_der is None else x509.load_der_x509_crl(crl_der),
+    )
+
+
+def _trust_der(trust: Trust) -> tuple[bytes, bytes | None]:
+    crl = None if trust.crl is None else trust.crl.public_bytes(serialization.Encoding.DER)
+    return trust.ca.public_bytes(serialization.Encoding.DER), crl
+
+
+# -- the node's side -----------------------------------------------------------------------
+
+
+class LaneListener(Protocol):
+    """What a pool tells the transport that owns it (transport.laned), on its loop."""
+
+    def lane_frame(self, lane: int, peer: bytes, frame_type: FrameType, payload: bytes) -> None:
+        """A frame a lane received from an authenticated peer."""
+
+    def lane_up(self, lane: int, peer: bytes) -> None: ...
+
+    def lane_down(self, lane: int, peer: bytes, reason: str) -> None: ...
+
+    def lane_sent(self, lane: int, peer: bytes, nbytes: int, error: str) -> None:
+        """A frame handed to the lane left it (``error`` empty) or failed."""
+
+    def lane_ended(self, lane: int) -> None:
+        """The lane's process is gone: its links with it, and its unsent frames."""
+
+
+@dataclass(frozen=True, slots=True)
+class LaneStats:
+    """What a lane reported last (every ``STATS_INTERVAL_S``)."""
+
+    links: dict[bytes, tuple[int, int, float | None, int]]
+    """Peer -> (bytes sent, bytes received, receive rate in bit/s or None, samples)."""
+    udp_bytes_sent: int
+
+
 class LanePool:
-    """K lane processes for one node. Use ``await pool.start()``, then
-    :meth:`connect` to a peer's lane addresses, :meth:`send` chunks and
-    :meth:`next_chunk` to receive; :meth:`close` ends the processes."""
+    """K lane processes of one node. ``await pool.start()``; then :meth:`connect`,
+    :meth:`send`, :meth:`consumed`; what lanes receive and report reaches the
+    ``listener``; :meth:`close` ends the processes."""
 
     def __init__(
         self,
         key: NodeKey,
         certificate: x509.Certificate,
-        ca: x509.Certificate,
+        trust: Trust,
         lanes: int,
+        listener: LaneListener,
+        *,
         settings: TransportSection | None = None,
         host: str = "127.0.0.1",
+        base_port: int = 0,
     ) -> None:
+        """``base_port``: lane i listens on ``base_port + i`` (0: any free port)."""
         if lanes < 1:
             raise ValueError("at least one lane")
         self.lanes = lanes
-        self._args = (
-            key.to_pem(),
-            certificate.public_bytes(serialization.Encoding.PEM),
-            ca.public_bytes(serialization.Encoding.PEM),
-            asdict(settings or TransportSection()),
-            host,
-        )
-        self._procs: list[Any] = []
-        self._conns: list[Connection] = []
-        self._replies: list[asyncio.Queue[Any]] = []
-        self._chunks: asyncio.Queue[tuple[bytes, bytes]] = asyncio.Queue()
+        self.listener = listener
+        self._key_pem = key.to_pem()
+        self._cert_pem = certificate.public_bytes(serialization.Encoding.PEM)
+        self._trust = _trust_der(trust)
+        self._settings = asdict(settings or TransportSection())
+        self._host, self._base_port = host, base_port
+        self._procs: list[subprocess.Popen[bytes]] = []
+        self._writers: list[PipeWriter] = []
+        self._ready: list[asyncio.Future[Any]] = []
+        self._requests: dict[int, tuple[int, asyncio.Future[Any]]] = {}
+        self.ended: set[int] = set()
+        """Lanes whose process ended (the node stops using them)."""
+        self._next_request = 0
+        self._unacked = [0] * lanes
+        self.stats: list[LaneStats] = [LaneStats({}, 0) for _ in range(lanes)]
         self.addresses: list[Address] = []
-
-    async def start(self) -> list[Address]:
-        ctx = mp.get_context("spawn")
-        loop = asyncio.get_running_loop()
-        for _ in range(self.lanes):
-            parent, child = ctx.Pipe()
-            proc = ctx.Process(target=_lane_main, args=(child, *self._args), daemon=True)
-            proc.start()
-            child.close()
-            replies: asyncio.Queue[Any] = asyncio.Queue()
-            _read_in_thread(parent, loop, functools.partial(self._on_message, replies))
-            self._procs.append(proc)
-            self._conns.append(parent)
-            self._replies.append(replies)
-        for replies in self._replies:
-            kind, address = await asyncio.wait_for(replies.get(), 30)
-            if kind != "ready":
-                raise TransportError(f"lane failed to start: {address}")
-            self.addresses.append(tuple(address))
-        return self.addresses
-
-    def _on_message(self, replies: asyncio.Queue[Any], message: Any) -> None:
-        if message[0] == "chunk":
-            self._chunks.put_nowait((message[1], message[2]))
-        else:
-            replies.put_nowait(message)
-
-    async def connect(self, peer_lanes: list[Address]) -> bytes:
-        """Connect lane i to the peer's lane i; return the peer's key."""
-        if len(peer_lanes) != self.lanes:
-            raise TransportError(f"peer has {len(peer_lanes)} lanes, this node {self.lanes}")
-        for conn, address in zip(self._conns, peer_lanes, strict=True):
-            conn.send(("connect", address))
-        peers: set[bytes] = set()
-        for replies in self._replies:
-            kind, value = await asyncio.wait_for(replies.get(), 30)
-            if kind != "connected":
-                raise TransportError(f"lane connect failed: {value}")
-            peers.add(value)
-        if len(peers) != 1:
-            raise TransportError("the peer's lanes belong to different nodes")
-        return peers.pop()
+        self._closed = False
 
     @property
     def pids(self) -> list[int]:
         """The lane processes' PIDs (ours, ended by :meth:`close`)."""
-        return [p.pid for p in self._procs if p.pid is not None]
+        return [p.pid for p in self._procs]
 
-    def send(self, peer: bytes, chunk: bytes) -> None:
-        """Hand a signed chunk to its lane (returns at once; the lane paces it)."""
-        self._conns[lane_of(chunk, self.lanes)].send(("send", peer, chunk))
+    async def start(self) -> list[Address]:
+        """Start the lanes; the address each listens on. Raises TransportError when
+        one cannot start (its port taken, say): the others are ended then."""
+        loop = asyncio.get_running_loop()
+        for lane in range(self.lanes):
+            rings = _rings()
+            ours, theirs = socket.socketpair()
+            for end in (ours, theirs):
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, PIPE_BUFFER_BYTES)
+                end.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, PIPE_BUFFER_BYTES)
+            # A fresh interpreter, not multiprocessing's spawn: that would import the
+            # trainer's own script again in each lane (train.embedded runs in it).
+            fds = () if rings is None else (rings[0][1], rings[1][1])
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "ciuic_p2p.transport.lanes", str(theirs.fileno())],
+                pass_fds=(theirs.fileno(), *fds),
+            )
+            theirs.close()
+            for fd in fds:
+                os.close(fd)  # each end keeps its mapping
+            conn = Connection(ours.detach())
+            port = self._base_port + lane if self._base_port else 0
+            to_lane, from_lane = (None, None) if rings is None else (rings[0][0], rings[1][0])
+            writer = PipeWriter(conn, ring=to_lane)
+            ring_fds = None if rings is None else (*fds, RING_BYTES)
+            address = (self._host, port)
+            init = (self._key_pem, self._cert_pem, self._trust, self._settings, address, ring_fds)
+            writer.put(("init", *init))
+            self._ready.append(loop.create_future())
+            read_pipe(conn, loop, functools.partial(self._on_message, lane), from_lane)
+            self._procs.append(proc)
+            self._writers.append(writer)
+        try:
+            for ready in self._ready:
+                kind, value = await asyncio.wait_for(ready, START_TIMEOUT_S)
+                if kind != "ready":
+                    raise TransportError(str(value))
+                self.addresses.append((str(value[0]), int(value[1])))
+        except (TransportError, TimeoutError) as exc:
+            await self.close()
+            raise TransportError(f"lanes did not start: {exc or 'timeout'}") from None
+        return self.addresses
 
-    async def next_chunk(self) -> tuple[bytes, bytes]:
-        """(origin peer, chunk) of the next verified chunk from any lane."""
-        return await self._chunks.get()
+    def _on_message(self, lane: int, message: Any) -> None:
+        if message is None:  # the lane ended: nothing more comes from it
+            self.ended.add(lane)
+            self._answer(self._ready[lane], ("error", "lane process ended"))
+            for of, future in list(self._requests.values()):
+                if of == lane:
+                    self._answer(future, ("failed", "lane process ended"))
+            self.listener.lane_ended(lane)
+            return
+        kind = message[0]
+        if kind == "frame":
+            self.listener.lane_frame(lane, message[1], FrameType(message[2]), message[3])
+        elif kind == "sent":
+            self.listener.lane_sent(lane, message[1], message[2], message[3])
+        elif kind == "up":
+            self.listener.lane_up(lane, message[1])
+        elif kind == "down":
+            self.listener.lane_down(lane, message[1], message[2])
+        elif kind == "stats":
+            self.stats[lane] = LaneStats(message[1], message[2])
+        elif kind in ("ready", "error"):
+            self._answer(self._ready[lane], (kind, message[1]))
+        elif kind in ("connected", "failed"):
+            pending = self._requests.get(message[1])
+            if pending is not None:
+                self._answer(pending[1], (kind, message[2]))
+
+    @staticmethod
+    def _answer(future: asyncio.Future[Any], value: Any) -> None:
+        if not future.done():
+            future.set_result(value)
+
+    async def connect(self, lane: int, address: Address, expected_peer: bytes) -> None:
+        """Dial ``address`` from ``lane``; raises TransportError unless the node
+        there proves to be ``expected_peer``."""
+        if lane in self.ended or self._closed:
+            raise TransportError(f"lane {lane} has ended")
+        request = self._next_request
+        self._next_request += 1
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._requests[request] = (lane, future)
+        self._writers[lane].put(("connect", request, address, expected_peer))
+        try:
+            kind, value = await future
+        finally:
+            self._requests.pop(request, None)
+        if kind != "connected":
+            raise TransportError(str(value))
+
+    def send(self, lane: int, peer: bytes, frame_type: FrameType, payload: bytes) -> None:
+        """Hand a frame to a lane (returns at once; ``lane_sent`` says when it left)."""
+        self._writers[lane].put(("send", peer, int(frame_type), payload))
+
+    def consumed(self, lane: int, nbytes: int) -> None:
+        """The node consumed ``nbytes`` a lane handed up: told in batches."""
+        self._unacked[lane] += nbytes
+        if self._unacked[lane] >= CONSUMED_ACK_BYTES:
+            self._writers[lane].put(("consumed", self._unacked[lane]))
+            self._unacked[lane] = 0
+
+    def disconnect(self, peer: bytes, reason: str) -> None:
+        for writer in self._writers:
+            writer.put(("disconnect", peer, reason))
+
+    def set_trust(self, trust: Trust) -> None:
+        """Every lane checks its links against ``trust`` and drops those it refuses."""
+        self._trust = _trust_der(trust)
+        for writer in self._writers:
+            writer.put(("trust", self._trust))
 
     async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         loop = asyncio.get_running_loop()
-        for conn in self._conns:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                conn.send(("stop",))
+        for writer in self._writers:
+            writer.put(("stop",))
+            writer.stop()
         for proc in self._procs:
-            await loop.run_in_executor(None, proc.join, 5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(5)
-        for conn in self._conns:
-            conn.close()
+            try:
+                await loop.run_in_executor(None, proc.wait, 5)
+            except subprocess.TimeoutExpired:
+                proc.kill()  # ours, by its PID
+                await loop.run_in_executor(None, proc.wait)
+        for _, future in self._requests.values():
+            self._answer(future, ("failed", "lanes closed"))
+
+
+if __name__ == "__main__":
+    lane_main(Connection(int(sys.argv[1])))

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from ciuic_p2p.core.bytequeue import ByteQueue
 from ciuic_p2p.core.codec.chunk import MAX_CHUNK_BYTES
+from ciuic_p2p.core.link.lanes import MAX_LANES_PAYLOAD
 from ciuic_p2p.core.mesh.messages import MAX_CHUNK_MESSAGE_BYTES
 from ciuic_p2p.core.store.messages import MAX_CONTROL_BYTES, MAX_DATA_BYTES
 from ciuic_p2p.errors import CiuicError
@@ -68,6 +69,9 @@ class FrameType(enum.IntEnum):
     RATE_PROBE = 13
     """Filler the receiver measures its link's rate from and drops: sent, bounded, to a
     peer that has not measured the link yet (daemon.node); bulk."""
+    LANES = 14
+    """The UDP ports of this node's lane processes (core.link.lanes); control, once per
+    link."""
 
 
 MAX_PAYLOAD = {
@@ -84,6 +88,7 @@ MAX_PAYLOAD = {
     FrameType.STORE_CONTROL: MAX_CONTROL_BYTES,
     FrameType.STORE_DATA: MAX_DATA_BYTES,
     FrameType.RATE_PROBE: MAX_RATE_PROBE_BYTES,
+    FrameType.LANES: MAX_LANES_PAYLOAD,
 }
 BULK_TYPES = frozenset(
     {

@@ -1,0 +1,63 @@
+"""Two ``ciuic-node run`` daemons with ``transport.lanes = 3``, as a user runs them."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+
+from ciuic_p2p.daemon.control import request
+from ciuic_p2p.lab.cluster import LocalCluster
+
+pytestmark = pytest.mark.processes
+
+CONFIG = """preset = "local"
+
+[transport]
+lanes = 3
+
+[log]
+level = "warning"
+"""
+
+
+def running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.timeout(180)
+def test_daemons_carry_chunks_over_their_lanes_and_leave_none_behind(tmp_path: Path) -> None:
+    with LocalCluster(None, ["n0", "n1"], tmp_path / "c", CONFIG) as cluster:
+        cluster.start()
+        deadline = time.monotonic() + 60
+
+        def status(name: str) -> dict:  # type: ignore[type-arg]
+            answer = request(cluster.control(name), {"cmd": "status"}, timeout_s=10)
+            assert answer.get("ok"), answer
+            return answer
+
+        while not all(status(n)["lanes"]["paired"] for n in ("n0", "n1")):
+            assert time.monotonic() < deadline, "lanes never paired"
+            time.sleep(0.05)
+        for _ in range(12):
+            answer = request(cluster.control("n0"), {"cmd": "broadcast", "size": 1 << 20})
+            assert answer.get("ok"), answer
+        while status("n1")["counters"].get("chunks_delivered", 0) < 12:
+            assert time.monotonic() < deadline, "chunks not delivered"
+            time.sleep(0.05)
+        lanes = status("n1")["lanes"]
+        assert lanes["lanes"] == 3 and len(lanes["pids"]) == 2
+        # The chunks came over the lane processes and the link, each verified once.
+        assert all(lanes["frames_by_lane"])
+        assert sum(lanes["frames_by_lane"]) + lanes["counters"]["link_frames_received"] >= 12
+        pids = lanes["pids"] + status("n0")["lanes"]["pids"]
+        cluster.stop()
+    deadline = time.monotonic() + 30
+    while any(map(running, pids)):
+        assert time.monotonic() < deadline, "a lane outlived its daemon"
+        time.sleep(0.05)
