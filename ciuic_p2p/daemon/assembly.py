@@ -87,7 +87,8 @@ def quic_transport(
     lanes = config.transport.lanes
     if lanes < 2 or wrap_udp is not None:
         return main
-    return LanedTransport(main, key, certificate, lanes, base_port=config.transport.lane_base_port)
+    base_port = config.transport.lane_base_port
+    return LanedTransport(main, key, certificate, lanes, base_port=base_port, log=config.log)
 
 
 def bare_daemon(

@@ -34,7 +34,8 @@ from typing import Any
 
 from cryptography import x509
 
-from ciuic_p2p.core.link.frames import FrameType
+from ciuic_p2p.config import LogSection
+from ciuic_p2p.core.link.frames import FrameType, frame_header
 from ciuic_p2p.core.link.keys import peer_id_of
 from ciuic_p2p.core.link.lanes import (
     LanesError,
@@ -64,6 +65,10 @@ from ciuic_p2p.transport.quic import QuicTransport
 
 LANE_SEND_BYTES = 8 * 1024 * 1024
 """Bytes handed to one lane for one peer and not yet sent, at most."""
+LANES_INTERVAL_S = 10.0
+"""A peer's LANES frame is acted on at most once per this time (per link, too)."""
+MAX_HEARD = 1024
+"""Peers whose last LANES time is kept (past 4 x this, the oldest go)."""
 MAX_LANE_REDIALS = 5
 """Dials of one lane to one peer after its lane link dropped, while the node's link
 lives (``reconnect_base_s`` doubling between them)."""
@@ -81,6 +86,7 @@ class LanedTransport(Transport):
         lanes: int,
         *,
         base_port: int = 0,
+        log: LogSection | None = None,
     ) -> None:
         """``main``: the node's own transport, not started; ``lanes``: paths for
         chunks, the link included (2 or more); ``base_port``: lane process i listens
@@ -99,6 +105,7 @@ class LanedTransport(Transport):
             settings=main.settings,
             host=main.host,
             base_port=base_port,
+            log=log,
         )
         self.lane_ports: tuple[int, ...] = ()
         self._up: dict[bytes, set[int]] = collections.defaultdict(set)
@@ -111,6 +118,12 @@ class LanedTransport(Transport):
         self._ports_of: dict[bytes, tuple[int, ...]] = {}
         """Peers whose lanes this node dials, and their ports."""
         self._redials: collections.Counter[tuple[int, bytes]] = collections.Counter()
+        self._dials: dict[bytes, set[asyncio.Task[Any]]] = {}
+        """Each peer's lane dials in flight: they go with its link."""
+        self._heard_at: dict[bytes, float] = {}
+        """When each peer's last LANES frame was acted on (the node's clock)."""
+        self._lane_first = False
+        """Which source ``next_event`` looks at first when both have something."""
         self._frames: asyncio.Queue[tuple[int, FrameReceived]] = asyncio.Queue()
         self._next_main: asyncio.Future[TransportEvent] | None = None
         self._next_lane: asyncio.Future[tuple[int, FrameReceived]] | None = None
@@ -181,6 +194,7 @@ class LanedTransport(Transport):
         if lane is None:
             await self.main.send(peer, frame_type, payload)
             return
+        frame_header(frame_type, len(payload))  # over its limit: FramingError, as on the link
         self._queued[lane][peer] += len(payload)
         self.counters["lane_frames_sent"] += 1
         self.pool.send(lane, peer, frame_type, payload)
@@ -218,7 +232,10 @@ class LanedTransport(Transport):
             await asyncio.wait(
                 (self._next_main, self._next_lane), return_when=asyncio.FIRST_COMPLETED
             )
-            if self._next_lane.done():
+            # Both ready: take them in turn, so that a busy lane never holds back the
+            # link's membership and control traffic (nor the other way round).
+            self._lane_first = not self._lane_first
+            if self._next_lane.done() and (self._lane_first or not self._next_main.done()):
                 lane, frame = self._next_lane.result()
                 self._next_lane = None
                 self.pool.consumed(lane, len(frame.payload))
@@ -236,12 +253,15 @@ class LanedTransport(Transport):
         if isinstance(event, PeerConnected):
             self._host_of[event.peer] = event.address[0]
             self._announced.discard(event.peer)
-            self._spawn(self.main.send(event.peer, FrameType.LANES, self._announcement()))
+            if not self.pool.ended:  # a node with a lane gone pairs no new lanes
+                self._spawn(self.main.send(event.peer, FrameType.LANES, self._announcement()))
         elif isinstance(event, PeerDisconnected):
             self._host_of.pop(event.peer, None)
             self._ports_of.pop(event.peer, None)
             for key in [k for k in self._redials if k[1] == event.peer]:
                 del self._redials[key]
+            for task in self._dials.pop(event.peer, set()):
+                task.cancel()
             self._announced.discard(event.peer)
             self._up.pop(event.peer, None)
             self.pool.disconnect(event.peer, f"link closed: {event.reason}")
@@ -256,10 +276,17 @@ class LanedTransport(Transport):
         return encode_lane_ports(self.lane_ports)
 
     def _heard_lanes(self, peer: bytes, payload: bytes) -> None:
-        if peer in self._announced:  # once per link: no member makes us dial again
+        now = self.main.clock()
+        if peer in self._announced or now - self._heard_at.get(peer, -1e18) < LANES_INTERVAL_S:
+            # Once per link, and once per LANES_INTERVAL_S however often a member
+            # re-links: no member makes this node dial its ports again and again.
             self.counters["lanes_repeated"] += 1
             return
         self._announced.add(peer)
+        self._heard_at[peer] = now
+        if len(self._heard_at) > 4 * MAX_HEARD:
+            for old in sorted(self._heard_at, key=self._heard_at.__getitem__)[:MAX_HEARD]:
+                del self._heard_at[old]
         try:
             ports = decode_lane_ports(payload)
         except LanesError as exc:
@@ -267,13 +294,13 @@ class LanedTransport(Transport):
             log.warning("lanes_refused", peer=peer_id_of(peer), reason=str(exc))
             return
         host = self._host_of.get(peer)
-        if len(ports) != self.pool.lanes or host is None:
+        if len(ports) != self.pool.lanes or host is None or self.pool.ended:
             log.info("lanes_unpaired", peer=peer_id_of(peer), theirs=len(ports), ours=self.lanes)
             return
         if dials_lanes(self.local_key, peer):
             self._ports_of[peer] = ports
             for lane, port in enumerate(ports):
-                self._spawn(self._dial(lane, (host, port), peer))
+                self._dial_later(lane, (host, port), peer)
 
     async def _dial(self, lane: int, address: Address, peer: bytes, delay_s: float = 0.0) -> None:
         await asyncio.sleep(delay_s)
@@ -288,6 +315,10 @@ class LanedTransport(Transport):
     # -- what the lanes tell (lanes.LaneListener) -----------------------------------------
 
     def lane_frame(self, lane: int, peer: bytes, frame_type: FrameType, payload: bytes) -> None:
+        if peer not in self.main.peers():  # never queued: no link, no say here
+            self.counters["frames_unlinked"] += 1
+            self.pool.consumed(lane, len(payload))
+            return
         self.frames_by_lane[lane] += 1
         self._frames.put_nowait((lane, FrameReceived(peer, frame_type, payload)))
 
@@ -308,7 +339,13 @@ class LanedTransport(Transport):
             return  # the link is gone (a new one pairs again), or the lane gave up
         self._redials[(lane, peer)] += 1
         delay_s = self.main.settings.reconnect_base_s * 2**attempt
-        self._spawn(self._dial(lane, (host, ports[lane]), peer, delay_s))
+        self._dial_later(lane, (host, ports[lane]), peer, delay_s)
+
+    def _dial_later(self, lane: int, address: Address, peer: bytes, delay_s: float = 0.0) -> None:
+        task = asyncio.get_running_loop().create_task(self._dial(lane, address, peer, delay_s))
+        dials = self._dials.setdefault(peer, set())
+        dials.add(task)
+        task.add_done_callback(dials.discard)
 
     def lane_sent(self, lane: int, peer: bytes, nbytes: int, error: str) -> None:
         queued = self._queued[lane]
@@ -371,7 +408,10 @@ class LanedTransport(Transport):
         return self.main.set_trust(trust)
 
     def unacked_bytes(self) -> int:
-        return self.main.unacked_bytes()
+        """The link's, plus what the lanes were handed and have not sent, or sent and
+        not had acknowledged (as of their last report): a leave waits for it all."""
+        handed = sum(sum(q.values()) for q in self._queued)
+        return self.main.unacked_bytes() + handed + sum(s.unacked_bytes for s in self.pool.stats)
 
     def strangers(self) -> StrangerStats:
         return self.main.strangers()

@@ -28,6 +28,7 @@ import asyncio
 import functools
 import os
 import queue
+import signal
 import socket
 import subprocess
 import sys
@@ -41,10 +42,10 @@ from cryptography import x509
 from cryptography.hazmat.primitives import serialization
 
 from ciuic_p2p.admission import Trust
-from ciuic_p2p.config import TransportSection
+from ciuic_p2p.config import LogSection, TransportSection
 from ciuic_p2p.core.link.frames import FrameType
 from ciuic_p2p.identity import NodeKey
-from ciuic_p2p.logsetup import get_logger
+from ciuic_p2p.logsetup import configure_logging, get_logger
 from ciuic_p2p.transport.base import Address, FrameReceived, PeerConnected, PeerDisconnected
 from ciuic_p2p.transport.errors import TransportError
 from ciuic_p2p.transport.lanering import LaneRing
@@ -56,6 +57,8 @@ among themselves (each is signed and placed by its own header). Membership, prob
 direct and store traffic stay on the node's own link."""
 LANE_HANDUP_BYTES = 16 * 1024 * 1024
 """Received bytes a lane hands the node and the node has not consumed, at most."""
+HANDUP_FRAME_COST = 256
+"""Bytes a handed-up frame counts for beyond its payload: empty frames are not free."""
 CONSUMED_ACK_BYTES = 256 * 1024
 """The node tells a lane what it consumed once this much has gathered."""
 OUT_OF_BAND_BYTES = 64 * 1024
@@ -67,6 +70,8 @@ RING_BYTES = 16 * 1024 * 1024
 PIPE_BUFFER_BYTES = 1 << 20
 """Socket buffers of a lane's pipe: a 1 MiB frame in few system calls."""
 STATS_INTERVAL_S = 1.0
+STOP_DRAIN_S = 2.0
+"""How long a stopping lane goes on sending what it was handed, at most."""
 START_TIMEOUT_S = 60.0
 log = get_logger("ciuic.lanes")
 
@@ -85,12 +90,16 @@ class PipeWriter:
         self._ring = ring
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._on_broken = on_broken
+        self.broken = False
+        """The other side is gone: what is put is dropped."""
         threading.Thread(target=self._run, name="ciuic-lane-writer", daemon=True).start()
 
     def put(self, message: Any) -> None:
-        self._queue.put(message)
+        if not self.broken:
+            self._queue.put(message)
 
     def stop(self) -> None:
+        self.broken = True
         self._queue.put(None)
 
     def _run(self) -> None:
@@ -107,6 +116,9 @@ class PipeWriter:
                 else:
                     self._conn.send(message)
             except (OSError, ValueError):  # the other side is gone
+                self.broken = True
+                while not self._queue.empty():  # what waited goes with it
+                    self._queue.get_nowait()
                 if self._on_broken is not None:
                     self._on_broken()
                 return
@@ -155,14 +167,15 @@ class _Lane:
         self.handed_up = 0
         self.room = asyncio.Event()
         self.room.set()
-        self.sends: dict[bytes, asyncio.Queue[tuple[FrameType, bytes]]] = {}
+        self.sends: dict[bytes, tuple[asyncio.Queue[tuple[FrameType, bytes]], asyncio.Task[None]]]
+        self.sends = {}
         self.tasks: set[asyncio.Task[None]] = set()
-        self.dropped_types = 0
 
-    def spawn(self, coro: Any) -> None:
+    def spawn(self, coro: Any) -> asyncio.Task[None]:
         task = asyncio.get_running_loop().create_task(coro)
         self.tasks.add(task)
         task.add_done_callback(self.tasks.discard)
+        return task
 
     async def hand_up(self) -> None:
         while True:
@@ -170,15 +183,18 @@ class _Lane:
             event = await self.node.next_event()
             if isinstance(event, FrameReceived):
                 if event.type not in LANE_FRAME_TYPES:
-                    self.dropped_types += 1  # a lane carries chunks, nothing else
+                    # A lane carries chunks and nothing else: a peer that sends
+                    # anything else on it loses its lane link (its node link stays).
+                    self.spawn(self.node.disconnect(event.peer, "not a chunk on a lane"))
                     continue
-                self.handed_up += len(event.payload)
+                self.handed_up += len(event.payload) + HANDUP_FRAME_COST
                 if self.handed_up >= LANE_HANDUP_BYTES:
                     self.room.clear()
                 self.out.put(("frame", event.peer, int(event.type), event.payload))
             elif isinstance(event, PeerConnected):
                 self.out.put(("up", event.peer))
             elif isinstance(event, PeerDisconnected):
+                self.drop_sends(event.peer, f"lane link gone: {event.reason}")
                 self.out.put(("down", event.peer, event.reason))
 
     def consumed(self, nbytes: int) -> None:
@@ -187,11 +203,28 @@ class _Lane:
             self.room.set()
 
     def send(self, peer: bytes, frame_type: FrameType, payload: bytes) -> None:
-        box = self.sends.get(peer)
-        if box is None:
-            box = self.sends[peer] = asyncio.Queue()
-            self.spawn(self._sender(peer, box))
-        box.put_nowait((frame_type, payload))
+        entry = self.sends.get(peer)
+        if entry is None:
+            box: asyncio.Queue[tuple[FrameType, bytes]] = asyncio.Queue()
+            entry = self.sends[peer] = (box, self.spawn(self._sender(peer, box)))
+        entry[0].put_nowait((frame_type, payload))
+
+    def drop_sends(self, peer: bytes, reason: str) -> None:
+        """The peer's link is gone: its queue and task go, each frame said failed."""
+        entry = self.sends.pop(peer, None)
+        if entry is None:
+            return
+        box, task = entry
+        task.cancel()
+        while not box.empty():
+            _, payload = box.get_nowait()
+            self.out.put(("sent", peer, len(payload), reason))
+
+    def pending(self) -> bool:
+        """Frames handed here and not yet taken by QUIC, or sent and not acknowledged."""
+        return any(not box.empty() for box, _ in self.sends.values()) or bool(
+            self.node.unacked_bytes()
+        )
 
     async def _sender(self, peer: bytes, box: asyncio.Queue[tuple[FrameType, bytes]]) -> None:
         # One task per peer: a peer that grants no credit holds up only its own frames.
@@ -200,8 +233,8 @@ class _Lane:
             error = ""
             try:
                 await self.node.send(peer, frame_type, payload)
-            except TransportError as exc:
-                error = str(exc)
+            except Exception as exc:  # said to the node, whatever it was
+                error = str(exc) or type(exc).__name__
             self.out.put(("sent", peer, len(payload), error))
 
     async def connect(self, request: int, address: Address, expected: bytes) -> None:
@@ -213,7 +246,8 @@ class _Lane:
     async def report(self) -> None:
         while True:
             await asyncio.sleep(STATS_INTERVAL_S)
-            self.out.put(("stats", self.stats(), self.node.udp_bytes_sent))
+            unacked = self.node.unacked_bytes()
+            self.out.put(("stats", self.stats(), self.node.udp_bytes_sent, unacked))
 
     def stats(self) -> dict[bytes, tuple[int, int, float | None, int]]:
         out = {}
@@ -228,10 +262,15 @@ def lane_main(conn: Connection) -> None:
     """A lane process: its set-up is the first message on ``conn``."""
     from ciuic_p2p.transport.loop import new_event_loop  # noqa: PLC0415
 
+    # The node stops its lanes (or its pipe's end does): a Ctrl+C or a hang-up meant
+    # for the node must not end them first.
+    for signum in (signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
     try:
-        _, key_pem, cert_pem, trust_der, settings, address, rings = conn.recv()
-    except (EOFError, OSError):
+        _, key_pem, cert_pem, trust_der, settings, address, rings, log = conn.recv()
+    except (EOFError, OSError, ValueError):
         return
+    configure_logging(LogSection(**log))
     # The node's ring to this lane, and this lane's to the node (or none).
     inbound, outbound = (
         (None, None)
@@ -286,6 +325,9 @@ def lane_main(conn: Connection) -> None:
 
         read_pipe(conn, loop, lambda message: node.guard.call("command", command, message), inbound)
         await stopped.wait()
+        end = loop.time() + STOP_DRAIN_S
+        while lane.pending() and loop.time() < end and not out.broken:
+            await asyncio.sleep(0.01)  # what the node handed over still leaves
         for task in list(lane.tasks):
             task.cancel()
         await node.close()
@@ -351,6 +393,8 @@ class LaneStats:
     links: dict[bytes, tuple[int, int, float | None, int]]
     """Peer -> (bytes sent, bytes received, receive rate in bit/s or None, samples)."""
     udp_bytes_sent: int
+    unacked_bytes: int = 0
+    """Sent on the lane's links and not acknowledged yet."""
 
 
 class LanePool:
@@ -369,8 +413,10 @@ class LanePool:
         settings: TransportSection | None = None,
         host: str = "127.0.0.1",
         base_port: int = 0,
+        log: LogSection | None = None,
     ) -> None:
-        """``base_port``: lane i listens on ``base_port + i`` (0: any free port)."""
+        """``base_port``: lane i listens on ``base_port + i`` (0: any free port);
+        ``log``: how the lanes log (the node's section: JSON, rate-limited)."""
         if lanes < 1:
             raise ValueError("at least one lane")
         self.lanes = lanes
@@ -380,6 +426,7 @@ class LanePool:
         self._trust = _trust_der(trust)
         self._settings = asdict(settings or TransportSection())
         self._host, self._base_port = host, base_port
+        self._log = asdict(log or LogSection())
         self._procs: list[subprocess.Popen[bytes]] = []
         self._writers: list[PipeWriter] = []
         self._ready: list[asyncio.Future[Any]] = []
@@ -423,7 +470,15 @@ class LanePool:
             writer = PipeWriter(conn, ring=to_lane)
             ring_fds = None if rings is None else (*fds, RING_BYTES)
             address = (self._host, port)
-            init = (self._key_pem, self._cert_pem, self._trust, self._settings, address, ring_fds)
+            init = (
+                self._key_pem,
+                self._cert_pem,
+                self._trust,
+                self._settings,
+                address,
+                ring_fds,
+                self._log,
+            )
             writer.put(("init", *init))
             self._ready.append(loop.create_future())
             read_pipe(conn, loop, functools.partial(self._on_message, lane), from_lane)
@@ -443,6 +498,8 @@ class LanePool:
     def _on_message(self, lane: int, message: Any) -> None:
         if message is None:  # the lane ended: nothing more comes from it
             self.ended.add(lane)
+            self._writers[lane].stop()  # nothing more goes to it either
+            self._procs[lane].poll()  # reaped
             self._answer(self._ready[lane], ("error", "lane process ended"))
             for of, future in list(self._requests.values()):
                 if of == lane:
@@ -459,7 +516,7 @@ class LanePool:
         elif kind == "down":
             self.listener.lane_down(lane, message[1], message[2])
         elif kind == "stats":
-            self.stats[lane] = LaneStats(message[1], message[2])
+            self.stats[lane] = LaneStats(message[1], message[2], message[3])
         elif kind in ("ready", "error"):
             self._answer(self._ready[lane], (kind, message[1]))
         elif kind in ("connected", "failed"):
@@ -493,9 +550,9 @@ class LanePool:
         """Hand a frame to a lane (returns at once; ``lane_sent`` says when it left)."""
         self._writers[lane].put(("send", peer, int(frame_type), payload))
 
-    def consumed(self, lane: int, nbytes: int) -> None:
-        """The node consumed ``nbytes`` a lane handed up: told in batches."""
-        self._unacked[lane] += nbytes
+    def consumed(self, lane: int, payload_len: int) -> None:
+        """The node consumed a frame a lane handed up: told in batches."""
+        self._unacked[lane] += payload_len + HANDUP_FRAME_COST
         if self._unacked[lane] >= CONSUMED_ACK_BYTES:
             self._writers[lane].put(("consumed", self._unacked[lane]))
             self._unacked[lane] = 0

@@ -42,6 +42,9 @@ class QuicLink(SessionLink):
         self.timer: asyncio.TimerHandle | None = None
         self.timer_at: float | None = None
         self.transmit_pending = False
+        self.expected_peer: bytes | None = None
+        """The key a dial expects: a link that proves another is refused before it can
+        take the place of that key's existing link."""
 
     @property
     def bulk_out(self) -> int:

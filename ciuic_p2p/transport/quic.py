@@ -245,10 +245,20 @@ class QuicTransport(Transport):
     async def connect(self, address: Address, expected_peer: bytes | None = None) -> bytes:
         if self._udp is None:
             raise TransportError("transport not started")
+        if expected_peer is not None:
+            for key, other in self._book.links.items():
+                if other.address == address and key != expected_peer and not other.closed:
+                    # The peer at the far end would take this dial for a second link
+                    # from us and drop the one it has: a member naming another's
+                    # address as its own must not cut this node off from that one.
+                    raise TransportError(
+                        f"{address[0]}:{address[1]} is {peer_id_of(key)}'s, not the peer expected"
+                    )
         quic = self.backend.connection(self._configuration(is_client=True))
         link = QuicLink(quic, self._session(dialed=True), address, True, self.backend)
         if expected_peer:
             link.session.claimed = peer_id_of(expected_peer)
+            link.expected_peer = expected_peer
         self._register(link, quic.host_cid)
         quic.connect(address, now=self.clock())
         self._transmit(link)
@@ -542,6 +552,11 @@ class QuicTransport(Transport):
 
     def _authenticated(self, link: QuicLink) -> None:
         assert link.peer is not None
+        if link.expected_peer is not None and link.peer != link.expected_peer:
+            # Refused before admission: admitted, it would replace the link this node
+            # has to the key it proved (a member naming another's port as its own).
+            self._close_link(link, "unexpected peer")
+            return
         self._settle(link)
         if self.on_admission is not None:
             self.on_admission(link.peer, link.address, "")

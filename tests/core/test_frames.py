@@ -6,6 +6,7 @@ import pytest
 
 from ciuic_p2p.core.codec.chunk import MAX_CHUNK_BYTES
 from ciuic_p2p.core.link.frames import (
+    CONTROL_FRAME_COST,
     CreditReceiver,
     CreditSender,
     FlowControlError,
@@ -94,3 +95,13 @@ def test_receive_quota_bounds_unread_control_bytes_and_frees_them_when_read() ->
     quota.received(FrameType.GOSSIP, 600)  # room again once the application read
     quota.received(FrameType.CHUNK, 1000)  # bulk bytes count against credit instead
     assert quota.credit.unconsumed == bulk_cost(FrameType.CHUNK, 1000)
+
+
+def test_a_flood_of_empty_control_frames_meets_the_quota_too() -> None:
+    quota = ReceiveQuota(2 * MAX_CHUNK_BYTES, control_quota=CONTROL_FRAME_COST * 100)
+    for _ in range(100):
+        quota.received(FrameType.GOSSIP, 0)
+    with pytest.raises(FlowControlError, match="quota"):
+        quota.received(FrameType.GOSSIP, 0)
+    quota.consumed(FrameType.GOSSIP, 0)
+    quota.received(FrameType.GOSSIP, 0)

@@ -254,3 +254,73 @@ def running(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
     except FileNotFoundError:
         return False
+
+
+@pytest.mark.timeout(120)
+async def test_a_busy_lane_never_holds_back_the_links_events(make_laned: LaneFactory) -> None:
+    a, b = await make_laned(), await make_laned()
+    await paired(a, b, lanes=[0])
+    reader = a.main._book.events  # what a's link has for a, not yet read
+    inboxes = [task for task in asyncio.all_tasks() if "Inbox._read" in repr(task.get_coro())]
+    for task in inboxes:  # a and b stop reading: the queues fill as a daemon's would
+        task.cancel()
+    await b.main.send(a.local_key, FrameType.GOSSIP, b"membership")
+    pending = a._next_main  # a's read of its link already under way, or not
+
+    def arrived() -> bool:
+        return reader.qsize() > 0 or (pending is not None and pending.done())
+
+    await until(arrived, "the gossip at a's link")
+    for i in range(1000):  # a lane far busier than the link
+        a.lane_frame(0, b.local_key, FrameType.MESH_CHUNK, i.to_bytes(4, "little"))
+    first = []
+    for _ in range(4):
+        event = await asyncio.wait_for(a.next_event(), 10)
+        if isinstance(event, FrameReceived):
+            first.append(event.type)
+    assert FrameType.GOSSIP in first
+
+
+@pytest.mark.timeout(120)
+async def test_frames_from_a_peer_with_no_link_are_never_queued(make_laned: LaneFactory) -> None:
+    a = await make_laned()
+    for _ in range(10_000):  # an admitted member linked to a lane only
+        a.lane_frame(0, b"\x07" * 32, FrameType.MESH_CHUNK, b"")
+    assert a._frames.qsize() == 0
+    assert a.counters["frames_unlinked"] == 10_000
+
+
+@pytest.mark.timeout(120)
+async def test_a_dead_lane_is_reaped_and_the_link_carries_on(make_laned: LaneFactory) -> None:
+    a, b = await make_laned(), await make_laned()
+    inbox_a, inbox_b = await paired(a, b, lanes=[0])
+    pid = a.pool.pids[0]
+    os.kill(pid, signal.SIGINT)  # a Ctrl+C meant for the node: the lane stays
+    await b.send(a.local_key, FrameType.MESH_CHUNK, b"x" * 70_000)
+    assert len(await inbox_a.take(1)) == 1
+    assert a.pool.ended == set() and running(pid)
+    os.kill(pid, signal.SIGKILL)  # ours
+    await until(lambda: a.pool.ended == {0}, "the lane's end seen")
+    await until(lambda: not running(pid), "the lane reaped")
+    assert a.lanes_status()["paired"] == {}  # type: ignore[index]
+    for i in range(5):  # everything goes over the link now
+        await a.send(b.local_key, FrameType.MESH_CHUNK, bytes([i]) * 70_000)
+    assert [f.payload[0] for f in await inbox_b.take(5)] == list(range(5))
+    assert a.counters["lane_frames_sent"] == 0
+
+
+@pytest.mark.timeout(60)
+async def test_a_dial_that_meets_another_key_leaves_that_keys_link_alone(
+    make_node: Callable[..., Awaitable[QuicTransport]],
+) -> None:
+    """A member that names another member's port as its own: the dial expecting the
+    member reaches the other, is refused, and the link to the other stays."""
+    settings = dataclasses.replace(FAST, auth_timeout_s=0.05)
+    a, n, m = await make_node(settings=settings), await make_node(), await make_node()
+    assert await a.connect(n.address) == n.local_key
+    link = a.connection(n.local_key)
+    assert link is not None
+    await until(lambda: a.clock() - link.established_at > 0.1, "the link older than auth")
+    with pytest.raises(TransportError):
+        await a.connect(n.address, expected_peer=m.local_key)
+    assert a.connection(n.local_key) is link and not link.closed

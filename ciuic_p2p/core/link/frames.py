@@ -36,6 +36,9 @@ class FlowControlError(FramingError):
     """A peer sent more bulk bytes than the credit it was granted."""
 
 
+CONTROL_FRAME_COST = 64
+"""What an unread control frame counts for against the quota beyond its payload (the
+frame held in memory): a flood of empty frames is bounded too."""
 MAX_RATE_PROBE_BYTES = 256 * 1024
 """One RATE_PROBE frame's payload at most."""
 
@@ -261,14 +264,15 @@ class ReceiveQuota:
         if cost:
             self.credit.received(cost)
             return
-        if self.control_unconsumed + payload_len > self.control_quota:
+        cost = payload_len + CONTROL_FRAME_COST
+        if self.control_unconsumed + cost > self.control_quota:
             raise FlowControlError("control frames beyond the quota, unread")
-        self.control_unconsumed += payload_len
+        self.control_unconsumed += cost
 
     def consumed(self, frame_type: FrameType, payload_len: int) -> int:
         """The application read a frame; return the credit to grant now (or 0)."""
         cost = bulk_cost(frame_type, payload_len)
         if cost:
             return self.credit.consumed(cost)
-        self.control_unconsumed -= payload_len
+        self.control_unconsumed -= payload_len + CONTROL_FRAME_COST
         return 0
