@@ -665,7 +665,7 @@ def test_an_origin_keeps_its_chunks_past_a_slow_round() -> None:
     d.handle_timer(200.0)  # evicts what is past its time
     d.handle(Message("me", Want("origin", (first, second))), now=200.0)
     assert _answers(d) == []
-    assert d.store_bytes == 0
+    assert d.chunks.held_bytes == 0
 
 
 def test_asking_for_a_chunk_keeps_it_no_longer() -> None:
@@ -695,8 +695,8 @@ def test_a_busy_publisher_still_holds_others_chunks() -> None:
     for i in range(20):
         d.publish(bytes(4000), now=1.0 + i)
     assert d.kept("origin", 1) is not None
-    assert d.store_bytes <= 40_000
-    own = sum(len(v[0]) for v in d.own.values())
+    assert d.chunks.held_bytes <= 40_000
+    own = sum(len(v[0]) for v in d.chunks.own.values())
     assert 16_000 <= own <= 20_000
 
 
@@ -706,6 +706,6 @@ def test_held_bytes_are_bounded_and_an_origins_own_chunks_go_last() -> None:
     own = d.publish(bytes(4000), now=0.0)
     for seq in range(1, 4):
         d.handle(Message("parent", chunk("origin", seq, bytes(4000), hops=1)), now=float(seq))
-    assert d.store_bytes <= 10_000
+    assert d.chunks.held_bytes <= 10_000
     assert d.kept("me", own) is not None
     assert d.kept("origin", 3) is not None and d.kept("origin", 1) is None

@@ -78,6 +78,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ciuic_p2p.config.sections import MeshSection
+from ciuic_p2p.core.mesh.chunkstore import ChunkStore, Kept
 from ciuic_p2p.core.mesh.identities import Identities
 from ciuic_p2p.core.mesh.lag import LagEstimator
 from ciuic_p2p.core.mesh.messages import (
@@ -124,8 +125,6 @@ MAX_HOLDER_LAGS = 1024
 MAX_REPAIRED_TRACKED = 4096
 """Repaired chunks whose tree copy, when it comes as a duplicate, is still measured (the
 oldest forgotten first)."""
-Kept = tuple[bytes, bytes, float, int]
-"""A held chunk: (payload, its origin's signature, when kept, route)."""
 MAX_SESSION = (1 << 24) - 1
 """Sessions past this share it (a node restarted 16 million times): a restart then
 goes unnoticed until its count passes the previous life's, as before sessions."""
@@ -286,15 +285,8 @@ class Disseminator:
         self.logs: dict[str, _OriginLog] = {}
         self._base = min(max(0, session), MAX_SESSION) << SESSION_SHIFT
         self.next_seq = self._base + 1
-        self.store: OrderedDict[tuple[str, int], Kept] = OrderedDict()
-        """Others' chunks: (origin, seq) -> (payload, its origin's signature, when kept,
-        its route), the oldest first."""
-        self.own: OrderedDict[tuple[str, int], Kept] = OrderedDict()
-        """This node's chunks, kept for ``own_chunk_retain_s`` (as ``store``)."""
-        self.store_bytes = 0
-        """Bytes of payload in ``store`` and ``own``."""
-        self._others_bytes = 0
-        """Bytes of payload in ``store``."""
+        self.chunks = ChunkStore(node, settings)
+        """What this node holds for repair, and for how long (core.mesh.chunkstore)."""
         self.deliveries: list[Delivery] = []
         self.duplicates = 0
         self.repaired = 0
@@ -479,48 +471,13 @@ class Disseminator:
 
     def kept(self, origin: str, seq: int) -> Kept | None:
         """The chunk (origin, seq) as held here, if it still is."""
-        store = self.own if origin == self.node else self.store
-        return store.get((origin, seq))
+        return self.chunks.kept(origin, seq)
 
     def _keep(
         self, origin: str, seq: int, payload: bytes, signature: bytes, now: float, route: int
     ) -> None:
         self._held_changes += 1
-        store = self.own if origin == self.node else self.store
-        store[(origin, seq)] = (payload, signature, now, route)
-        self.store_bytes += len(payload)
-        if store is self.store:
-            self._others_bytes += len(payload)
-        self._evict(now)
-
-    def _evict(self, now: float) -> None:
-        """Chunks past their retain time go, oldest first; this node's own take at most
-        half of ``chunk_retain_bytes`` (a node publishing faster than that bound over
-        ``own_chunk_retain_s`` would otherwise hold nobody else's chunks to repair
-        from), and past the bound others' go first (their origins keep them). The
-        order is when a chunk was kept: asking for a chunk keeps it no longer (a
-        member's asks would pin chunks and push honest ones out)."""
-        s = self.settings
-        own_retain_s = max(s.chunk_retain_s, s.own_chunk_retain_s)
-        for store, retain_s in ((self.store, s.chunk_retain_s), (self.own, own_retain_s)):
-            while store:
-                key, (_, _, at, _) = next(iter(store.items()))
-                if now - at <= retain_s:
-                    break
-                self._drop(store, key)
-        own_bytes = self.store_bytes - self._others_bytes
-        while self.own and own_bytes > s.chunk_retain_bytes // 2:
-            own_bytes -= self._drop(self.own, next(iter(self.own)))
-        for store in (self.store, self.own):
-            while store and self.store_bytes > s.chunk_retain_bytes:
-                self._drop(store, next(iter(store)))
-
-    def _drop(self, store: OrderedDict[tuple[str, int], Kept], key: tuple[str, int]) -> int:
-        size = len(store.pop(key)[0])
-        self.store_bytes -= size
-        if store is self.store:
-            self._others_bytes -= size
-        return size
+        self.chunks.keep(origin, seq, payload, signature, now, route)
 
     # -- repair -----------------------------------------------------------------------------
 
@@ -558,7 +515,7 @@ class Disseminator:
         since = self._repaired_since.get(key)
         if since is None or chunk.hops >= REPAIRED_HOPS or sender != log.tree_sender:
             return
-        kept = self.store.get(key)
+        kept = self.chunks.others.get(key)
         if kept is None or kept[1] != chunk.signature:
             return
         del self._repaired_since[key]
@@ -642,7 +599,7 @@ class Disseminator:
             log.track(now)  # the window moves on as the gap fills
             if wanted:
                 self._ask(origin, log, wanted)
-        self._evict(now)
+        self.chunks.evict(now)
 
     def _ask(self, origin: str, log: _OriginLog, wanted: list[int]) -> None:
         """WANTs for ``wanted``: of the next announcer, and every second ask of a

@@ -1,0 +1,82 @@
+"""The chunks a node holds for repair, and how long it holds them.
+
+A delivered chunk is kept for ``chunk_retain_s`` so that a member whose relay died can
+still fetch it (core.mesh.broadcast's repair); its origin keeps its own for
+``own_chunk_retain_s`` (a round of large pieces on slow links outlasts 30 s, and the
+origin is where a late ask always ends up). All of it within ``chunk_retain_bytes``:
+this node's own chunks in at most half of it (a node publishing faster than that
+bound over ``own_chunk_retain_s`` would otherwise hold nobody else's chunks to repair
+from), and past the bound others' go first (their origins keep them). The order is
+when a chunk was kept: asking for a chunk keeps it no longer (a member's asks would
+pin chunks and push honest ones out).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from ciuic_p2p.config.sections import MeshSection
+
+Kept = tuple[bytes, bytes, float, int]
+"""A held chunk: (payload, its origin's signature, when kept, route)."""
+Key = tuple[str, int]
+"""(origin, sequence number)."""
+
+
+class ChunkStore:
+    """One node's held chunks: others' and its own, each oldest first."""
+
+    def __init__(self, node: str, settings: MeshSection) -> None:
+        self.node = node
+        self.settings = settings
+        self.others: OrderedDict[Key, Kept] = OrderedDict()
+        """Others' chunks, the oldest first."""
+        self.own: OrderedDict[Key, Kept] = OrderedDict()
+        """This node's chunks, kept for ``own_chunk_retain_s``."""
+        self.held_bytes = 0
+        """Bytes of payload in ``others`` and ``own``."""
+        self._others_bytes = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.others or self.own)
+
+    def kept(self, origin: str, seq: int) -> Kept | None:
+        """The chunk (origin, seq) as held here, if it still is."""
+        return self._of(origin).get((origin, seq))
+
+    def _of(self, origin: str) -> OrderedDict[Key, Kept]:
+        return self.own if origin == self.node else self.others
+
+    def keep(
+        self, origin: str, seq: int, payload: bytes, signature: bytes, now: float, route: int
+    ) -> None:
+        store = self._of(origin)
+        store[(origin, seq)] = (payload, signature, now, route)
+        self.held_bytes += len(payload)
+        if store is self.others:
+            self._others_bytes += len(payload)
+        self.evict(now)
+
+    def evict(self, now: float) -> None:
+        """Chunks past their retain time go, then the bounds (see the module docstring)."""
+        s = self.settings
+        own_retain_s = max(s.chunk_retain_s, s.own_chunk_retain_s)
+        for store, retain_s in ((self.others, s.chunk_retain_s), (self.own, own_retain_s)):
+            while store:
+                key, (_, _, at, _) = next(iter(store.items()))
+                if now - at <= retain_s:
+                    break
+                self._drop(store, key)
+        own_bytes = self.held_bytes - self._others_bytes
+        while self.own and own_bytes > s.chunk_retain_bytes // 2:
+            own_bytes -= self._drop(self.own, next(iter(self.own)))
+        for store in (self.others, self.own):
+            while store and self.held_bytes > s.chunk_retain_bytes:
+                self._drop(store, next(iter(store)))
+
+    def _drop(self, store: OrderedDict[Key, Kept], key: Key) -> int:
+        size = len(store.pop(key)[0])
+        self.held_bytes -= size
+        if store is self.others:
+            self._others_bytes -= size
+        return size
