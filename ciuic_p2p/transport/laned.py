@@ -65,6 +65,13 @@ from ciuic_p2p.transport.quic import QuicTransport
 
 LANE_SEND_BYTES = 8 * 1024 * 1024
 """Bytes handed to one lane for one peer and not yet sent, at most."""
+LANE_BIAS_BYTES = 2 * 1024 * 1024
+"""A lane takes a chunk only when the link holds this much more for the peer than the
+lane does (two of the largest chunks): a hand-over costs CPU (two copies more each
+way, another process's loop), worth it once the link is backed up. On this 2-core
+machine (bench/lanes.py) no bias put 60% of the chunks on the lane at 0.88-1.00x of
+one path, 1 MiB 56% at 0.93-1.00x, 2 MiB 41% at 0.92-0.97x. Not more: a short path's
+window is 4 MiB, and at 4 MiB of bias no chunk took a lane there."""
 LANES_INTERVAL_S = 10.0
 """A peer's LANES frame is acted on at most once per this time (per link, too)."""
 MAX_HEARD = 1024
@@ -211,7 +218,9 @@ class LanedTransport(Transport):
         queued = self._queued[lane][peer]
         stats = self.main.link_stats(peer)
         link_load = 0 if stats is None else stats.bulk_buffered_bytes
-        return None if queued >= min(link_load, LANE_SEND_BYTES) else lane
+        if queued >= LANE_SEND_BYTES or queued + LANE_BIAS_BYTES >= link_load:
+            return None
+        return lane
 
     def _lanes_to(self, peer: bytes) -> list[int]:
         """The lanes that carry chunks to ``peer`` now: none unless the node's own

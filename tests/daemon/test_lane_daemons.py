@@ -44,17 +44,17 @@ def test_daemons_carry_chunks_over_their_lanes_and_leave_none_behind(tmp_path: P
         while not all(status(n)["lanes"]["paired"] for n in ("n0", "n1")):
             assert time.monotonic() < deadline, "lanes never paired"
             time.sleep(0.05)
-        for _ in range(12):
+        for _ in range(24):
             answer = request(cluster.control("n0"), {"cmd": "broadcast", "size": 1 << 20})
             assert answer.get("ok"), answer
-        while status("n1")["counters"].get("chunks_delivered", 0) < 12:
+        while status("n1")["counters"].get("chunks_delivered", 0) < 24:
             assert time.monotonic() < deadline, "chunks not delivered"
             time.sleep(0.05)
         lanes = status("n1")["lanes"]
         assert lanes["lanes"] == 3 and len(lanes["pids"]) == 2
         # The chunks came over the lane processes and the link, each verified once.
         assert all(lanes["frames_by_lane"])
-        assert sum(lanes["frames_by_lane"]) + lanes["counters"]["link_frames_received"] >= 12
+        assert sum(lanes["frames_by_lane"]) + lanes["counters"]["link_frames_received"] >= 24
         pids = lanes["pids"] + status("n0")["lanes"]["pids"]
         cluster.stop()
     deadline = time.monotonic() + 30
