@@ -173,10 +173,10 @@ class TransportSection:
     """Paths for this node's chunks (transport.laned): 1, its own link; K of 2 to 16 adds
     K - 1 lane processes, each with its own UDP socket and QUIC on a core of its own,
     paired with a peer's lanes when it runs as many (else its chunks keep to the link).
-    Each chunk takes the path holding least for its peer. Worth it where a node has
-    cores to spare and links faster than one core's QUIC (about 1 Gbit/s on qh3): a
-    chunk through a lane costs two pipe hops more (bench/lanes.py). Not used under the
-    WAN emulator, which must see every datagram."""
+    A chunk takes a lane once the link holds 2 MiB more for its peer than the lane.
+    Worth it where a node has cores to spare and links faster than one core's QUIC
+    (about 1 Gbit/s on qh3): a chunk through a lane costs two hand-overs more
+    (bench/lanes.py). Not used under the WAN emulator, which must see every datagram."""
     lane_base_port: int = 0
     """Lane process i listens on UDP ``lane_base_port + i`` (open them in the firewall);
     0 takes any free ports."""

@@ -4,12 +4,12 @@ The node keeps its own QuicTransport for everything a link means: admission, the
 member's identity, membership and control traffic, pings, rates probes, direct and
 store frames. With ``transport.lanes`` = K, chunks (``lanes.LANE_FRAME_TYPES``) to a
 peer whose lanes are up take K paths: the node's own link and K - 1 lane processes
-(transport.lanes), each on its own core, whichever holds least for that peer. The
-link stays one of them because a chunk through a lane costs two pipe hops more
-(about 0.7 ms of CPU per MB each, bench/lanes.py): on a machine with no core to
-spare the link alone is cheapest, and it keeps its share. With no lane up to a peer
-(a peer with another lane count, lanes still dialling, a lane gone) its chunks take
-the link, so lanes only ever add capacity.
+(transport.lanes), each on its own core: the least loaded lane once the link holds
+``LANE_BIAS_BYTES`` more for that peer, else the link. The link stays the first path
+because a chunk through a lane costs two hand-overs more and another process's loop
+(bench/lanes.py): on a machine with no core to spare the link alone is cheapest.
+With no lane up to a peer (a peer with another lane count, lanes still dialling, a
+lane gone) its chunks take the link, so lanes only ever add capacity.
 
 How lanes pair (core.link.lanes): when a link comes up each side sends its lane
 ports in one ``LANES`` frame; with equal counts the side with the smaller key dials
