@@ -50,9 +50,9 @@ from typing import Any
 
 from ciuic_p2p.daemon.control import ControlError, request
 from ciuic_p2p.lab.cluster import LocalCluster
+from ciuic_p2p.lab.cluster import process_cpu_s as cpu_s
 
 HERE = Path(__file__).resolve().parent
-CLK = os.sysconf("SC_CLK_TCK")
 
 CONFIG = """preset = "wan"
 
@@ -71,15 +71,6 @@ lanes = {lanes}
 [log]
 level = "warning"
 """
-
-
-def cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except FileNotFoundError:  # a lane that ended
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK
 
 
 def quantile(xs: list[float], q: float) -> float:

@@ -28,8 +28,8 @@ from typing import Any
 
 from ciuic_p2p.daemon.control import request
 from ciuic_p2p.lab.cluster import LocalCluster
+from ciuic_p2p.lab.cluster import process_cpu_s as cpu_s
 
-CLK = os.sysconf("SC_CLK_TCK")
 CHUNK = 1 << 20
 CONFIG = """preset = "local"
 
@@ -39,15 +39,6 @@ lanes = {lanes}
 [log]
 level = "warning"
 """
-
-
-def cpu_s(pid: int) -> float:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-    except FileNotFoundError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK
 
 
 def run_once(lanes: int, megabytes: int, window: int, work: Path) -> dict[str, Any]:

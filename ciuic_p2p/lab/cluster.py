@@ -41,6 +41,17 @@ class ClusterError(CiuicError):
     """A daemon or trainer of the local cluster failed or did not answer in time."""
 
 
+def process_cpu_s(pid: int) -> float:
+    """User plus system CPU seconds a process has used (Linux ``/proc``); 0 for one
+    that has ended (a lane, say)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except FileNotFoundError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def free_port_block(count: int) -> int:
     """A base port with ``count`` consecutive free UDP ports on loopback."""
     for _ in range(100):

@@ -9,6 +9,7 @@ import pytest
 
 from ciuic_p2p.daemon.control import request
 from ciuic_p2p.lab.cluster import LocalCluster
+from tests.procs import running
 
 pytestmark = pytest.mark.processes
 
@@ -20,14 +21,6 @@ lanes = 3
 [log]
 level = "warning"
 """
-
-
-def running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.timeout(180)

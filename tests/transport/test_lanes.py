@@ -21,6 +21,7 @@ from ciuic_p2p.transport.base import FrameReceived, Transport
 from ciuic_p2p.transport.errors import TransportError
 from ciuic_p2p.transport.laned import LanedTransport
 from ciuic_p2p.transport.quic import QuicTransport
+from tests.procs import running
 from tests.transport.conftest import FAST, NOW, Cluster
 
 pytestmark = pytest.mark.network
@@ -245,15 +246,6 @@ def test_lanes_end_when_their_node_is_killed(tmp_path: os.PathLike[str]) -> None
     while any(map(running, pids)):  # each lane sees its pipe end and exits
         assert time.monotonic() < deadline, "a lane outlived its node"
         time.sleep(0.01)
-
-
-def running(pid: int) -> bool:
-    """Whether a process runs (a zombie waiting for its new parent has ended)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except FileNotFoundError:
-        return False
 
 
 @pytest.mark.timeout(120)
