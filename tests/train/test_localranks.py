@@ -45,6 +45,7 @@ torch.save([b.detach().clone() for b in sync.buckets], f"{out}/params-{node}-{ra
 print(json.dumps({"rank": rank, "complete": complete, "local_ranks": stats["local_ranks"],
                   "applied": stats.get("applied"), "loss": float(loss.detach())}), flush=True)
 sync.close()
+dist.barrier()  # every rank done with its collectives before any tears down
 dist.destroy_process_group()
 """
 
