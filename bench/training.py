@@ -112,6 +112,12 @@ def _arguments() -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--rate-scale", type=float, default=0.1)
     ap.add_argument("--step-s", type=float, default=0.5, help="accelerator step time")
+    ap.add_argument(
+        "--lr-scale",
+        type=float,
+        default=1.0,
+        help="times the task's learning rate, every mode (bench/rounds.py finds DDP's best)",
+    )
     ap.add_argument("--modes", default=",".join(DEFAULT_MODES), help=f"of {', '.join(MODES)}")
     ap.add_argument(
         "--torchft", action="store_true", help="add torchft's DiLoCo (needs it installed)"
@@ -253,6 +259,7 @@ def _seed_row(
             step_s=0.0 if mode == "ddp" else args.step_s,
             env=envs.get(mode),
             inner_steps=args.inner_steps,
+            lr_scale=args.lr_scale,
         )
         after, steps_run = _mesh_bytes(cluster), max(1, runs[mode][0]["steps"])
         by_kind[mode] = {
@@ -261,7 +268,13 @@ def _seed_row(
         }
     if args.measured_ring:
         runs["dense"] = cluster.train(
-            "dense", args.task, steps, seed, out / f"dense-{seed}", step_s=args.step_s
+            "dense",
+            args.task,
+            steps,
+            seed,
+            out / f"dense-{seed}",
+            step_s=args.step_s,
+            lr_scale=args.lr_scale,
         )
     ddp_step_s = None
     if "ddp" in runs:
@@ -361,6 +374,7 @@ def _result(
 
     result: dict[str, Any] = {
         "task": args.task,
+        "lr_scale": args.lr_scale,
         "rtt": Path(args.rtt).name,
         "nodes": len(names),
         "regions": names,

@@ -365,13 +365,14 @@ class LocalCluster:
         step_s: float = 0.0,
         env: dict[str, str] | None = None,
         inner_steps: int = 1,
+        lr_scale: float = 1.0,
     ) -> list[dict[str, Any]]:
         """Run one trainer per node (``single`` and ``ddp``: one trainer, no daemon;
         ``torchft``: torchft's DiLoCo at ``inner_steps``, one replica per node, in a
         loopback-only namespace of its own, ciuic_p2p.lab.torchft_peer); the results in
         node order. ``step_s``: pad each step to this accelerator time; ``env``: more
         variables for the trainers (``CIUIC_TRAIN_MODE=outer``: their config over the
-        nodes' file)."""
+        nodes' file); ``lr_scale``: times the task's learning rate, in every mode."""
         names = self.names[:1] if mode in ("single", "ddp", "torchft") else self.names
         world = len(self.names) if mode in ("ddp", "torchft") else len(names)
         run = f"{mode}-{task}-{seed}-{time.time_ns()}"
@@ -382,6 +383,7 @@ class LocalCluster:
             cmd = [
                 *self._nice(), sys.executable, "-m", "ciuic_p2p.lab.worker",
                 "--mode", mode, "--task", task, "--steps", str(steps), "--seed", str(seed),
+                "--lr-scale", repr(lr_scale),
                 "--rank", str(rank), "--world", str(world), "--run", run,
                 "--config", str(self.config_path), "--out", str(out), "--evals", str(evals),
                 "--step-s", repr(step_s),

@@ -28,6 +28,8 @@ DIGITS = DATA_DIR / "digits" / "digits.csv.gz"
 class Task(Protocol):
     name: str
     batch_size: int
+    lr: float
+    """The optimizer's learning rate, before the run's schedule."""
 
     def model(self) -> nn.Module: ...
     def optimizer(self, params: list[nn.Parameter]) -> torch.optim.Optimizer: ...

@@ -338,6 +338,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     # switch interval keeps the training thread from waiting 5 ms for the GIL.
     sys.setswitchinterval(args.switch_interval_s)
     task = make_task(args.task)
+    task.lr *= args.lr_scale
     if args.hidden:
         task.hidden = args.hidden  # type: ignore[attr-defined]
     torch.manual_seed(args.seed)
@@ -362,6 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--task", default="digits")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--lr-scale", type=float, default=1.0, help="times the task's learning rate")
     p.add_argument("--rank", type=int, default=0)
     p.add_argument("--world", type=int, default=1)
     p.add_argument(

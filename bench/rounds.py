@@ -1,0 +1,281 @@
+#!/usr/bin/env python3
+"""The outer-step mode's rounds in one process, against dense DDP: what H, density,
+value width, outer learning rate, delivery delay and the task's own learning rate do
+to the final evaluation loss, in seconds per configuration where ``bench/training.py``
+takes minutes.
+
+N replicas of the task (the real ``core.replica`` in ``train.mode = "outer"``, the
+task's optimizer and cosine schedule, each replica's batches from the seed streams
+``bench/training.py``'s workers use) hand each other their round's payloads ``delay``
+steps after the round ends; dense DDP is the exact mean of the N replicas' gradients
+every step, as in ``bench/training.py``. With no network the losses of both are the
+daemon benchmark's to rounding (DDP's to the last digit; the outer mode's differ by
+the delays the emulated WAN adds). Bytes per step here are the origin's payload only
+(no relays, framing or control): a ratio between configurations, not a wire figure.
+
+Each configuration is ``H:density:values:outer_lr:delay`` (``values`` one of int2,
+int4, int8, fp16; density 1 is dense); ``--lr-scales`` multiplies the task's learning
+rate (inner steps and DDP alike), so a configuration is compared with DDP at the same
+rate and DDP's own best rate shows beside it. ``--split interleaved`` gives each
+Shakespeare replica windows from the whole text (``DistributedSampler``'s rank::world
+over positions) instead of its own quarter.
+
+    python bench/rounds.py --task digits --seeds 4 --seed0 10 --lr-scales 1 2 3 \\
+        --configs 5:0.05:int4:1:1 5:0.05:int4:1.4:1 5:1:fp16:1:1 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ciuic_p2p.config import CodecSection, TrainSection
+from ciuic_p2p.config.sections import ValueMode
+from ciuic_p2p.core.codec.bucket import ChunkSource
+from ciuic_p2p.core.codec.layout import BucketLayout
+from ciuic_p2p.core.replica.messages import PayloadKind, encode_presence, run_id_of
+from ciuic_p2p.core.replica.rule import Replica, consensus_distance
+from ciuic_p2p.lab.tasks import ShakespeareTask, Task, make_task
+from ciuic_p2p.train.hook import flatten_parameters
+
+VALUES: dict[str, ValueMode] = {"int2": "int2", "int4": "int4", "int8": "int8", "fp16": "fp16"}
+
+
+@dataclass(frozen=True)
+class Round:
+    """One outer-mode configuration."""
+
+    inner_steps: int
+    density: float
+    values: ValueMode
+    outer_lr: float
+    delay_steps: int
+
+    @classmethod
+    def parse(cls, text: str) -> Round:
+        h, density, values, lr, delay = text.split(":")
+        return cls(int(h), float(density), VALUES[values], float(lr), int(delay))
+
+    def __str__(self) -> str:
+        h, d, v = self.inner_steps, self.density, self.values
+        return f"{h}:{d:g}:{v}:{self.outer_lr:g}:{self.delay_steps}"
+
+
+def _scale(step: int, steps: int) -> float:
+    """bench/training.py's worker: a cosine from the task's rate to zero."""
+    return 0.5 * (1 + math.cos(math.pi * (step - 1) / steps))
+
+
+def _stream(seed: int, rank: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed * 1000 + rank + 1)
+
+
+def interleaved(task: ShakespeareTask) -> None:
+    """Replica ``rank`` draws windows starting at ``rank + k * world`` over the whole
+    text (``DistributedSampler``'s split of positions) instead of its own quarter."""
+
+    def batch(rank: int, world: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+        n = (len(task.train_ids) - task.context - 1 - rank) // world
+        starts = rank + world * torch.randint(n, (task.batch_size,), generator=gen)
+        x = torch.stack([task.train_ids[s : s + task.context] for s in starts])
+        y = torch.stack([task.train_ids[s + 1 : s + 1 + task.context] for s in starts])
+        return x, y
+
+    task.batch = batch  # type: ignore[method-assign]
+
+
+def ddp(task: Task, lr: float, seed: int, nodes: int, steps: int) -> float:
+    """Dense DDP's final evaluation loss: the exact mean of the replicas' gradients."""
+    torch.manual_seed(seed)
+    model = task.model()
+    opt = task.optimizer(list(model.parameters()))
+    streams = [_stream(seed, r) for r in range(nodes)]
+    for step in range(1, steps + 1):
+        for g in opt.param_groups:
+            g["lr"] = lr * _scale(step, steps)
+        opt.zero_grad()
+        for r in range(nodes):
+            (task.loss(model, task.batch(r, nodes, streams[r])) / nodes).backward()  # type: ignore[no-untyped-call]
+        opt.step()
+    return task.evaluate(model)[0]
+
+
+@dataclass
+class _Node:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    replica: Replica
+    stream: torch.Generator
+
+
+def _nodes(task: Task, cfg: Round, seed: int, nodes: int) -> list[_Node]:
+    out = []
+    for i in range(nodes):
+        torch.manual_seed(seed)
+        model = task.model()
+        layout = BucketLayout.for_module(model, 0)
+        buckets = flatten_parameters(model, layout)
+        source = ChunkSource(run_id_of("rounds"), bytes([i + 1]) * 32, 0, layout.layout_id)
+        replica = Replica(
+            layout,
+            buckets,
+            source,
+            f"p{i}",
+            CodecSection(density=cfg.density, value_mode=cfg.values),
+            TrainSection(
+                mode="outer",
+                inner_steps=cfg.inner_steps,
+                outer_lr=cfg.outer_lr,
+                consensus_interval_steps=0,
+                staleness_bound_steps=max(64, 2 * cfg.inner_steps + cfg.delay_steps),
+            ),
+            seed=i,
+        )
+        replica.set_alive([f"p{j}" for j in range(nodes)])
+        optimizer = task.optimizer(list(model.parameters()))
+        out.append(_Node(model, optimizer, replica, _stream(seed, i)))
+    joined = encode_presence(PayloadKind.JOIN, run_id_of("rounds"))
+    for i, node in enumerate(out):
+        for j in range(nodes):
+            if j != i:
+                node.replica.receive(f"p{j}", joined)
+    return out
+
+
+def outer(task: Task, cfg: Round, lr: float, seed: int, nodes: int, steps: int) -> dict[str, float]:
+    """One run: the mean over replicas of the final loss, the loss of their parameters'
+    mean, the consensus distance and the origin's payload bytes per step."""
+    reps = _nodes(task, cfg, seed, nodes)
+    line: collections.deque[tuple[int, int, bytes]] = collections.deque()
+
+    def deliver(until: int) -> None:
+        while line and line[0][0] <= until:
+            _, i, payload = line.popleft()
+            for j, node in enumerate(reps):
+                if j != i:
+                    node.replica.receive(f"p{i}", payload)
+
+    sent = 0
+    for step in range(1, steps + 1):
+        for i, node in enumerate(reps):
+            for g in node.optimizer.param_groups:
+                g["lr"] = lr * _scale(step, steps)
+            loss = task.loss(node.model, task.batch(i, nodes, node.stream))
+            node.optimizer.zero_grad()
+            loss.backward()  # type: ignore[no-untyped-call]
+            node.optimizer.step()
+            r = node.replica
+            if r.local_step():
+                payloads = r.encode_update(r.take_update(), r.step)
+                sent += sum(len(p) for p in payloads)
+                line.extend((step + cfg.delay_steps, i, p) for p in payloads)
+        deliver(step)
+        for node in reps:
+            node.replica.settle()
+    for i, node in enumerate(reps):  # finish(): the last round, then every chunk
+        r = node.replica
+        if r.last_send_step < r.step:
+            line.extend((0, i, p) for p in r.encode_update(r.take_update(), r.step))
+    deliver(steps + cfg.delay_steps)
+    for node in reps:
+        node.replica.settle(everything=True)
+    losses = [task.evaluate(node.model)[0] for node in reps]
+    mean_model = copy.deepcopy(reps[0].model)
+    with torch.no_grad():
+        mean_buckets = flatten_parameters(mean_model, BucketLayout.for_module(mean_model, 0))
+        for k, b in enumerate(mean_buckets):
+            b.copy_(torch.stack([node.replica.buckets[k] for node in reps]).mean(0))
+    return {
+        "eval_loss": statistics.fmean(losses),
+        "mean_params_eval_loss": task.evaluate(mean_model)[0],
+        "consensus_distance": consensus_distance([node.replica.buckets for node in reps]),
+        "payload_bytes_per_step": sent / nodes / steps,
+    }
+
+
+def _arguments() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--task", choices=["digits", "shakespeare"], default="digits")
+    ap.add_argument("--steps", type=int, help="steps per node (digits 150, shakespeare 300)")
+    ap.add_argument("--nodes", type=int, default=4)
+    ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--seed0", type=int, default=0, help="first seed (held-out: 10)")
+    ap.add_argument("--lr-scales", type=float, nargs="+", default=[1.0])
+    ap.add_argument("--split", choices=["quarters", "interleaved"], default="quarters")
+    ap.add_argument("--configs", nargs="+", default=["5:0.05:int4:1:1"])
+    ap.add_argument("--json", action="store_true", help="print one JSON object last")
+    return ap.parse_args()
+
+
+def main() -> int:
+    args = _arguments()
+    torch.set_num_threads(1)
+    task = make_task(args.task)
+    if args.split == "interleaved":
+        if not isinstance(task, ShakespeareTask):
+            raise SystemExit("--split interleaved: shakespeare only (digits is interleaved)")
+        interleaved(task)
+    steps = args.steps or (150 if args.task == "digits" else 300)
+    seeds = list(range(args.seed0, args.seed0 + args.seeds))
+    configs = [Round.parse(c) for c in args.configs]
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    ddp_by_scale: dict[str, float] = {}
+    for scale in args.lr_scales:
+        lr = task.lr * scale
+        dense = [ddp(task, lr, s, args.nodes, steps) for s in seeds]
+        ddp_by_scale[f"{scale:g}"] = statistics.fmean(dense)
+        if not args.json:
+            print(f"lr x{scale:g}: ddp {statistics.fmean(dense):.4f}", file=sys.stderr)
+        for cfg in configs:
+            runs = [outer(task, cfg, lr, s, args.nodes, steps) for s in seeds]
+            gap = statistics.fmean(r["eval_loss"] / d - 1 for r, d in zip(runs, dense, strict=True))
+            row = {
+                "lr_scale": scale,
+                "config": str(cfg),
+                "eval_loss": statistics.fmean(r["eval_loss"] for r in runs),
+                "ddp_eval_loss": statistics.fmean(dense),
+                "loss_vs_ddp_pct": 100 * gap,
+                "mean_params_eval_loss": statistics.fmean(r["mean_params_eval_loss"] for r in runs),
+                "consensus_distance": max(r["consensus_distance"] for r in runs),
+                "payload_bytes_per_step": statistics.fmean(
+                    r["payload_bytes_per_step"] for r in runs
+                ),
+            }
+            rows.append(row)
+            if not args.json:
+                print(
+                    f"  {cfg}: {row['eval_loss']:.4f} ({row['loss_vs_ddp_pct']:+.2f}% vs ddp), "
+                    f"mean params {row['mean_params_eval_loss']:.4f}, "
+                    f"{row['payload_bytes_per_step']:.0f} B/step payload",
+                    file=sys.stderr,
+                )
+    best = min(ddp_by_scale.items(), key=lambda kv: kv[1])
+    result = {
+        "task": args.task,
+        "split": args.split,
+        "nodes": args.nodes,
+        "steps": steps,
+        "seeds": seeds,
+        "task_lr": task.lr,
+        "ddp_eval_loss_by_lr_scale": ddp_by_scale,
+        "ddp_best_lr_scale": float(best[0]),
+        "rows": rows,
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
