@@ -13,8 +13,9 @@ daemon benchmark's to rounding (DDP's to the last digit; the outer mode's differ
 the delays the emulated WAN adds). Bytes per step here are the origin's payload only
 (no relays, framing or control): a ratio between configurations, not a wire figure.
 
-Each configuration is ``H:density:values:outer_lr:delay`` (``values`` one of int2,
-int4, int8, fp16; density 1 is dense); ``--lr-scales`` multiplies the task's learning
+Each configuration is ``H:density:values:outer_lr:delay[:nesterov]`` (``values`` one of
+int2, int4, int8, fp16; density 1 is dense; ``nesterov``: DiLoCo's outer step, momentum
+0.9, else averaging); ``--lr-scales`` multiplies the task's learning
 rate (inner steps and DDP alike), so a configuration is compared with DDP at the same
 rate and DDP's own best rate shows beside it. ``--split interleaved`` gives each
 Shakespeare replica windows from the whole text (``DistributedSampler``'s rank::world
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from ciuic_p2p.config import CodecSection, TrainSection
-from ciuic_p2p.config.sections import ValueMode
+from ciuic_p2p.config.sections import OuterOptimizer, ValueMode
 from ciuic_p2p.core.codec.bucket import ChunkSource
 from ciuic_p2p.core.codec.layout import BucketLayout
 from ciuic_p2p.core.replica.messages import PayloadKind, encode_presence, run_id_of
@@ -60,15 +61,20 @@ class Round:
     values: ValueMode
     outer_lr: float
     delay_steps: int
+    optimizer: OuterOptimizer = "average"
 
     @classmethod
     def parse(cls, text: str) -> Round:
-        h, density, values, lr, delay = text.split(":")
-        return cls(int(h), float(density), VALUES[values], float(lr), int(delay))
+        h, density, values, lr, delay, *rest = text.split(":")
+        optimizer: OuterOptimizer = "nesterov" if rest == ["nesterov"] else "average"
+        if rest not in ([], ["average"], ["nesterov"]):
+            raise ValueError(f"{text}: the sixth field is average or nesterov")
+        return cls(int(h), float(density), VALUES[values], float(lr), int(delay), optimizer)
 
     def __str__(self) -> str:
         h, d, v = self.inner_steps, self.density, self.values
-        return f"{h}:{d:g}:{v}:{self.outer_lr:g}:{self.delay_steps}"
+        tail = ":nesterov" if self.optimizer == "nesterov" else ""
+        return f"{h}:{d:g}:{v}:{self.outer_lr:g}:{self.delay_steps}{tail}"
 
 
 def _scale(step: int, steps: int) -> float:
@@ -136,6 +142,8 @@ def _nodes(task: Task, cfg: Round, seed: int, nodes: int) -> list[_Node]:
                 mode="outer",
                 inner_steps=cfg.inner_steps,
                 outer_lr=cfg.outer_lr,
+                outer_optimizer=cfg.optimizer,
+                outer_momentum=0.9,
                 consensus_interval_steps=0,
                 staleness_bound_steps=max(64, 2 * cfg.inner_steps + cfg.delay_steps),
             ),
@@ -212,7 +220,9 @@ def _arguments() -> argparse.Namespace:
     ap.add_argument("--seed0", type=int, default=0, help="first seed (held-out: 10)")
     ap.add_argument("--lr-scales", type=float, nargs="+", default=[1.0])
     ap.add_argument("--split", choices=["quarters", "interleaved"], default="quarters")
-    ap.add_argument("--configs", nargs="+", default=["5:0.05:int4:1:1"])
+    ap.add_argument(
+        "--configs", nargs="*", default=["5:0.05:int4:1:1"], help="none: DDP's rates only"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     return ap.parse_args()
 
