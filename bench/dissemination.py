@@ -75,6 +75,7 @@ async def run_mode(
     settle_s: float,
     rate_bps: float,
     uplink_bps: float = math.inf,
+    pace_gain: float | None = None,
 ) -> dict[str, list[float]]:
     base = Config.wan()
     mesh_cfg = dataclasses.replace(
@@ -83,6 +84,7 @@ async def run_mode(
         tree_chunk_bytes=SMALL,
         default_rate_bps=rate_bps,
         node_uplink_bps=uplink_bps,
+        pace_gain=base.mesh.pace_gain if pace_gain is None else pace_gain,
     )
     config = dataclasses.replace(base, mesh=mesh_cfg)
     names = scenario.node_names()
@@ -155,6 +157,9 @@ def main() -> int:
         help="each link's queue in ms of its rate (0: the emulator's, 50 ms); a long one "
         "shows what QUIC's overshoot into a short one costs",
     )
+    ap.add_argument(
+        "--pace-gain", type=float, help="mesh.pace_gain (the WAN preset's; 0: no pacing)"
+    )
     ap.add_argument("--json", action="store_true", help="print one JSON object last")
     args = ap.parse_args()
     configure_logging(LogSection(level="error"))
@@ -189,6 +194,7 @@ def main() -> int:
         "median_link_rate_mbps": rate_bps / 1e6,
         "node_uplink_bps": args.node_uplink_bps,
         "queue_ms": args.queue_ms or 50.0,
+        "pace_gain": Config.wan().mesh.pace_gain if args.pace_gain is None else args.pace_gain,
     }
     loop = new_event_loop()
     try:
@@ -206,6 +212,7 @@ def main() -> int:
                     args.settle,
                     rate_bps,
                     args.node_uplink_bps,
+                    args.pace_gain,
                 )
             )
             prefix = "" if mode == "tree" else f"{mode}_"

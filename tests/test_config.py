@@ -55,6 +55,8 @@ def test_integer_is_accepted_where_a_float_is_expected() -> None:
         ("[codec\n", "not valid TOML"),
         ("codec = 3\n", "codec: must be a table"),
         ("[mesh]\nheads_idle_interval_s = 0.1\n", "mesh.heads_idle_interval_s: must be >= heads"),
+        ("[mesh]\npace_gain = 0.9\n", "mesh.pace_gain: must be 0 or 1 to 4"),
+        ("[mesh]\npace_gain = 5\n", "mesh.pace_gain: must be 0 or 1 to 4"),
     ],
 )
 def test_bad_config_names_the_key_and_why(text: str, message: str) -> None:
@@ -78,6 +80,9 @@ def test_mesh_presets_and_bad_mesh_values() -> None:
         config_from_toml("[mesh]\nprobe_interval_s = 0\n")
     with pytest.raises(ConfigError, match=r"mesh\.dissemination"):
         config_from_toml('[mesh]\ndissemination = "flood"\n')
+    # Pacing is for the WAN: one data centre's links are not queue-bound.
+    assert wan.pace_gain > 1 and lan.pace_gain == 0 and Config.local().mesh.pace_gain == 0
+    assert config_from_toml("[mesh]\npace_gain = 0\n").mesh.pace_gain == 0
 
 
 def test_environment_overrides_the_file_and_names_a_bad_variable(tmp_path: Path) -> None:

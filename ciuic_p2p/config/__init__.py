@@ -131,6 +131,7 @@ class Config:
                 relay_penalty_s=0.0005,
                 default_rate_bps=10e9,
                 tree_chunk_bytes=1 << 20,
+                pace_gain=0.0,
             ),
         )
 

@@ -185,6 +185,7 @@ def validate(cfg: Sections) -> None:
         (0 <= m.rate_probe_bytes <= 2 * 256 * 1024, "mesh.rate_probe_bytes",
          "must be in [0, 524288] (two frames of at most 256 KiB)"),
         (m.rate_probe_interval_s >= 1, "mesh.rate_probe_interval_s", "must be >= 1"),
+        (m.pace_gain == 0 or 1 <= m.pace_gain <= 4, "mesh.pace_gain", "must be 0 or 1 to 4"),
         (0 <= m.cluster_rtt_s <= 10, "mesh.cluster_rtt_s", "must be in [0, 10]"),
         (m.node_uplink_bps >= 0, "mesh.node_uplink_bps", "must be >= 0 (inf: independent links)"),
     ]  # fmt: skip

@@ -445,11 +445,28 @@ class MeshDaemon:
             self._pump()  # re-arms the timer whatever happened
 
     def _feed_rates(self, node: MeshNode) -> None:
-        """Hand the links' measured receive rates to the mesh (it publishes them), and
-        probe a link its peer has not measured yet."""
+        """Hand the links' measured receive rates to the mesh (it publishes them), pace
+        each link at what its peer published for it, and probe a link its peer has not
+        measured yet."""
         for peer, rate_bps in nodestatus.receive_rates(self).items():
             node.observe_rate(peer, rate_bps)
+        self._pace_links(node)
         self._probe_rates(node, self.clock())
+
+    def _pace_links(self, node: MeshNode) -> None:
+        """Each link's bulk bytes at ``mesh.pace_gain`` times the rate its peer
+        measured receiving from this node (core.link.pacer); unpaced while none."""
+        gain = self.config.mesh.pace_gain
+        if gain <= 0:
+            return
+        members = node.members()
+        for peer in node.view():
+            member = members.get(peer)
+            key = None if member is None else self._peer_at.get(member.address)
+            if key is None:
+                continue
+            rate_bps = node.rate_bps(self.peer_id, peer)
+            self.transport.pace(key, None if rate_bps is None else gain * rate_bps)
 
     def _probe_rates(self, node: MeshNode, now: float) -> None:
         """To one live peer a turn whose rate from this node no one has published (it

@@ -73,6 +73,7 @@ def status(d: MeshDaemon) -> dict[str, Any]:
     node = d.mesh
     routes = node.routes()
     rates = receive_rates(d)
+    paces = link_paces(d)
     members = []
     for name, m in sorted(node.members().items()):
         rtt = node.rtt_s(d.peer_id, name)
@@ -89,6 +90,7 @@ def status(d: MeshDaemon) -> dict[str, Any]:
                 "route": list(routes.get(name, ())),
                 "receive_rate_bps": _rounded(rates.get(name)),
                 "published_rate_bps": _rounded(node.rate_bps(name, d.peer_id)),
+                "pace_bps": _rounded(paces.get(name)),
             }
         )
     return {
@@ -129,6 +131,16 @@ def receive_rates(d: MeshDaemon) -> dict[str, float]:
         stats = d.transport.link_stats(key)
         if stats is not None and stats.receive_rate_bps is not None:
             out[peer_id_of(key)] = stats.receive_rate_bps
+    return out
+
+
+def link_paces(d: MeshDaemon) -> dict[str, float]:
+    """The rate each paced link's bulk frames go at (core.link.pacer), by peer ID."""
+    out: dict[str, float] = {}
+    for key in d.transport.peers():
+        stats = d.transport.link_stats(key)
+        if stats is not None and stats.pace_bps is not None:
+            out[peer_id_of(key)] = stats.pace_bps
     return out
 
 

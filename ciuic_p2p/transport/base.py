@@ -81,6 +81,9 @@ class LinkStats:
     """The pace of the peer's bulk frames arriving here, measured passively
     (core.link.throughput); None before a frame large enough to measure."""
     rate_samples: int = 0
+    pace_bps: float | None = None
+    """The rate this node paces its bulk frames to the peer at (core.link.pacer);
+    None: not paced."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,6 +165,12 @@ class Transport(abc.ABC):
     @abc.abstractmethod
     async def close(self) -> None:
         """Close every link and stop listening."""
+
+    def pace(self, peer: bytes, rate_bps: float | None) -> None:
+        """Send bulk bytes to ``peer`` no faster than ``rate_bps`` (None: as fast as
+        the link takes them; core.link.pacer). A transport without a bottleneck to
+        spare (in memory) ignores it."""
+        del peer, rate_bps
 
     def lanes_status(self) -> dict[str, Any] | None:
         """What the node's lane processes carry (transport.laned); None without lanes."""

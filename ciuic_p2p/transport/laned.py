@@ -386,6 +386,11 @@ class LanedTransport(Transport):
     def rtt(self, peer: bytes) -> RttStats | None:
         return self.main.rtt(peer)
 
+    def pace(self, peer: bytes, rate_bps: float | None) -> None:
+        """The node's own link only: the lanes exist for links whose limit is a core,
+        not the path, and their share of a path's rate is not known apart."""
+        self.main.pace(peer, rate_bps)
+
     def link_stats(self, peer: bytes) -> LinkStats | None:
         """The node's link's counters plus its lanes': bytes both ways, what waits
         for the peer, and the receive rate summed over the lanes that measured one
@@ -410,6 +415,7 @@ class LanedTransport(Transport):
             if samples
             else (stats.receive_rate_bps),
             rate_samples=samples + stats.rate_samples,
+            pace_bps=stats.pace_bps,
         )
 
     def set_trust(self, trust: Trust) -> list[bytes]:

@@ -4,8 +4,10 @@ streams its two lanes map to, its timer."""
 from __future__ import annotations
 
 import asyncio
+import collections
 from typing import Any
 
+from ciuic_p2p.core.link.pacer import Pacer
 from ciuic_p2p.core.link.session import Lane, LinkSession
 from ciuic_p2p.transport.backend import QuicBackend
 from ciuic_p2p.transport.base import Address
@@ -45,6 +47,12 @@ class QuicLink(SessionLink):
         self.expected_peer: bytes | None = None
         """The key a dial expects: a link that proves another is refused before it can
         take the place of that key's existing link."""
+        self.pacer = Pacer()
+        self.paced: collections.deque[bytes | memoryview] = collections.deque()
+        """Bulk bytes the pacer holds back (within the peer's credit, which bounds
+        them), in order, for the bulk stream."""
+        self.paced_bytes = 0
+        self.pace_timer: asyncio.TimerHandle | None = None
 
     @property
     def bulk_out(self) -> int:

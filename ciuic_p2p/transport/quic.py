@@ -39,6 +39,7 @@ tests/transport/test_quic.py checks the internals it uses exist in each.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime as dt
 import random
 import socket
@@ -61,6 +62,7 @@ from ciuic_p2p.core.link.session import (
     Closed,
     CreditGranted,
     FrameArrived,
+    Lane,
     LinkSession,
     LocalIdentity,
 )
@@ -117,6 +119,8 @@ class _Endpoint(asyncio.DatagramProtocol):
 
 
 MAX_REASON_BYTES = 256
+PACE_TICK_S = 0.001
+"""The least wait between two paced writes (the event loop's timer resolution)."""
 """A close reason longer than this is cut: it travels in one packet."""
 
 
@@ -506,10 +510,15 @@ class QuicTransport(Transport):
                     self._refuse_or_drop(link, event.reason, stream)
 
     def _flush_session(self, link: QuicLink, transmit: bool = True) -> None:
-        """Write what the session queued to its streams."""
+        """Write what the session queued to its streams (bulk bytes through the link's
+        pacer when it has a rate)."""
         sent_control = False
         for lane, data in link.session.data_to_send():
             stream = link.stream_of(lane)
+            if lane is Lane.BULK and (link.pacer.rate_bps is not None or link.paced):
+                link.paced.append(data)
+                link.paced_bytes += len(data)
+                continue
             try:
                 link.quic.send_stream_data(stream, data)
             except self.backend.connection_error as exc:  # the library closed it already
@@ -518,6 +527,53 @@ class QuicTransport(Transport):
             sent_control |= stream == CONTROL_STREAM
         if sent_control:
             self._check_control_backlog(link)
+        if link.paced and link.pace_timer is None:
+            self._write_paced(link, transmit=False)
+        if transmit:
+            self._transmit(link)
+
+    def pace(self, peer: bytes, rate_bps: float | None) -> None:
+        link = self._book.links.get(peer)
+        if link is None or link.closed:
+            return
+        link.pacer.set_rate(rate_bps, self.clock())
+        if link.paced:  # a new rate (or none) applies to what waits now
+            if link.pace_timer is not None:
+                link.pace_timer.cancel()
+                link.pace_timer = None
+            self._write_paced(link)
+
+    def _paced_timer(self, link: QuicLink) -> None:
+        link.pace_timer = None
+        if not link.closed:
+            self.guard.call("pace", self._write_paced, link)
+
+    def _write_paced(self, link: QuicLink, transmit: bool = True) -> None:
+        """Hand the bulk stream what the pacer allows now; come back when it allows
+        the rest."""
+        now = self.clock()
+        pacer, stream = link.pacer, link.bulk_out
+        while link.paced:
+            allowed = pacer.allowance(now)
+            if allowed <= 0:
+                break
+            head = link.paced[0]
+            n = min(allowed, len(head))
+            whole = n == len(head) and isinstance(head, bytes)
+            try:  # whole pieces as they are; a piece cut by the pace, once copied
+                link.quic.send_stream_data(stream, head if whole else bytes(head[:n]))
+            except self.backend.connection_error as exc:
+                self._link_gone(link, f"connection closed ({exc})")
+                return
+            pacer.spend(n)
+            link.paced_bytes -= n
+            if n == len(head):
+                link.paced.popleft()
+            else:
+                link.paced[0] = memoryview(head)[n:]
+        if link.paced:
+            wait_s = max(PACE_TICK_S, pacer.wait_s(len(link.paced[0]), now))
+            link.pace_timer = asyncio.get_running_loop().call_later(wait_s, self._paced_timer, link)
         if transmit:
             self._transmit(link)
 
@@ -623,7 +679,7 @@ class QuicTransport(Transport):
         """Stream bytes sent on live links that the peers have not acknowledged yet
         (aioquic keeps each stream's unacknowledged data in its sender's buffer)."""
         return sum(
-            self.backend.unacked_bytes(link.quic)
+            self.backend.unacked_bytes(link.quic) + link.paced_bytes
             for link in self._book.links.values()
             if not link.closed
         )
@@ -650,7 +706,10 @@ class QuicTransport(Transport):
         return None if link is None else self._book.ping_rtt(peer, link.quic_rtt())
 
     def link_stats(self, peer: bytes) -> LinkStats | None:
-        return self._book.link_stats(peer)
+        stats, link = self._book.link_stats(peer), self._book.links.get(peer)
+        if stats is None or link is None or link.pacer.rate_bps is None:
+            return stats
+        return dataclasses.replace(stats, pace_bps=link.pacer.rate_bps)
 
     def maintain(self, address: Address, expected_peer: bytes | None = None) -> None:
         """Keep a link to ``address`` up: dial now, and again whenever it is lost,
@@ -724,6 +783,11 @@ class QuicTransport(Transport):
         if link.timer is not None:
             link.timer.cancel()
             link.timer = None
+        if link.pace_timer is not None:
+            link.pace_timer.cancel()
+            link.pace_timer = None
+        link.paced.clear()
+        link.paced_bytes = 0
         for cid in [c for c, lk in self._by_cid.items() if lk is link]:
             del self._by_cid[cid]
         self._book.gone(link, reason, quiet)

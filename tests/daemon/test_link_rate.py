@@ -1,6 +1,7 @@
 """The passive link rate end to end: real daemons (QUIC) on the emulated WAN, a link
 shaped to a known rate; after some large chunks the receiver's ``status`` shows that
-rate, measured from the chunks alone, and its link state carries it to the sender."""
+rate, measured from the chunks alone, and its link state carries it to the sender,
+which paces that link by it."""
 
 from __future__ import annotations
 
@@ -60,6 +61,21 @@ async def test_a_links_rate_is_measured_from_the_chunks_it_carries() -> None:
         assert published is not None and abs(published - measured) <= 0.25 * measured + 1e3
         (theirs,) = nodestatus.status(receiver)["members"]
         assert theirs["published_rate_bps"] == round(published)
+        # The sender paces its bulk frames on that link at mesh.pace_gain times the
+        # rate its receiver published (core.link.pacer); the receiver, which measured
+        # nothing from the other side, sends unpaced.
+        gain = Config.wan().mesh.pace_gain
+
+        def paced_at() -> float | None:
+            (entry,) = nodestatus.status(sender)["members"]
+            pace = entry["pace_bps"]
+            return None if pace is None else float(pace)
+
+        await mesh.until(lambda: paced_at() is not None, 10)
+        now_published = sender.mesh.rate_bps(sender.peer_id, receiver.peer_id)
+        assert now_published is not None
+        assert paced_at() == pytest.approx(gain * now_published, rel=0.02)
+        assert theirs["pace_bps"] is None
         # The other way no one measured (the receiver sent nothing large), and only a
         # link's receiver's word counts for it: unknown, not borrowed.
         (mine,) = nodestatus.status(sender)["members"]
