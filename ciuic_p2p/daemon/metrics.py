@@ -450,14 +450,22 @@ class DaemonCollector(Collector):
             "The pace of a peer's bulk frames arriving here, measured passively (bits/s).",
             labels=["peer"],
         )
+        pace = GaugeMetricFamily(
+            "ciuic_link_pace_bps",
+            "The rate this node paces its bulk frames to a peer at (bits/s; absent: not paced).",
+            labels=["peer"],
+        )
         for key in d.transport.peers():
             stats = d.transport.link_stats(key)
             if stats is not None:
                 buffered.add_metric([peer_id_of(key)], stats.bulk_buffered_bytes)
                 if stats.receive_rate_bps is not None:
                     rate.add_metric([peer_id_of(key)], stats.receive_rate_bps)
+                if stats.pace_bps is not None:
+                    pace.add_metric([peer_id_of(key)], stats.pace_bps)
         yield buffered
         yield rate
+        yield pace
 
     def _membership(self) -> Iterator[Metric]:
         d = self.daemon

@@ -459,14 +459,12 @@ class MeshDaemon:
         gain = self.config.mesh.pace_gain
         if gain <= 0:
             return
-        members = node.members()
-        for peer in node.view():
-            member = members.get(peer)
-            key = None if member is None else self._peer_at.get(member.address)
-            if key is None:
-                continue
-            rate_bps = node.rate_bps(self.peer_id, peer)
-            self.transport.pace(key, None if rate_bps is None else gain * rate_bps)
+        # By the link's proven key, not by a member's signed address: a member that
+        # signed another's address must not set that one's pace.
+        for key in self.transport.peers():
+            rate_bps = node.rate_bps(self.peer_id, peer_id_of(key))
+            pace_bps = None if rate_bps is None else gain * rate_bps
+            self.guard.call("pace", self.transport.pace, key, pace_bps)
 
     def _probe_rates(self, node: MeshNode, now: float) -> None:
         """To one live peer a turn whose rate from this node no one has published (it

@@ -49,9 +49,8 @@ class QuicLink(SessionLink):
         take the place of that key's existing link."""
         self.pacer = Pacer()
         self.paced: collections.deque[bytes | memoryview] = collections.deque()
-        """Bulk bytes the pacer holds back (within the peer's credit, which bounds
-        them), in order, for the bulk stream."""
-        self.paced_bytes = 0
+        """Bulk bytes the pacer holds back, in order, for the bulk stream (what the
+        daemon's per-peer outbox hands the link, as QUIC's send buffer held before)."""
         self.pace_timer: asyncio.TimerHandle | None = None
 
     @property

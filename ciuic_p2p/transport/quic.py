@@ -119,9 +119,9 @@ class _Endpoint(asyncio.DatagramProtocol):
 
 
 MAX_REASON_BYTES = 256
+"""A close reason longer than this is cut: it travels in one packet."""
 PACE_TICK_S = 0.001
 """The least wait between two paced writes (the event loop's timer resolution)."""
-"""A close reason longer than this is cut: it travels in one packet."""
 
 
 class QuicTransport(Transport):
@@ -529,7 +529,7 @@ class QuicTransport(Transport):
             self._check_control_backlog(link)
         if link.paced and link.pace_timer is None:
             self._write_paced(link, transmit=False)
-        if transmit:
+        if transmit and not link.closed:
             self._transmit(link)
 
     def pace(self, peer: bytes, rate_bps: float | None) -> None:

@@ -41,6 +41,9 @@ class SessionLink:
         self.established_at = 0.0
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.paced_bytes = 0
+        """Bulk bytes this node's pacer still holds back (transport.quic): the peer
+        cannot credit bytes it has not been sent."""
         self.credit_changed = asyncio.Event()
         self.gone = asyncio.Event()
         self.ready: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
@@ -151,6 +154,8 @@ class LinkBook(Generic[L]):
             try:
                 await asyncio.wait_for(link.credit_changed.wait(), self.settings.stall_timeout_s)
             except TimeoutError:
+                if link.paced_bytes and not link.closed:  # held back here, not there
+                    continue
                 self._drop(link, "peer stalled: no credit", False)
                 raise TransportError(f"{peer_id_of(peer)} stopped reading; dropped") from None
             if link.closed:
