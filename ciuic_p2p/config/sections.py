@@ -313,7 +313,7 @@ class MeshSection:
     control finds a path's rate by overflowing its bottleneck queue, and a queue short
     against the path's bandwidth-delay product turns that into a loss burst in every
     transfer: 1 MB broadcasts over the emulated multi-cloud matrix took 2.1-2.3x the
-    store-and-forward optimum round after round unpaced, 1.1-1.4x from the second
+    store-and-forward optimum round after round unpaced, 1.1-1.3x from the third
     round paced at 1.5x the measured rate. Well above 1, because the measurement reads
     low (slow start, losses) and climbs only by what the pace lets through: at 1.1x
     the rounds stayed at 1.8-1.9x. The LAN and local presets do not pace."""

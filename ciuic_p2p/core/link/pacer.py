@@ -15,10 +15,10 @@ So a link whose receiver has published its rate from this node (core.link.throug
 gossiped with the link state) gets its bulk bytes no faster than ``mesh.pace_gain``
 times that rate (the daemon sets it). The gain is well above 1 because that
 measurement reads low (a frame sent in slow start or after a loss) and climbs only by
-what the pace lets through: at 1.1x the rounds above stayed at 1.8-1.9x the optimum,
-at 1.5x they came to 1.1-1.4x from the second round. A burst of ``burst_s`` of the
-rate (at least ``MIN_BURST_BYTES``) goes at once, so that a fast link is not paced one
-datagram at a time.
+what the pace lets through: at 1.1x the rounds above stayed at 1.8-1.9x the optimum;
+at 1.5x they came to 1.4-1.7x in the second round and 1.1-1.3x from the third. A
+burst of ``burst_s`` of the rate (at least ``MIN_BURST_BYTES``) goes at once, so that
+a fast link is not paced one datagram at a time.
 """
 
 from __future__ import annotations
