@@ -32,6 +32,7 @@ import collections
 import copy
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -42,12 +43,13 @@ import torch
 
 from ciuic_p2p.config import CodecSection, TrainSection
 from ciuic_p2p.config.sections import OuterOptimizer, ValueMode
-from ciuic_p2p.core.codec.bucket import ChunkSource
 from ciuic_p2p.core.codec.layout import BucketLayout
-from ciuic_p2p.core.replica.messages import PayloadKind, encode_presence, run_id_of
-from ciuic_p2p.core.replica.rule import Replica, consensus_distance
+from ciuic_p2p.core.replica.rule import consensus_distance
 from ciuic_p2p.lab.tasks import ShakespeareTask, Task, make_task
 from ciuic_p2p.train.hook import flatten_parameters
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from support.simreplicas import SimNode, joined_replicas, stream_of
 
 VALUES: dict[str, ValueMode] = {"int2": "int2", "int4": "int4", "int8": "int8", "fp16": "fp16"}
 
@@ -82,10 +84,6 @@ def _scale(step: int, steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - 1) / steps))
 
 
-def _stream(seed: int, rank: int) -> torch.Generator:
-    return torch.Generator().manual_seed(seed * 1000 + rank + 1)
-
-
 def interleaved(task: ShakespeareTask) -> None:
     """Replica ``rank`` draws windows starting at ``rank + k * world`` over the whole
     text (``DistributedSampler``'s split of positions) instead of its own quarter."""
@@ -105,7 +103,7 @@ def ddp(task: Task, lr: float, seed: int, nodes: int, steps: int) -> float:
     torch.manual_seed(seed)
     model = task.model()
     opt = task.optimizer(list(model.parameters()))
-    streams = [_stream(seed, r) for r in range(nodes)]
+    streams = [stream_of(seed, r) for r in range(nodes)]
     for step in range(1, steps + 1):
         for g in opt.param_groups:
             g["lr"] = lr * _scale(step, steps)
@@ -116,48 +114,18 @@ def ddp(task: Task, lr: float, seed: int, nodes: int, steps: int) -> float:
     return task.evaluate(model)[0]
 
 
-@dataclass
-class _Node:
-    model: torch.nn.Module
-    optimizer: torch.optim.Optimizer
-    replica: Replica
-    stream: torch.Generator
-
-
-def _nodes(task: Task, cfg: Round, seed: int, nodes: int) -> list[_Node]:
-    out = []
-    for i in range(nodes):
-        torch.manual_seed(seed)
-        model = task.model()
-        layout = BucketLayout.for_module(model, 0)
-        buckets = flatten_parameters(model, layout)
-        source = ChunkSource(run_id_of("rounds"), bytes([i + 1]) * 32, 0, layout.layout_id)
-        replica = Replica(
-            layout,
-            buckets,
-            source,
-            f"p{i}",
-            CodecSection(density=cfg.density, value_mode=cfg.values),
-            TrainSection(
-                mode="outer",
-                inner_steps=cfg.inner_steps,
-                outer_lr=cfg.outer_lr,
-                outer_optimizer=cfg.optimizer,
-                outer_momentum=0.9,
-                consensus_interval_steps=0,
-                staleness_bound_steps=max(64, 2 * cfg.inner_steps + cfg.delay_steps),
-            ),
-            seed=i,
-        )
-        replica.set_alive([f"p{j}" for j in range(nodes)])
-        optimizer = task.optimizer(list(model.parameters()))
-        out.append(_Node(model, optimizer, replica, _stream(seed, i)))
-    joined = encode_presence(PayloadKind.JOIN, run_id_of("rounds"))
-    for i, node in enumerate(out):
-        for j in range(nodes):
-            if j != i:
-                node.replica.receive(f"p{j}", joined)
-    return out
+def _nodes(task: Task, cfg: Round, seed: int, nodes: int) -> list[SimNode]:
+    train = TrainSection(
+        mode="outer",
+        inner_steps=cfg.inner_steps,
+        outer_lr=cfg.outer_lr,
+        outer_optimizer=cfg.optimizer,
+        outer_momentum=0.9,
+        consensus_interval_steps=0,
+        staleness_bound_steps=max(64, 2 * cfg.inner_steps + cfg.delay_steps),
+    )
+    codec = CodecSection(density=cfg.density, value_mode=cfg.values)
+    return joined_replicas(task, seed, nodes, codec, train)
 
 
 def outer(task: Task, cfg: Round, lr: float, seed: int, nodes: int, steps: int) -> dict[str, float]:

@@ -14,47 +14,30 @@ import argparse
 import collections
 import json
 import math
+import os
 import statistics
 import sys
 
 import torch
 
 from ciuic_p2p.config import CodecSection, TrainSection
-from ciuic_p2p.core.codec.bucket import ChunkSource
-from ciuic_p2p.core.codec.layout import BucketLayout
-from ciuic_p2p.core.replica.messages import PayloadKind, encode_presence, run_id_of
-from ciuic_p2p.core.replica.rule import Replica, consensus_distance
+from ciuic_p2p.core.replica.rule import consensus_distance
 from ciuic_p2p.lab.tasks import DigitsTask
-from ciuic_p2p.train.hook import flatten_parameters
 
-_Rep = tuple[torch.nn.Module, torch.optim.Optimizer, Replica, torch.Generator]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from support.simreplicas import SimNode, joined_replicas
+
+_Rep = SimNode
 
 
 def _replicas(task: DigitsTask, density: float, interval: int, seed: int, nodes: int) -> list[_Rep]:
-    reps: list[_Rep] = []
-    for i in range(nodes):
-        torch.manual_seed(seed)
-        model = task.model()
-        layout = BucketLayout.for_module(model, 0)
-        buckets = flatten_parameters(model, layout)
-        source = ChunkSource(run_id_of("sim"), bytes([i + 1]) * 32, 0, layout.layout_id)
-        r = Replica(
-            layout,
-            buckets,
-            source,
-            f"p{i}",
-            CodecSection(density=density, dense_below_numel=0),
-            TrainSection(consensus_interval_steps=0, send_interval_steps=interval),
-            seed=i,
-        )
-        r.set_alive([f"p{j}" for j in range(nodes)])
-        opt = task.optimizer(list(model.parameters()))
-        reps.append((model, opt, r, torch.Generator().manual_seed(seed * 1000 + i + 1)))
-    for i, (_, _, r, _) in enumerate(reps):  # everyone joined
-        for j in range(nodes):
-            if j != i:
-                r.receive(f"p{j}", encode_presence(PayloadKind.JOIN, run_id_of("sim")))
-    return reps
+    return joined_replicas(
+        task,
+        seed,
+        nodes,
+        CodecSection(density=density, dense_below_numel=0),
+        TrainSection(consensus_interval_steps=0, send_interval_steps=interval),
+    )
 
 
 class _DelayLine:

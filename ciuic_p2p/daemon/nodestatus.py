@@ -12,7 +12,7 @@ from ciuic_p2p.config import Config
 from ciuic_p2p.core.link.keys import peer_id_of
 from ciuic_p2p.core.mesh.node import MeshNode
 from ciuic_p2p.guard import Guard
-from ciuic_p2p.transport.base import Transport
+from ciuic_p2p.transport.base import LinkStats, Transport
 
 
 class StatusSource(Protocol):
@@ -72,11 +72,11 @@ def route_table(d: MeshDaemon) -> list[dict[str, Any]]:
 def status(d: MeshDaemon) -> dict[str, Any]:
     node = d.mesh
     routes = node.routes()
-    rates = receive_rates(d)
-    paces = link_paces(d)
+    links = link_stats(d)
     members = []
     for name, m in sorted(node.members().items()):
         rtt = node.rtt_s(d.peer_id, name)
+        link = links.get(name)
         members.append(
             {
                 "peer": name,
@@ -88,9 +88,9 @@ def status(d: MeshDaemon) -> dict[str, Any]:
                 "rtt_ms": None if rtt is None else round(rtt * 1000, 2),
                 "rtt_source": node.rtt_source(d.peer_id, name),
                 "route": list(routes.get(name, ())),
-                "receive_rate_bps": _rounded(rates.get(name)),
+                "receive_rate_bps": _rounded(link.receive_rate_bps if link else None),
                 "published_rate_bps": _rounded(node.rate_bps(name, d.peer_id)),
-                "pace_bps": _rounded(paces.get(name)),
+                "pace_bps": _rounded(link.pace_bps if link else None),
             }
         )
     return {
@@ -123,25 +123,24 @@ def _rounded(value: float | None) -> int | None:
     return None if value is None else round(value)
 
 
+def link_stats(d: MeshDaemon) -> dict[str, LinkStats]:
+    """Each live link's counters, by peer ID."""
+    out: dict[str, LinkStats] = {}
+    for key in d.transport.peers():
+        stats = d.transport.link_stats(key)
+        if stats is not None:
+            out[peer_id_of(key)] = stats
+    return out
+
+
 def receive_rates(d: MeshDaemon) -> dict[str, float]:
     """The measured pace of each linked peer's bulk frames here, by peer ID (only the
     links that have carried a frame large enough to measure)."""
-    out: dict[str, float] = {}
-    for key in d.transport.peers():
-        stats = d.transport.link_stats(key)
-        if stats is not None and stats.receive_rate_bps is not None:
-            out[peer_id_of(key)] = stats.receive_rate_bps
-    return out
-
-
-def link_paces(d: MeshDaemon) -> dict[str, float]:
-    """The rate each paced link's bulk frames go at (core.link.pacer), by peer ID."""
-    out: dict[str, float] = {}
-    for key in d.transport.peers():
-        stats = d.transport.link_stats(key)
-        if stats is not None and stats.pace_bps is not None:
-            out[peer_id_of(key)] = stats.pace_bps
-    return out
+    return {
+        peer: s.receive_rate_bps
+        for peer, s in link_stats(d).items()
+        if s.receive_rate_bps is not None
+    }
 
 
 def internal_errors(d: MeshDaemon) -> dict[str, int]:
