@@ -77,7 +77,7 @@ class Pacer:
     def wait_s(self, nbytes: int, now: float) -> float:
         """Seconds until ``nbytes``, or half a burst if that is less, may go. Half:
         the bucket stops filling at a full burst, so a timer that fires late after
-        waiting for a full one loses the rate of its lateness (a review measured
+        waiting for a full one loses the rate of its lateness (a review simulated
         0.6-0.9 of the rate at 1-4 ms late)."""
         if self.rate_bps is None:
             return 0.0
