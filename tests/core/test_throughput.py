@@ -74,6 +74,30 @@ def test_the_capacity_shows_through_slow_frames_and_one_burst_is_left_out() -> N
     assert est.rate_bps is not None and abs(est.rate_bps - 20e6) / 20e6 < 0.01
 
 
+def test_a_frame_that_arrives_in_slow_start_reads_at_the_rate_it_reached() -> None:
+    """The first frame on an idle link comes slowly, then at the path's rate (QUIC's
+    slow start): the estimate is the rate reached, not the frame's average (a pacer
+    at a multiple of the average would hold the link below what it just carried)."""
+    est = ReceiveRate(min_sample_bytes=64 * 1024)
+    size, slow, now, sent = 1 << 20, 200_000, 0.0, 0
+    while sent < size:
+        n = min(PIECE, size - sent)
+        sent += n
+        now += n * 8 / (2e6 if sent <= slow else 20e6)
+        est.arrived(n, [size] if sent == size else [], 0, now)
+    average = (size - PIECE) * 8 / now
+    assert average < 8e6
+    assert est.rate_bps is not None and abs(est.rate_bps - 20e6) / 20e6 < 0.01
+    assert est.samples_taken == 1
+
+
+def test_a_frame_under_twice_the_ramp_is_timed_whole() -> None:
+    est = ReceiveRate(min_sample_bytes=64 * 1024, ramp_bytes=256 * 1024)
+    deliver(est, [400 * 1024], 10e6, start=0.0, gap_s=1.0)
+    assert est.samples_taken == 1
+    assert est.rate_bps is not None and abs(est.rate_bps - 10e6) / 10e6 < 0.01
+
+
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(
