@@ -17,9 +17,9 @@ Each configuration is ``H:density:values:outer_lr:delay[:nesterov]`` (``values``
 int2, int4, int8, fp16; density 1 is dense; ``nesterov``: DiLoCo's outer step, momentum
 0.9, else averaging); ``--lr-scales`` multiplies the task's learning
 rate (inner steps and DDP alike), so a configuration is compared with DDP at the same
-rate and DDP's own best rate shows beside it. ``--split interleaved`` gives each
-Shakespeare replica windows from the whole text (``DistributedSampler``'s rank::world
-over positions) instead of its own quarter.
+rate and DDP's own best rate shows beside it. ``--split quarters`` gives each
+Shakespeare replica its own contiguous quarter of the text instead of windows from the
+whole of it (the task's default, ``DistributedSampler``'s rank::world over positions).
 
     python bench/rounds.py --task digits --seeds 4 --seed0 10 --lr-scales 1 2 3 \\
         --configs 5:0.05:int4:1:1 5:0.05:int4:1.4:1 5:1:fp16:1:1 --json
@@ -84,20 +84,6 @@ def _scale(step: int, steps: int) -> float:
     return 0.5 * (1 + math.cos(math.pi * (step - 1) / steps))
 
 
-def interleaved(task: ShakespeareTask) -> None:
-    """Replica ``rank`` draws windows starting at ``rank + k * world`` over the whole
-    text (``DistributedSampler``'s split of positions) instead of its own quarter."""
-
-    def batch(rank: int, world: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-        n = (len(task.train_ids) - task.context - 1 - rank) // world
-        starts = rank + world * torch.randint(n, (task.batch_size,), generator=gen)
-        x = torch.stack([task.train_ids[s : s + task.context] for s in starts])
-        y = torch.stack([task.train_ids[s + 1 : s + 1 + task.context] for s in starts])
-        return x, y
-
-    task.batch = batch  # type: ignore[method-assign]
-
-
 def ddp(task: Task, lr: float, seed: int, nodes: int, steps: int) -> float:
     """Dense DDP's final evaluation loss: the exact mean of the replicas' gradients."""
     torch.manual_seed(seed)
@@ -129,8 +115,7 @@ def _nodes(task: Task, cfg: Round, seed: int, nodes: int) -> list[SimNode]:
 
 
 def outer(task: Task, cfg: Round, lr: float, seed: int, nodes: int, steps: int) -> dict[str, float]:
-    """One run: the mean over replicas of the final loss, the loss of their parameters'
-    mean, the consensus distance and the origin's payload bytes per step."""
+    """One run: :func:`_evaluate`'s losses and the origin's payload bytes per step."""
     reps = _nodes(task, cfg, seed, nodes)
     line: collections.deque[tuple[int, int, bytes]] = collections.deque()
 
@@ -165,17 +150,35 @@ def outer(task: Task, cfg: Round, lr: float, seed: int, nodes: int, steps: int) 
     deliver(steps + cfg.delay_steps)
     for node in reps:
         node.replica.settle(everything=True)
-    losses = [task.evaluate(node.model)[0] for node in reps]
-    mean_model = copy.deepcopy(reps[0].model)
+    return {**_evaluate(task, reps), "payload_bytes_per_step": sent / nodes / steps}
+
+
+def _model_of(node: SimNode, buckets: list[torch.Tensor]) -> torch.nn.Module:
+    """A copy of a replica's model holding ``buckets`` instead of its parameters."""
+    model = copy.deepcopy(node.model)
     with torch.no_grad():
-        mean_buckets = flatten_parameters(mean_model, BucketLayout.for_module(mean_model, 0))
-        for k, b in enumerate(mean_buckets):
-            b.copy_(torch.stack([node.replica.buckets[k] for node in reps]).mean(0))
+        flat = flatten_parameters(model, BucketLayout.for_module(model, 0))
+        for target, source in zip(flat, buckets, strict=True):
+            target.copy_(source)
+    return model
+
+
+def _evaluate(task: Task, reps: list[SimNode]) -> dict[str, float]:
+    """The mean over replicas of the final loss; the loss of their parameters' mean;
+    the mean loss of the consensus each holds without its unsent residual (the anchor,
+    as SparseLoCo's workers restart from); the consensus distance."""
+    losses = [task.evaluate(node.model)[0] for node in reps]
+    with torch.no_grad():
+        mean = [
+            torch.stack([node.replica.buckets[k] for node in reps]).mean(0)
+            for k in range(len(reps[0].replica.buckets))
+        ]
+    anchors = [task.evaluate(_model_of(n, n.replica.shared_params()))[0] for n in reps]
     return {
         "eval_loss": statistics.fmean(losses),
-        "mean_params_eval_loss": task.evaluate(mean_model)[0],
+        "mean_params_eval_loss": task.evaluate(_model_of(reps[0], mean))[0],
+        "anchor_eval_loss": statistics.fmean(anchors),
         "consensus_distance": consensus_distance([node.replica.buckets for node in reps]),
-        "payload_bytes_per_step": sent / nodes / steps,
     }
 
 
@@ -187,7 +190,7 @@ def _arguments() -> argparse.Namespace:
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--seed0", type=int, default=0, help="first seed (held-out: 10)")
     ap.add_argument("--lr-scales", type=float, nargs="+", default=[1.0])
-    ap.add_argument("--split", choices=["quarters", "interleaved"], default="quarters")
+    ap.add_argument("--split", choices=["quarters", "interleaved"], default="interleaved")
     ap.add_argument(
         "--configs", nargs="*", default=["5:0.05:int4:1:1"], help="none: DDP's rates only"
     )
@@ -199,10 +202,10 @@ def main() -> int:
     args = _arguments()
     torch.set_num_threads(1)
     task = make_task(args.task)
-    if args.split == "interleaved":
+    if args.split == "quarters":
         if not isinstance(task, ShakespeareTask):
-            raise SystemExit("--split interleaved: shakespeare only (digits is interleaved)")
-        interleaved(task)
+            raise SystemExit("--split quarters: shakespeare only (digits is interleaved)")
+        task.split = "quarters"
     steps = args.steps or (150 if args.task == "digits" else 300)
     seeds = list(range(args.seed0, args.seed0 + args.seeds))
     configs = [Round.parse(c) for c in args.configs]
@@ -225,6 +228,7 @@ def main() -> int:
                 "ddp_eval_loss": statistics.fmean(dense),
                 "loss_vs_ddp_pct": 100 * gap,
                 "mean_params_eval_loss": statistics.fmean(r["mean_params_eval_loss"] for r in runs),
+                "anchor_eval_loss": statistics.fmean(r["anchor_eval_loss"] for r in runs),
                 "consensus_distance": max(r["consensus_distance"] for r in runs),
                 "payload_bytes_per_step": statistics.fmean(
                     r["payload_bytes_per_step"] for r in runs
@@ -235,6 +239,7 @@ def main() -> int:
                 print(
                     f"  {cfg}: {row['eval_loss']:.4f} ({row['loss_vs_ddp_pct']:+.2f}% vs ddp), "
                     f"mean params {row['mean_params_eval_loss']:.4f}, "
+                    f"anchor {row['anchor_eval_loss']:.4f}, "
                     f"{row['payload_bytes_per_step']:.0f} B/step payload",
                     file=sys.stderr,
                 )

@@ -119,8 +119,17 @@ class ShakespeareTask:
     layers: int = 2
     heads: int = 4
     eval_batches: int = 8
+    split: str = "interleaved"
+    """How the training text is divided between replicas. ``interleaved``: replica
+    ``rank`` draws windows starting at ``rank + k * world`` over the whole text, as
+    ``DistributedSampler`` divides a dataset under torchrun, Hugging Face Trainer and
+    Lightning. ``quarters``: each replica its own contiguous 1/world of the text
+    (different plays: a non-IID split, kept to compare; it costs the outer mode 1.5
+    points against DDP, docs/concepts/outer-steps.md)."""
 
     def __post_init__(self) -> None:
+        if self.split not in ("interleaved", "quarters"):
+            raise ValueError(f"split {self.split!r}: interleaved or quarters")
         text = shakespeare_text()
         chars = sorted(set(text))
         self.vocab = len(chars)
@@ -143,9 +152,14 @@ class ShakespeareTask:
         return torch.optim.AdamW(params, lr=self.lr, weight_decay=0.01)
 
     def batch(self, rank: int, world: int, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
-        span = len(self.train_ids) // world
-        base = rank * span
-        starts = base + torch.randint(span - self.context - 1, (self.batch_size,), generator=gen)
+        if self.split == "quarters":
+            span = len(self.train_ids) // world
+            starts = rank * span + torch.randint(
+                span - self.context - 1, (self.batch_size,), generator=gen
+            )
+        else:
+            n = (len(self.train_ids) - self.context - 1 - rank) // world
+            starts = rank + world * torch.randint(n, (self.batch_size,), generator=gen)
         x = torch.stack([self.train_ids[s : s + self.context] for s in starts])
         y = torch.stack([self.train_ids[s + 1 : s + 1 + self.context] for s in starts])
         return x, y
