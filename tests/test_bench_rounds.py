@@ -30,6 +30,9 @@ def test_one_dense_inner_step_is_ddp_and_compression_is_not() -> None:
         dense, sparse = rows[(scale, "1:1:fp16:1:0")], rows[(scale, "5:0.01:int2:1:1")]
         assert abs(dense["loss_vs_ddp_pct"]) < 0.2  # fp16 rounding only
         assert dense["consensus_distance"] < 1e-3
+        # Nothing is left unsent: the anchor is the parameters.
+        assert dense["anchor_eval_loss"] == pytest.approx(dense["eval_loss"], rel=1e-3)
         assert sparse["consensus_distance"] > 1e-3  # the replicas differ: not DDP
         assert sparse["eval_loss"] != pytest.approx(dense["eval_loss"], rel=1e-4)
+        assert sparse["anchor_eval_loss"] != pytest.approx(sparse["eval_loss"], rel=1e-4)
         assert sparse["payload_bytes_per_step"] < dense["payload_bytes_per_step"] / 10
