@@ -14,7 +14,7 @@ from __future__ import annotations
 import gzip
 import math
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import numpy as np
 import torch
@@ -109,6 +109,9 @@ class CharTransformer(nn.Module):
         return out
 
 
+Split = Literal["interleaved", "quarters"]
+
+
 @dataclass
 class ShakespeareTask:
     name: str = "shakespeare"
@@ -119,7 +122,7 @@ class ShakespeareTask:
     layers: int = 2
     heads: int = 4
     eval_batches: int = 8
-    split: str = "interleaved"
+    split: Split = "interleaved"
     """How the training text is divided between replicas. ``interleaved``: replica
     ``rank`` draws windows starting at ``rank + k * world`` over the whole text, as
     ``DistributedSampler`` divides a dataset under torchrun, Hugging Face Trainer and

@@ -59,4 +59,4 @@ def test_quarters_keep_each_replica_in_its_own_part(task: ShakespeareTask) -> No
 
 def test_an_unknown_split_is_refused() -> None:
     with pytest.raises(ValueError, match="interleaved or quarters"):
-        ShakespeareTask(split="halves")
+        ShakespeareTask(split="halves")  # type: ignore[arg-type]
