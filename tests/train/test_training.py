@@ -25,7 +25,12 @@ from ciuic_p2p.lab.tasks import make_task
 
 pytestmark = pytest.mark.processes
 
-CONFIG = DEMO_CONFIG.format(density=0.01, send_interval=2, max_interval=16, bound=64)
+# A trainer starved of CPU for a while (eight processes on two cores) is excused after
+# `train.stall_grace_s` and its later chunks arrive past the bound, as designed; a
+# longer grace than the default keeps that rare here, so the bound is what is checked.
+CONFIG = DEMO_CONFIG.format(density=0.01, send_interval=2, max_interval=16, bound=64).replace(
+    "\n\n[log]", "\nstall_grace_s = 2.0\n\n[log]"
+)
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +52,8 @@ def test_four_nodes_train_digits_to_95_percent_every_chunk_applied_once(
     summary = summarize(results)
     # On two busy cores a trainer sometimes attaches after the others started: it then
     # joins from their state and is excused while it is behind (tests/train/
-    # test_elastic.py), so its chunks arrive later than the bound. Otherwise none may.
+    # test_elastic.py), so its chunks arrive later than the bound. A replica that
+    # excused a stalled peer sees its chunks late too. Otherwise none may.
     late = any((r["sync"]["restored"] or {}).get("source") == "mesh" for r in results)
     for r in results:
         assert r["accuracy"] >= 0.95, (r["node"], r["accuracy"])
@@ -60,7 +66,10 @@ def test_four_nodes_train_digits_to_95_percent_every_chunk_applied_once(
             for o, n in sync["sent_by_origin"].items()
         )
         assert sync["refused"] == {}
-        assert late or sync["staleness_p99"] <= sync["staleness_bound"]
+        assert late or sync["excused"] > 0 or sync["staleness_p99"] <= sync["staleness_bound"], (
+            r["node"],
+            sync["staleness_p99"],
+        )
         # The error-feedback residual stays bounded (the unit test checks it does not
         # grow over a run; here, that it stays below the parameters' own norm).
         params = torch.load(out / f"params-{r['rank']}.pt")
