@@ -26,6 +26,7 @@ from ciuic_p2p.core.mesh.strategy import (
     predict_round_s,
     ring_order,
     ring_tree,
+    same_plan,
     slow_start_s,
 )
 from ciuic_p2p.data import scenario_path
@@ -411,3 +412,21 @@ def test_a_member_claiming_short_links_joins_no_cluster_and_leads_none() -> None
     leaders = cluster_leaders(groups, honest, 65536)
     assert [leader for g, leader in leaders.items() if g != (liar,)] != [liar]
     assert liar not in {leader for g, leader in leaders.items() if len(g) > 1}
+
+
+def test_strategies_that_send_by_the_same_trees_are_told_apart_from_those_that_do_not() -> None:
+    """Where every cluster is one node (no link under ``cluster_rtt_s``),
+    ``hierarchical`` sends by the tree's own trees: one plan under two names, which
+    the benchmark measures as one; the ring's differ. Children count in any order."""
+    plans = Plans(MESH, piece_bytes=1 << 20)
+    assert plans.same_plan(4096) == tuple((s,) for s in STRATEGIES)  # no state yet
+    plans.update(1, _uniform(7, delay_s=0.05))
+    groups = plans.same_plan(4096)
+    assert ("tree", "hierarchical") in groups and ("ring",) in groups
+    a = {"o": {"o": ["x", "y"], "x": [], "y": []}}
+    b = {"o": {"o": ["y", "x"]}}
+    c = {"o": {"o": ["x"], "x": ["y"]}}
+    assert same_plan({"tree": a, "ring": b, "hierarchical": c}) == (
+        ("tree", "ring"),
+        ("hierarchical",),
+    )

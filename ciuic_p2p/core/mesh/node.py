@@ -233,6 +233,12 @@ class MeshNode:
         self._route()
         return self.plans.predict(strategy, round_bytes)
 
+    def same_plan(self, round_bytes: int) -> tuple[tuple[Strategy, ...], ...]:
+        """The strategies that would send rounds of ``round_bytes`` by the same trees
+        on this node's published state (core.mesh.strategy.same_plan)."""
+        self._route()
+        return self.plans.same_plan(round_bytes)
+
     def strategy(self) -> dict[str, object]:
         """The strategy this node's rounds spread by, and what the cost model predicted
         for each (core.mesh.strategy)."""

@@ -420,6 +420,24 @@ class Choice:
     their predictions rest on ``default_rate_bps``, and none of them is switched to."""
 
 
+def same_plan(trees: Mapping[Strategy, Mapping[str, Tree]]) -> tuple[tuple[Strategy, ...], ...]:
+    """The strategies grouped by the trees they send by (every origin's, children in
+    any order): where all nodes form one cluster (a star whose leaves are all near
+    its hub) or every cluster is one node, ``hierarchical`` is the ``tree``. Two
+    names for one plan are one strategy: a round of each measures the same thing,
+    and the faster of two such rounds is only the luckier."""
+    groups: dict[object, list[Strategy]] = {}
+    for s, per_origin in trees.items():
+        shape = tuple(
+            sorted(
+                (o, tuple(sorted((u, tuple(sorted(kids))) for u, kids in t.items() if kids)))
+                for o, t in per_origin.items()
+            )
+        )
+        groups.setdefault(shape, []).append(s)
+    return tuple(tuple(g) for g in groups.values())
+
+
 def unmeasured_links(plan_: Plan, costs: LinkCosts) -> int:
     """Links of ``plan_``'s trees that carry a payload and have no published rate."""
     edges = {(u, v) for tree in plan_.trees.values() for u, kids in tree.items() for v in kids}
@@ -605,6 +623,16 @@ class Plans:
             plan(strategy, costs, piece, self.settings), costs, round_bytes, self.piece_bytes
         )
 
+    def same_plan(self, round_bytes: int) -> tuple[tuple[Strategy, ...], ...]:
+        """Which strategies send rounds of ``round_bytes`` by the same trees on this
+        node's published state (:func:`same_plan`; each alone before a state)."""
+        costs = self.costs
+        if costs is None:
+            return tuple((s,) for s in STRATEGIES)
+        return same_plan(
+            {s: {o: self.tree(s, o, round_bytes) for o in costs.nodes} for s in STRATEGIES}
+        )
+
     def status(self) -> dict[str, object]:
         """The choice in force, for ``status``, metrics and the page."""
         c = self.chooser.current
@@ -617,4 +645,9 @@ class Plans:
             "predicted_s": {} if c is None else {k: round(v, 4) for k, v in c.predicted_s.items()},
             "unmeasured": [] if c is None else sorted(c.unmeasured),
             "switches": self.chooser.switches,
+            "same_plan": (
+                []
+                if c is None
+                else [list(g) for g in self.same_plan(c.payload_bytes) if len(g) > 1]
+            ),
         }
