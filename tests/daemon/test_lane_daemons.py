@@ -34,7 +34,13 @@ def test_daemons_carry_chunks_over_their_lanes_and_leave_none_behind(tmp_path: P
             assert answer.get("ok"), answer
             return answer
 
-        while not all(status(n)["lanes"]["paired"] for n in ("n0", "n1")):
+        def both_lanes_up(name: str) -> bool:
+            # "paired" lists a peer once any of its lanes is up; a lane dialled late
+            # (a busy machine) would see no chunk, so wait for both.
+            paired = status(name)["lanes"]["paired"]
+            return bool(paired) and all(len(up) == 2 for up in paired.values())
+
+        while not all(both_lanes_up(n) for n in ("n0", "n1")):
             assert time.monotonic() < deadline, "lanes never paired"
             time.sleep(0.05)
         for _ in range(24):
