@@ -144,6 +144,7 @@ async def run_rounds(
     settle_s: float,
     timeout_s: float,
     warmup: int = 2,
+    carry_plans: bool = True,
 ) -> dict[str, Any]:
     names = scenario.node_names()
     uplink = min(n.uplink_bps or 0.0 for n in scenario.nodes)
@@ -153,6 +154,7 @@ async def run_rounds(
     mesh_cfg = dataclasses.replace(
         base.mesh,
         strategy=strategy,  # type: ignore[arg-type]
+        carry_plans=carry_plans,
         node_uplink_bps=uplink,
         default_rate_bps=uplink or base.mesh.default_rate_bps,
     )
@@ -237,6 +239,7 @@ async def run_rounds(
         out["repaired"] = sum(x.repaired for x in spread)
         out["duplicates"] = sum(x.duplicates for x in spread)
         out["lost"] = sum(x.lost for x in spread)
+        out["plans_refused"] = sum(x.plans_refused for x in spread)
     return out
 
 
@@ -348,7 +351,13 @@ def main() -> int:
     )
     ap.add_argument("--uplink-gbps", type=float, default=1.0)
     ap.add_argument("--payloads", default=f"{SHAKESPEARE_OUTER_BYTES},{UPDATE_BYTES}")
-    ap.add_argument("--rounds", type=int, default=3, help="measured rounds per run (3)")
+    ap.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="measured rounds per run (5: one run of one strategy spread 1.7x between its "
+        "rounds at 3)",
+    )
     ap.add_argument(
         "--warmup-rounds",
         type=int,
@@ -366,6 +375,12 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=180.0, help="seconds a round may take")
     ap.add_argument("--scenarios", default="cities11,multicloud,two-regions,star")
     ap.add_argument("--strategies", default="tree,ring,hierarchical,auto")
+    ap.add_argument(
+        "--no-carry-plans",
+        action="store_true",
+        help="large pieces carry no plan: every relay forwards by its own trees "
+        "(mesh.carry_plans false; the behaviour before it)",
+    )
     ap.add_argument("--skip-dissemination", action="store_true", help="no 1 MB tree row")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -402,6 +417,7 @@ def main() -> int:
                             args.settle,
                             args.timeout,
                             args.warmup_rounds,
+                            not args.no_carry_plans,
                         )
                     )
                     row[strategy] = {
@@ -418,6 +434,7 @@ def main() -> int:
                         "repaired": r["repaired"],
                         "duplicates": r["duplicates"],
                         "lost": r["lost"],
+                        "plans_refused": r["plans_refused"],
                         "wall_s": round(time.monotonic() - t0, 1),
                     }
                     print(f"{sname} {payload} {strategy}: {row[strategy]}", file=sys.stderr)
@@ -434,6 +451,7 @@ def main() -> int:
         "rounds": args.rounds,
         "warmup_rounds": args.warmup_rounds,
         "small_rounds": args.small_rounds,
+        "carry_plans": not args.no_carry_plans,
         "scenarios": table,
         "auto_over_best_max": max((r.get("auto_over_best", 0.0) for r in table), default=None),
         "auto_over_best_max_unpooled": max(

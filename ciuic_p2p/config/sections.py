@@ -307,6 +307,12 @@ class MeshSection:
     bench/strategy.py."""
     rate_probe_interval_s: float = 60.0
     """A link is probed at most this often, and never while bulk data waits for it."""
+    carry_plans: bool = True
+    """A large piece (over 64 KiB) carries the tree its origin planned for it, and every
+    relay forwards it by that plan rather than by the trees of the state it holds when
+    the piece arrives (core.mesh.carriedplan): a 1 MiB piece spends seconds per hop
+    while RTTs and rates are republished, and relays that disagree send second copies
+    or none. Costs about 2 + name bytes per node on each large piece."""
     pace_gain: float = 1.5
     """Bulk bytes to a peer go no faster than this times the rate that peer published
     for the link from this node (core.link.pacer); 0: no pacing. QUIC's congestion

@@ -48,9 +48,9 @@ from ciuic_p2p.core.mesh.broadcast import Delivery
 from ciuic_p2p.core.mesh.identities import Identities
 from ciuic_p2p.core.mesh.members import MemberEvent, State
 from ciuic_p2p.core.mesh.messages import (
+    CHUNK_KINDS,
     Chunk,
     MeshDecodeError,
-    MeshKind,
     Message,
     decode_message,
     encode_message,
@@ -544,8 +544,7 @@ class MeshDaemon:
             log.warning("mesh_message_refused", peer=peer_id_of(event.peer), reason=str(exc))
             return
         if msg.sender != peer_id_of(event.peer) or (
-            (msg.kind in (MeshKind.CHUNK, MeshKind.ROUTED_CHUNK))
-            != (event.type is FrameType.MESH_CHUNK)
+            (msg.kind in CHUNK_KINDS) != (event.type is FrameType.MESH_CHUNK)
         ):
             self.counters["spoofed"] += 1
             log.warning("mesh_message_refused", peer=peer_id_of(event.peer), reason="sender")

@@ -15,6 +15,7 @@ import pytest
 
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.mesh.members import State
+from ciuic_p2p.core.mesh.strategy import LARGE_PIECE_BYTES
 from ciuic_p2p.core.replica.messages import PayloadKind
 from tests.daemon.memorymesh import MemoryMesh, until
 from tests.daemon.standin import StandInTrainer
@@ -95,12 +96,15 @@ def test_every_broadcast_reaches_every_member_exactly_once(tmp_path: Path) -> No
     run_virtual(main())
 
 
-@pytest.mark.parametrize("strategy", ["ring", "hierarchical"])
+@pytest.mark.parametrize(
+    ("strategy", "piece_bytes"), [("ring", 3000), ("hierarchical", 3000), ("ring", 100_000)]
+)
 def test_a_rounds_pieces_go_by_its_strategy_and_reach_every_member_once(
-    tmp_path: Path, strategy: str
+    tmp_path: Path, strategy: str, piece_bytes: int
 ) -> None:
     """Round pieces travel as ROUTED_CHUNK frames through real daemons (their kind
-    checked against the frame's lane) and every relay follows the named strategy."""
+    checked against the frame's lane) and every relay follows the named strategy;
+    large pieces as PLANNED_CHUNK frames, each relay following its origin's plan."""
 
     async def main() -> None:
         config = Config.lan()
@@ -117,7 +121,9 @@ def test_a_rounds_pieces_go_by_its_strategy_and_reach_every_member_once(
                 for name in NAMES:
                     d = mesh.nodes[name].daemon
                     for _ in range(2):
-                        seq = d.broadcast(os.urandom(3000), round_id=r, round_bytes=6000)
+                        seq = d.broadcast(
+                            os.urandom(piece_bytes), round_id=r, round_bytes=2 * piece_bytes
+                        )
                         sent.add((d.peer_id, seq))
 
             def all_in() -> bool:
@@ -135,7 +141,9 @@ def test_a_rounds_pieces_go_by_its_strategy_and_reach_every_member_once(
                 daemon = mesh.nodes[n].daemon
                 assert daemon.counters["spoofed"] == 0
                 assert daemon.status()["strategy"]["strategy"] == strategy
-                assert daemon.mesh_bytes_sent["ROUTED_CHUNK"] > 0 or n == NAMES[-1]
+                kind = "PLANNED_CHUNK" if piece_bytes > LARGE_PIECE_BYTES else "ROUTED_CHUNK"
+                assert daemon.mesh_bytes_sent[kind] > 0 or n == NAMES[-1]
+                assert daemon.mesh.dissemination.plans_refused == 0
             hops = max(d.hops for n in NAMES for d in mesh.records[n].delivered)
             assert hops == (len(NAMES) - 2 if strategy == "ring" else hops)
         finally:

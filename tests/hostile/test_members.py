@@ -274,7 +274,7 @@ async def test_no_member_publishes_as_another_or_takes_its_numbers(tmp_path: Pat
         ]
         kept = a.mesh.dissemination.kept(a.peer_id, warm)
         assert kept is not None
-        payload, signature, _, _ = kept
+        payload, signature, _, _, _ = kept
         replay = Chunk(a.peer_id, warm, 0, payload, signature)
         for name in ("b", "c"):
             await liar.say(name, *forged, replay)

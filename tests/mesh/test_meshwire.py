@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from ciuic_p2p.core.mesh.messages import (
     MAX_ID_BYTES,
     MAX_INCARNATION,
+    MAX_PLAN_NODES,
     MAX_RATE_KBPS,
     MAX_ROUTE,
     Ack,
@@ -83,6 +84,25 @@ updates = st.one_of(
     st.builds(Credential, ids, st.binary(max_size=400)),
 )
 ups = st.lists(updates, max_size=6).map(tuple)
+
+
+@st.composite
+def planned_chunks(draw: st.DrawFn) -> Chunk:
+    """PLANNED_CHUNK: a chunk carrying its origin's tree (each parent earlier)."""
+    origin = draw(ids)
+    nodes = draw(st.lists(ids.filter(lambda n: n != origin), min_size=1, max_size=6, unique=True))
+    plan = tuple((n, draw(st.integers(0, i))) for i, n in enumerate(nodes))
+    return Chunk(
+        origin,
+        draw(u64),
+        draw(st.integers(0, 255)),
+        draw(st.binary(max_size=300)),
+        draw(sigs),
+        draw(st.integers(0, MAX_ROUTE)),
+        plan,
+    )
+
+
 bodies = st.one_of(
     st.builds(Ping, u32, ids, coords, u32, ups),
     st.builds(Ack, u32, coords, u32, ups),
@@ -100,6 +120,7 @@ bodies = st.one_of(
         sigs,
         st.integers(1, MAX_ROUTE),
     ),
+    planned_chunks(),
     st.builds(Heads, st.lists(st.tuples(ids, u64), max_size=5).map(tuple)),
     st.builds(Want, ids, st.lists(u64, max_size=5).map(tuple)),
 )
@@ -133,6 +154,7 @@ def test_random_bytes_and_mutations_only_raise_typed_errors() -> None:
         encode_message(Message("a", Sync(True, (Links("a", 3, (LinkEntry("b", 5000, 1),), sig),)))),
         encode_message(Message("a", Gossip((Credential("c", b"d" * 300), Left("c", 4, sig))))),
         encode_message(Message("a", Chunk("o", 9, 1, b"x" * 50, sig))),
+        encode_message(Message("a", Chunk("o", 9, 1, b"x" * 50, sig, 1, (("p", 0), ("q", 1))))),
     ]
     for i in range(20_000):
         if i % 2:
@@ -156,6 +178,48 @@ def test_a_route_out_of_range_is_refused_both_ways() -> None:
             decode_message(mutated)
         with pytest.raises(ValueError, match="route"):
             encode_message(Message("a", Chunk("o", 9, 1, b"x", bytes(64), route=bad or -1)))
+
+
+def _planned(plan: tuple[tuple[str, int], ...]) -> bytes:
+    """A PLANNED_CHUNK from origin "o" with this plan, encoded as it stands."""
+    w = bytearray([2, MeshKind.PLANNED_CHUNK, 1]) + b"a" + bytes([1]) + b"o"
+    w += (9).to_bytes(8, "little") + bytes([1, 0, len(plan)])
+    for node, parent in plan:
+        w += bytes([len(node.encode())]) + node.encode() + bytes([parent])
+    return bytes(w + (1).to_bytes(4, "little") + b"x" + bytes(64))
+
+
+def test_a_plan_with_a_cycle_a_repeat_its_origin_or_no_node_is_refused() -> None:
+    assert decode_message(_planned((("a", 0), ("b", 1)))).body.plan == (("a", 0), ("b", 1))  # type: ignore[union-attr]
+    for bad, why in (
+        ((("a", 1),), "parent"),  # its own parent
+        ((("a", 0), ("b", 3)), "parent"),  # a parent that comes later
+        ((("a", 0), ("a", 1)), "twice"),
+        ((("o", 0),), "twice"),  # the origin is the root, not a planned node
+        ((), "1 to"),
+        (tuple((f"n{i}", 0) for i in range(MAX_PLAN_NODES + 1)), "1 to"),
+        (tuple((f"{i:02d}" + "x" * 100, 0) for i in range(40)), "bytes"),
+    ):
+        with pytest.raises(MeshDecodeError, match=why):
+            decode_message(_planned(bad))
+    with pytest.raises(ValueError, match="parent"):
+        encode_message(Message("a", Chunk("o", 9, 1, b"x", bytes(64), plan=(("a", 1),))))
+    with pytest.raises(ValueError, match="route"):
+        encode_message(Message("a", Chunk("o", 9, 1, b"x", bytes(64), MAX_ROUTE + 1, (("a", 0),))))
+
+
+def test_a_chunks_plan_and_route_are_signed_with_it() -> None:
+    ids_ = identities("a", "o")
+    base = Chunk("o", 9, 1, b"x", plan=(("a", 0), ("b", 1)))
+    good = signed(base)
+    assert ids_.verify_chunk(good)
+    for changed in (
+        dataclasses.replace(good, plan=(("a", 0), ("b", 0))),
+        dataclasses.replace(good, plan=()),
+        dataclasses.replace(good, route=1),
+    ):
+        assert not ids_.verify_chunk(changed)
+    assert ids_.verify_chunk(dataclasses.replace(good, hops=7))  # relays count hops
 
 
 def test_limits_are_enforced_both_ways() -> None:

@@ -4,7 +4,9 @@ Each origin numbers its chunks 1, 2, 3, ... A chunk travels in a ``CHUNK`` messa
 
 - ``tree`` mode: the origin sends to its children in its dissemination tree
   (core.mesh.routing); every node that receives a chunk for the first time delivers it
-  and forwards it to its own children in that origin's tree.
+  and forwards it to its own children in that origin's tree; a large piece names the
+  tree its origin planned, and every relay forwards it by that plan
+  (core.mesh.carriedplan).
 - ``direct`` mode: the origin sends to every live node; nobody forwards.
 - ``gossip`` mode: the origin and every first receiver push to ``gossip_fanout``
   random live nodes (the baseline the benchmarks compare against).
@@ -78,6 +80,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ciuic_p2p.config.sections import MeshSection
+from ciuic_p2p.core.mesh.carriedplan import plan_children
 from ciuic_p2p.core.mesh.chunkstore import ChunkStore, Kept
 from ciuic_p2p.core.mesh.identities import Identities
 from ciuic_p2p.core.mesh.lag import LagEstimator
@@ -88,6 +91,7 @@ from ciuic_p2p.core.mesh.messages import (
     Chunk,
     Heads,
     Message,
+    Plan,
     Want,
 )
 
@@ -275,10 +279,14 @@ class Disseminator:
         identities: Identities,
         seed: int = 0,
         session: int = 0,
+        plan_for: Callable[[int, int], Plan] | None = None,
     ) -> None:
         self.node = node
         self.settings = settings
         self.children = children
+        self.plan_for = plan_for
+        """The plan this node's chunks of (route, payload bytes) carry (core.mesh.
+        carriedplan); empty, or no callable: relays forward by their own trees."""
         self.live = live
         self.identities = identities
         self.rng = random.Random(seed ^ 0x5EED)
@@ -297,6 +305,9 @@ class Disseminator:
         """Chunks and announcements of an origin not live, past ``MAX_ORIGINS`` logs."""
         self.restarts_seen = 0
         """Origins heard from in a new session (restarted)."""
+        self.plans_refused = 0
+        """Carried plans that made this node a parent of more children than its own
+        tree or ``tree_max_fanout`` would: forwarded by its own tree instead."""
         self.bad_signatures = 0
         """Chunks whose origin signature did not verify (or whose origin has no
         credential here): dropped, never delivered, forwarded or held."""
@@ -332,17 +343,22 @@ class Disseminator:
         trees of strategy ``route``, core.mesh.strategy); returns its sequence number."""
         seq = self.next_seq
         self.next_seq += 1
-        unsigned = Chunk(self.node, seq, 0, payload, route=route)
-        signature = self.identities.sign(unsigned)
-        self._keep(self.node, seq, payload, signature, now, route)
         mode = self.settings.dissemination
+        plan: Plan = ()
+        if mode == "tree" and self.plan_for is not None:
+            plan = self.plan_for(route, len(payload))
+        unsigned = Chunk(self.node, seq, 0, payload, route=route, plan=plan)
+        signature = self.identities.sign(unsigned)
+        self._keep(self.node, seq, payload, signature, now, route, plan)
         if mode == "direct":
             targets = list(self.live())
         elif mode == "gossip":
             targets = self._random_peers(self.settings.gossip_fanout, exclude=())
+        elif plan:
+            targets = plan_children(plan, self.node, self.node, set(self.live())) or []
         else:
             targets = self.children(self.node, route, len(payload))
-        signed = Chunk(self.node, seq, 0, payload, signature, route)
+        signed = dataclasses.replace(unsigned, signature=signature)
         for t in targets:
             self._send(t, signed)  # one body: the adapter encodes it once for all
         self._arm_heads(now)
@@ -366,7 +382,9 @@ class Disseminator:
             for seq in b.seqs:
                 kept = self.kept(b.origin, seq)
                 if kept is not None:
-                    self._send(msg.sender, Chunk(b.origin, seq, 255, kept[0], kept[1], kept[3]))
+                    self._send(
+                        msg.sender, Chunk(b.origin, seq, 255, kept[0], kept[1], kept[3], kept[4])
+                    )
 
     def _claim(self, origin: str, high: int, holder: str, now: float) -> None:
         """A HEADS entry: tracked in the origin's signed session, else asked for once
@@ -451,13 +469,14 @@ class Disseminator:
             if claim.high >> SESSION_SHIFT == log.session:
                 log.holders.merge(claim.holders)
                 self._learn(log, claim.high, sender, now)
-        self._keep(chunk.origin, chunk.seq, chunk.payload, chunk.signature, now, chunk.route)
+        self._keep(
+            chunk.origin, chunk.seq, chunk.payload, chunk.signature, now, chunk.route, chunk.plan
+        )
         self.deliveries.append(Delivery(chunk.origin, chunk.seq, chunk.payload, now, chunk.hops))
         mode = self.settings.dissemination
         hops = min(chunk.hops + 1, REPAIRED_HOPS)
         if mode == "tree":
-            kids = self.children(chunk.origin, chunk.route, len(chunk.payload))
-            targets = [c for c in kids if c != sender]
+            targets = [c for c in self._tree_children(chunk) if c != sender]
         elif mode == "gossip":
             targets = self._random_peers(
                 self.settings.gossip_fanout, exclude=(sender, chunk.origin)
@@ -469,15 +488,37 @@ class Disseminator:
             self._send(t, forwarded)
         self._arm_heads(now)
 
+    def _tree_children(self, chunk: Chunk) -> list[str]:
+        """Whom this node forwards a first-arriving chunk to: by the plan it carries
+        (core.mesh.carriedplan), else by this node's trees of its route."""
+        if not chunk.plan:
+            return self.children(chunk.origin, chunk.route, len(chunk.payload))
+        planned = plan_children(chunk.plan, chunk.origin, self.node, set(self.live()))
+        if planned is None:
+            return []  # not in its origin's view: the planned nodes get it down the plan
+        if len(planned) > self.settings.tree_max_fanout:
+            own = self.children(chunk.origin, chunk.route, len(chunk.payload))
+            if len(planned) > len(own):
+                self.plans_refused += 1
+                return own
+        return planned
+
     def kept(self, origin: str, seq: int) -> Kept | None:
         """The chunk (origin, seq) as held here, if it still is."""
         return self.chunks.kept(origin, seq)
 
     def _keep(
-        self, origin: str, seq: int, payload: bytes, signature: bytes, now: float, route: int
+        self,
+        origin: str,
+        seq: int,
+        payload: bytes,
+        signature: bytes,
+        now: float,
+        route: int,
+        plan: Plan,
     ) -> None:
         self._held_changes += 1
-        self.chunks.keep(origin, seq, payload, signature, now, route)
+        self.chunks.keep(origin, seq, payload, signature, now, route, plan)
 
     # -- repair -----------------------------------------------------------------------------
 

@@ -16,9 +16,11 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ciuic_p2p.config.sections import MeshSection
+from ciuic_p2p.core.mesh.messages import Plan
 
-Kept = tuple[bytes, bytes, float, int]
-"""A held chunk: (payload, its origin's signature, when kept, route)."""
+Kept = tuple[bytes, bytes, float, int, Plan]
+"""A held chunk: (payload, its origin's signature, when kept, route, the plan it
+carried), all a repair answer needs to send it as its origin signed it."""
 Key = tuple[str, int]
 """(origin, sequence number)."""
 
@@ -48,10 +50,17 @@ class ChunkStore:
         return self.own if origin == self.node else self.others
 
     def keep(
-        self, origin: str, seq: int, payload: bytes, signature: bytes, now: float, route: int
+        self,
+        origin: str,
+        seq: int,
+        payload: bytes,
+        signature: bytes,
+        now: float,
+        route: int,
+        plan: Plan = (),
     ) -> None:
         store = self._of(origin)
-        store[(origin, seq)] = (payload, signature, now, route)
+        store[(origin, seq)] = (payload, signature, now, route, plan)
         self.held_bytes += len(payload)
         if store is self.others:
             self._others_bytes += len(payload)
@@ -63,7 +72,7 @@ class ChunkStore:
         own_retain_s = max(s.chunk_retain_s, s.own_chunk_retain_s)
         for store, retain_s in ((self.others, s.chunk_retain_s), (self.own, own_retain_s)):
             while store:
-                key, (_, _, at, _) = next(iter(store.items()))
+                key, (_, _, at, _, _) = next(iter(store.items()))
                 if now - at <= retain_s:
                     break
                 self._drop(store, key)

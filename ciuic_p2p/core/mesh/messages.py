@@ -19,6 +19,11 @@ bytes; ``sig`` 64 bytes (Ed25519); all integers little-endian. Bodies by kind:
 - ``ROUTED_CHUNK``: origin str8, seq u64, hops u8, route u8, payload bytes32, sig: a
   chunk that names how it spreads (``route``, 1 to ``MAX_ROUTE``: the strategy of
   core.mesh.strategy by its code; a ``CHUNK`` is route 0, ``tree``)
+- ``PLANNED_CHUNK``: origin str8, seq u64, hops u8, route u8 (0 to ``MAX_ROUTE``), plan
+  count u8 (1 to ``MAX_PLAN_NODES``), then per planned node: node str8, parent u8 (0:
+  the origin; i: the i-th planned node, which comes before it), payload bytes32, sig: a
+  chunk that carries the tree its origin planned for it, so that every relay forwards
+  it by one plan, not by the trees of the published state each holds when it arrives
 - ``HEADS``: count u16, then per origin: origin str8, high u64 (highest seq held)
 - ``WANT``: origin str8, count u16, seqs u64 each
 
@@ -38,7 +43,8 @@ signs): an ALIVE, a LEFT and a LINKS (or RATED_LINKS) by the node they are about
 a node may say where it is, that it left, or what its links measure); a CHUNK by its
 origin, over the origin, the sequence number (and so its session) and the payload's
 BLAKE2b-256; a ROUTED_CHUNK the same and its route, so that no relay can send it
-down another strategy's trees. The
+down another strategy's trees; a PLANNED_CHUNK the same, its route and its plan, so
+that no relay can change who forwards it to whom. The
 accusations SUSPECT and DEAD are any member's word and are signed by nobody: a node
 takes them only at the incarnation its subject signed (core.mesh.membership).
 
@@ -68,7 +74,11 @@ MAX_NAME_BYTES = 64
 """A node's name on the wire (UTF-8)."""
 MAX_MESSAGE_BYTES = 64 * 1024 - 16
 """Control messages fit one GOSSIP frame (core.link.frames)."""
-MAX_CHUNK_MESSAGE_BYTES = MAX_CHUNK_BYTES + 512
+MAX_PLAN_NODES = 64
+"""Nodes a carried plan names, at most (an origin with a larger view sends no plan)."""
+MAX_PLAN_BYTES = 4096
+"""A carried plan's bytes on the wire, at most: 64 names of up to 62 bytes."""
+MAX_CHUNK_MESSAGE_BYTES = MAX_CHUNK_BYTES + 512 + MAX_PLAN_BYTES
 MAX_ROUTE = 2
 """The highest route code a ROUTED_CHUNK may name: core.mesh.strategy's last (a test
 holds the two together)."""
@@ -103,6 +113,7 @@ class MeshKind(enum.IntEnum):
     HEADS = 8
     WANT = 9
     ROUTED_CHUNK = 10
+    PLANNED_CHUNK = 11
 
 
 class UpdateType(enum.IntEnum):
@@ -240,6 +251,12 @@ class Sync:
     updates: tuple[Update, ...]
 
 
+Plan = tuple[tuple[str, int], ...]
+"""A dissemination tree as an origin carries it: (node, parent) in order, where parent
+0 is the origin and i the i-th node of the plan, which comes earlier (so a plan has no
+cycle and names every node once)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Chunk:
     """One disseminated payload; ``signature`` is its origin's (:func:`signed_bytes`),
@@ -252,6 +269,9 @@ class Chunk:
     signature: bytes = b""
     route: int = 0
     """How it spreads: the code of its strategy (core.mesh.strategy), 0 ``tree``."""
+    plan: Plan = ()
+    """The tree its origin planned for it (:data:`Plan`); empty: every relay forwards it
+    by its own trees of ``route``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -276,7 +296,11 @@ class Message:
 
     def __post_init__(self) -> None:
         body = self.body
-        kind = MeshKind.ROUTED_CHUNK if isinstance(body, Chunk) and body.route else None
+        kind = None
+        if isinstance(body, Chunk) and body.plan:
+            kind = MeshKind.PLANNED_CHUNK
+        elif isinstance(body, Chunk) and body.route:
+            kind = MeshKind.ROUTED_CHUNK
         object.__setattr__(self, "kind", kind or _KIND_OF[type(body)])
 
 
@@ -321,6 +345,20 @@ class _Writer(Writer):
         for u in updates:
             self.parts.append(encode_update(u))
 
+    def plan(self, plan: Plan) -> None:
+        if not 0 < len(plan) <= MAX_PLAN_NODES:
+            raise ValueError(f"a plan names 1 to {MAX_PLAN_NODES} nodes, not {len(plan)}")
+        start = len(self.parts)
+        self.u8(len(plan))
+        for i, (node, parent) in enumerate(plan):
+            if not 0 <= parent <= i:
+                raise ValueError(f"plan entry {i + 1} names parent {parent}, not 0..{i}")
+            self.str8(node)
+            self.u8(parent)
+        size = sum(len(p) for p in self.parts[start:])
+        if size > MAX_PLAN_BYTES:
+            raise ValueError(f"a plan of {size} bytes exceeds {MAX_PLAN_BYTES}")
+
 
 def _signed_part(u: Alive | Left | Links) -> _Writer:
     """An update's fields without its signature (what the signature covers)."""
@@ -364,6 +402,9 @@ _DOMAINS = {
 NAMED_ALIVE_DOMAIN = b"ciuic-mesh-alive-named-v2\0"
 RATED_LINKS_DOMAIN = b"ciuic-mesh-links-rated-v2\0"
 ROUTED_CHUNK_DOMAIN = b"ciuic-mesh-chunk-routed-v2\0"
+PLANNED_CHUNK_DOMAIN = b"ciuic-mesh-chunk-planned-v2\0"
+CHUNK_KINDS = frozenset({MeshKind.CHUNK, MeshKind.ROUTED_CHUNK, MeshKind.PLANNED_CHUNK})
+"""The kinds that carry a chunk (MESH_CHUNK frames, their own size limit)."""
 
 
 def payload_digest(payload: bytes | bytearray | memoryview) -> bytes:
@@ -377,9 +418,15 @@ def signed_bytes(u: Alive | Left | Links | Chunk, digest: bytes | None = None) -
         w = _Writer()
         w.str8(u.origin)
         w.u64(u.seq)
-        if u.route:
+        if u.plan:
             w.u8(u.route)
-        domain = ROUTED_CHUNK_DOMAIN if u.route else _DOMAINS[Chunk]
+            w.plan(u.plan)
+            domain = PLANNED_CHUNK_DOMAIN
+        elif u.route:
+            w.u8(u.route)
+            domain = ROUTED_CHUNK_DOMAIN
+        else:
+            domain = _DOMAINS[Chunk]
         return domain + b"".join(w.parts) + (digest or payload_digest(u.payload))
     if isinstance(u, Alive) and u.name:
         domain = NAMED_ALIVE_DOMAIN
@@ -445,10 +492,12 @@ def encode_message(msg: Message) -> bytes:
         w.str8(b.origin)
         w.u64(b.seq)
         w.u8(min(b.hops, 255))
-        if b.route:
-            if not 0 < b.route <= MAX_ROUTE:
+        if b.route or b.plan:
+            if not (0 if b.plan else 1) <= b.route <= MAX_ROUTE:
                 raise ValueError(f"route {b.route} is not one of 1..{MAX_ROUTE}")
             w.u8(b.route)
+        if b.plan:
+            w.plan(b.plan)
         w.u32(len(b.payload))
         w.parts.append(bytes(b.payload))
         w.sig(b.signature)
@@ -493,6 +542,27 @@ class _Reader(Reader):
         if height < 0 or error < 0:
             raise MeshDecodeError("coordinate height or error negative")
         return Coordinate(tuple(values[:-2]), height, error)
+
+    def plan(self, origin: str) -> Plan:
+        """A carried plan: each parent earlier than its node, no node twice, the origin
+        not among them, within ``MAX_PLAN_BYTES``."""
+        start = self.pos
+        n = self.u8()
+        if not 0 < n <= MAX_PLAN_NODES:
+            raise MeshDecodeError(f"a plan names 1 to {MAX_PLAN_NODES} nodes, not {n}")
+        entries: list[tuple[str, int]] = []
+        seen = {origin}
+        for i in range(n):
+            node, parent = self.str8(), self.u8()
+            if parent > i:
+                raise MeshDecodeError(f"plan entry {i + 1} names parent {parent}, not 0..{i}")
+            if node in seen:
+                raise MeshDecodeError("a plan names a node twice (or its origin)")
+            seen.add(node)
+            entries.append((node, parent))
+            if self.pos - start > MAX_PLAN_BYTES:
+                raise MeshDecodeError(f"a plan exceeds {MAX_PLAN_BYTES} bytes")
+        return tuple(entries)
 
     def name(self) -> str:
         """A node's name: shown in terminals and logs, so no control characters."""
@@ -578,6 +648,17 @@ def _read_routed_chunk(r: _Reader) -> Chunk:
     return _read_chunk(r, routed=True)
 
 
+def _read_planned_chunk(r: _Reader) -> Chunk:
+    origin, seq, hops, route = r.str8(), r.u64(), r.u8(), r.u8()
+    if route > MAX_ROUTE:
+        raise MeshDecodeError(f"chunk route {route} is not one of 0..{MAX_ROUTE}")
+    plan = r.plan(origin)
+    n = r.u32()
+    if n > MAX_CHUNK_BYTES:
+        raise MeshDecodeError(f"chunk payload of {n} bytes exceeds {MAX_CHUNK_BYTES}")
+    return Chunk(origin, seq, hops, bytes(r.take(n)), r.sig(), route, plan)
+
+
 def _read_heads(r: _Reader) -> Heads:
     n = r.count(MAX_HEADS, "heads")
     return Heads(tuple((r.str8(), r.u64()) for _ in range(n)))
@@ -599,6 +680,7 @@ _BODY_READERS: dict[MeshKind, Callable[[_Reader], Body]] = {
     MeshKind.SYNC: _read_sync,
     MeshKind.CHUNK: _read_chunk,
     MeshKind.ROUTED_CHUNK: _read_routed_chunk,
+    MeshKind.PLANNED_CHUNK: _read_planned_chunk,
     MeshKind.HEADS: _read_heads,
     MeshKind.WANT: _read_want,
 }
@@ -617,7 +699,7 @@ def decode_message(data: bytes) -> Message:
         kind = MeshKind(raw_kind)
     except ValueError:
         raise MeshDecodeError(f"unknown message kind {raw_kind}") from None
-    if kind not in (MeshKind.CHUNK, MeshKind.ROUTED_CHUNK) and len(data) > MAX_MESSAGE_BYTES:
+    if kind not in CHUNK_KINDS and len(data) > MAX_MESSAGE_BYTES:
         raise MeshDecodeError(f"{kind.name} message of {len(data)} bytes exceeds its limit")
     sender = r.str8()
     body = _BODY_READERS[kind](r)

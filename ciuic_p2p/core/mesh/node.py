@@ -34,10 +34,12 @@ from dataclasses import dataclass
 
 from ciuic_p2p.config.sections import MeshSection
 from ciuic_p2p.core.mesh.broadcast import Delivery, Disseminator
+from ciuic_p2p.core.mesh.carriedplan import plan_from_tree
 from ciuic_p2p.core.mesh.identities import Identities
 from ciuic_p2p.core.mesh.members import Member, MemberEvent, State
 from ciuic_p2p.core.mesh.membership import Membership
 from ciuic_p2p.core.mesh.messages import (
+    CHUNK_KINDS,
     Alive,
     Chunk,
     Heads,
@@ -46,17 +48,16 @@ from ciuic_p2p.core.mesh.messages import (
     MeshKind,
     Message,
     Ping,
+    Plan,
     Want,
     decode_message,
     encode_message,
 )
 from ciuic_p2p.core.mesh.routing import Router
 from ciuic_p2p.core.mesh.rttmap import RttMap
-from ciuic_p2p.core.mesh.strategy import LinkCosts, Plans, Strategy
+from ciuic_p2p.core.mesh.strategy import LARGE_PIECE_BYTES, STRATEGIES, LinkCosts, Plans, Strategy
 
-DISSEMINATION_KINDS = frozenset(
-    {MeshKind.CHUNK, MeshKind.ROUTED_CHUNK, MeshKind.HEADS, MeshKind.WANT}
-)
+DISSEMINATION_KINDS = frozenset({*CHUNK_KINDS, MeshKind.HEADS, MeshKind.WANT})
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,7 @@ class MeshNode:
             identities=identities,
             seed=seed,
             session=incarnation,
+            plan_for=self._plan_for,
         )
         self._events: collections.deque[MeshEvent] = collections.deque()
         self._joined_told = True  # nothing to tell until join() is called
@@ -396,6 +398,18 @@ class MeshNode:
     def _children(self, origin: str, route: int, payload_bytes: int) -> list[str]:
         self._route()
         return self.plans.children(route, origin, self.node, payload_bytes)
+
+    def _plan_for(self, route: int, payload_bytes: int) -> Plan:
+        """The tree this node's chunk of ``route`` carries: planned for large pieces
+        only (``mesh.carry_plans``; core.mesh.carriedplan says why)."""
+        if not self.settings.carry_plans or payload_bytes <= LARGE_PIECE_BYTES:
+            return ()
+        self._route()
+        if self.plans.costs is None or not 0 <= route < len(STRATEGIES):
+            return ()
+        return plan_from_tree(
+            self.plans.tree(STRATEGIES[route], self.node, payload_bytes), self.node
+        )
 
 
 __all__ = [
