@@ -312,7 +312,8 @@ class MeshSection:
     relay forwards it by that plan rather than by the trees of the state it holds when
     the piece arrives (core.mesh.carriedplan): a 1 MiB piece spends seconds per hop
     while RTTs and rates are republished, and relays that disagree send second copies
-    or none. Costs about 2 + name bytes per node on each large piece."""
+    or none. Costs about 2 + name bytes per node on each large piece. Nodes of versions
+    before it refuse such pieces: keep it off until every node of a mesh has it."""
     pace_gain: float = 1.5
     """Bulk bytes to a peer go no faster than this times the rate that peer published
     for the link from this node (core.link.pacer); 0: no pacing. QUIC's congestion

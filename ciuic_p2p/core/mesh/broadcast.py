@@ -306,8 +306,8 @@ class Disseminator:
         self.restarts_seen = 0
         """Origins heard from in a new session (restarted)."""
         self.plans_refused = 0
-        """Carried plans that made this node a parent of more children than its own
-        tree or ``tree_max_fanout`` would: forwarded by its own tree instead."""
+        """Carried plans that gave this node more than one child beyond what its own
+        tree gives it: forwarded by its own tree instead."""
         self.bad_signatures = 0
         """Chunks whose origin signature did not verify (or whose origin has no
         credential here): dropped, never delivered, forwarded or held."""
@@ -496,9 +496,11 @@ class Disseminator:
         planned = plan_children(chunk.plan, chunk.origin, self.node, set(self.live()))
         if planned is None:
             return []  # not in its origin's view: the planned nodes get it down the plan
-        if len(planned) > self.settings.tree_max_fanout:
+        if len(planned) > 1:
+            # A plan is its origin's word: it may move a copy from one relay to another
+            # where views differ, not make this node send many more than its own tree.
             own = self.children(chunk.origin, chunk.route, len(chunk.payload))
-            if len(planned) > len(own):
+            if len(planned) > len(own) + 1:
                 self.plans_refused += 1
                 return own
         return planned

@@ -16,9 +16,12 @@ makes its children; one it believes dead is replaced by that node's own children
 (recursively), so a dead relay's subtree is still served. A node the plan does not
 name forwards nothing (it joined after the origin planned; the planned nodes get the
 piece down the plan). A plan is its origin's word about its own chunks only: its
-signature keeps relays from changing it, and a relay forwards to no more children
-than its own tree would give it or ``tree_max_fanout`` (core.mesh.broadcast), so a
-member cannot make a node send its chunk to more members than routing would.
+signature keeps relays from changing it, and a relay follows it to at most one child
+more than its own tree gives it (core.mesh.broadcast; where views differ, honest
+plans move a copy from one relay to another), so a member can make a node send each
+of its pieces to at most one member more than routing would, and every node holds a
+plan within ``chunk_retain_bytes`` (core.mesh.chunkstore counts it). Only a piece over
+64 KiB carries one (core.mesh.messages refuses it on a smaller payload).
 """
 
 from __future__ import annotations

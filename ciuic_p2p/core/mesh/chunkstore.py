@@ -23,6 +23,15 @@ Kept = tuple[bytes, bytes, float, int, Plan]
 carried), all a repair answer needs to send it as its origin signed it."""
 Key = tuple[str, int]
 """(origin, sequence number)."""
+ENTRY_OVERHEAD_BYTES = 512
+"""What one held chunk costs besides its payload and plan (its key, tuple and
+signature): counted against ``chunk_retain_bytes`` so that empty chunks are bounded
+too."""
+
+
+def held_size(payload: bytes, plan: Plan) -> int:
+    """The bytes one held chunk counts for: payload, the plan's names, the overhead."""
+    return len(payload) + sum(2 + len(node) for node, _ in plan) + ENTRY_OVERHEAD_BYTES
 
 
 class ChunkStore:
@@ -36,7 +45,7 @@ class ChunkStore:
         self.own: OrderedDict[Key, Kept] = OrderedDict()
         """This node's chunks, kept for ``own_chunk_retain_s``."""
         self.held_bytes = 0
-        """Bytes of payload in ``others`` and ``own``."""
+        """What ``others`` and ``own`` hold, each chunk counted by :func:`held_size`."""
         self._others_bytes = 0
 
     def __bool__(self) -> bool:
@@ -60,10 +69,14 @@ class ChunkStore:
         plan: Plan = (),
     ) -> None:
         store = self._of(origin)
-        store[(origin, seq)] = (payload, signature, now, route, plan)
-        self.held_bytes += len(payload)
+        key = (origin, seq)
+        if key in store:
+            self._drop(store, key)
+        store[key] = (payload, signature, now, route, plan)
+        size = held_size(payload, plan)
+        self.held_bytes += size
         if store is self.others:
-            self._others_bytes += len(payload)
+            self._others_bytes += size
         self.evict(now)
 
     def evict(self, now: float) -> None:
@@ -84,7 +97,8 @@ class ChunkStore:
                 self._drop(store, next(iter(store)))
 
     def _drop(self, store: OrderedDict[Key, Kept], key: Key) -> int:
-        size = len(store.pop(key)[0])
+        payload, _, _, _, plan = store.pop(key)
+        size = held_size(payload, plan)
         self.held_bytes -= size
         if store is self.others:
             self._others_bytes -= size

@@ -21,7 +21,8 @@ bytes; ``sig`` 64 bytes (Ed25519); all integers little-endian. Bodies by kind:
   core.mesh.strategy by its code; a ``CHUNK`` is route 0, ``tree``)
 - ``PLANNED_CHUNK``: origin str8, seq u64, hops u8, route u8 (0 to ``MAX_ROUTE``), plan
   count u8 (1 to ``MAX_PLAN_NODES``), then per planned node: node str8, parent u8 (0:
-  the origin; i: the i-th planned node, which comes before it), payload bytes32, sig: a
+  the origin; i: the i-th planned node, which comes before it), payload bytes32 (at least
+  ``MIN_PLANNED_PAYLOAD_BYTES``), sig: a
   chunk that carries the tree its origin planned for it, so that every relay forwards
   it by one plan, not by the trees of the published state each holds when it arrives
 - ``HEADS``: count u16, then per origin: origin str8, high u64 (highest seq held)
@@ -77,7 +78,11 @@ MAX_MESSAGE_BYTES = 64 * 1024 - 16
 MAX_PLAN_NODES = 64
 """Nodes a carried plan names, at most (an origin with a larger view sends no plan)."""
 MAX_PLAN_BYTES = 4096
-"""A carried plan's bytes on the wire, at most: 64 names of up to 62 bytes."""
+"""A carried plan's bytes on the wire, at most: 64 names of up to 61 bytes."""
+MIN_PLANNED_PAYLOAD_BYTES = 64 * 1024 + 1
+"""Only a large piece carries a plan (core.mesh.strategy's ``LARGE_PIECE_BYTES``; a test
+holds the two together): a plan on a small chunk would cost more than its payload and
+is refused."""
 MAX_CHUNK_MESSAGE_BYTES = MAX_CHUNK_BYTES + 512 + MAX_PLAN_BYTES
 MAX_ROUTE = 2
 """The highest route code a ROUTED_CHUNK may name: core.mesh.strategy's last (a test
@@ -460,6 +465,23 @@ def encode_update(u: Update) -> bytes:
     return b"".join(w.parts)
 
 
+def _write_chunk(w: _Writer, b: Chunk) -> None:
+    w.str8(b.origin)
+    w.u64(b.seq)
+    w.u8(min(b.hops, 255))
+    if b.route or b.plan:
+        if not (0 if b.plan else 1) <= b.route <= MAX_ROUTE:
+            raise ValueError(f"route {b.route} is not one of 1..{MAX_ROUTE}")
+        w.u8(b.route)
+    if b.plan:
+        if len(b.payload) < MIN_PLANNED_PAYLOAD_BYTES:
+            raise ValueError(f"a plan rides only on {MIN_PLANNED_PAYLOAD_BYTES}+ bytes")
+        w.plan(b.plan)
+    w.u32(len(b.payload))
+    w.parts.append(bytes(b.payload))
+    w.sig(b.signature)
+
+
 def encode_message(msg: Message) -> bytes:
     w = _Writer()
     w.u8(VERSION)
@@ -489,18 +511,7 @@ def encode_message(msg: Message) -> bytes:
         w.u8(1 if b.reply else 0)
         w.updates(b.updates)
     elif isinstance(b, Chunk):
-        w.str8(b.origin)
-        w.u64(b.seq)
-        w.u8(min(b.hops, 255))
-        if b.route or b.plan:
-            if not (0 if b.plan else 1) <= b.route <= MAX_ROUTE:
-                raise ValueError(f"route {b.route} is not one of 1..{MAX_ROUTE}")
-            w.u8(b.route)
-        if b.plan:
-            w.plan(b.plan)
-        w.u32(len(b.payload))
-        w.parts.append(bytes(b.payload))
-        w.sig(b.signature)
+        _write_chunk(w, b)
     elif isinstance(b, Heads):
         w.u16(len(b.heads))
         for origin, high in b.heads:
@@ -654,8 +665,11 @@ def _read_planned_chunk(r: _Reader) -> Chunk:
         raise MeshDecodeError(f"chunk route {route} is not one of 0..{MAX_ROUTE}")
     plan = r.plan(origin)
     n = r.u32()
-    if n > MAX_CHUNK_BYTES:
-        raise MeshDecodeError(f"chunk payload of {n} bytes exceeds {MAX_CHUNK_BYTES}")
+    if not MIN_PLANNED_PAYLOAD_BYTES <= n <= MAX_CHUNK_BYTES:
+        raise MeshDecodeError(
+            f"a planned chunk's payload of {n} bytes is not "
+            f"{MIN_PLANNED_PAYLOAD_BYTES}..{MAX_CHUNK_BYTES}"
+        )
     return Chunk(origin, seq, hops, bytes(r.take(n)), r.sig(), route, plan)
 
 
