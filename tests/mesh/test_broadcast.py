@@ -612,6 +612,36 @@ def test_a_number_missing_past_the_retain_time_is_still_asked_for_then_given_up(
     assert d.lost == 1 and asks == GIVE_UP_ASKS
 
 
+def test_a_number_is_asked_for_while_its_live_origin_still_holds_it() -> None:
+    """Holders keep a chunk for ``chunk_retain_s``, its origin for
+    ``own_chunk_retain_s``: a round of 1 MiB pieces over 5 Mbit/s links outlasted the
+    first, a number given up then was never asked for again, and the round never
+    ended (bench/strategy.py at rate scale 0.005). While the origin lives, its number
+    is asked for until the origin's hold has passed too."""
+    settings = MeshSection(
+        heads_interval_s=0.25, repair_after_s=0.3, chunk_retain_s=10.0, own_chunk_retain_s=40.0
+    )
+    for origin_live, given_up_by in ((True, 40.0), (False, 10.0)):
+        d = Disseminator(
+            "me",
+            settings,
+            children=lambda origin, route, size: [],
+            live=lambda live=origin_live: ["holder", "holder2"] + (["origin"] if live else []),
+            identities=identities("me", "origin"),
+        )
+        d.handle(Message("parent", chunk("origin", 1, hops=1)), now=0.0)
+        _announce(d, 3, 0.0)
+        d.handle(Message("holder", chunk("origin", 3, hops=1)), now=0.0)  # 2 is missing
+        now, lost_at = 0.0, None
+        while now < 100.0 and lost_at is None:
+            now = round(now + 0.25, 2)
+            d.handle_timer(now)
+            d.messages_to_send()
+            if d.lost:
+                lost_at = now
+        assert lost_at is not None and given_up_by < lost_at < given_up_by + 5.0, origin_live
+
+
 def test_a_number_no_announcer_holds_is_asked_of_its_origin() -> None:
     """Each announcer announces the highest number it holds, gaps below it or not: on
     a slow round the last four announcers may all lack a number, and asking them in

@@ -41,7 +41,8 @@ it, in particular while its origin lives, and a round slower than ``chunk_retain
 (large pieces on slow links) loses nothing. A repaired chunk is
 forwarded down the tree like any other first arrival, so the subtree under a dead
 relay is repaired through its root. A gap
-no holder fills within ``chunk_retain_s`` and ``GIVE_UP_ASKS`` requests is given up
+no holder fills within ``chunk_retain_s`` (``own_chunk_retain_s`` while its origin is
+live) and ``GIVE_UP_ASKS`` requests is given up
 and counted (``lost``).
 
 Bounds (members are admitted, but a faulty one must not hang the others): per origin
@@ -115,10 +116,11 @@ MAX_ORIGINS = 8192
 """Origins with a log; a new origin past this (announced by a faulty member, say) is
 ignored and counted unless it is live."""
 GIVE_UP_ASKS = 8
-"""A missing number is given up once ``chunk_retain_s`` has passed since it was known
-missing *and* it was asked for this often (two turns through its last four
-announcers): on a slow round the holders that got it last still keep it, and a number
-given up is never asked for again."""
+"""A missing number is given up once ``chunk_retain_s`` (``own_chunk_retain_s`` while
+its origin is live, which holds it that long) has passed since it was known missing
+*and* it was asked for this often (two turns through its last four announcers): on a
+slow round the holders that got it last still keep it, and a number given up is
+never asked for again."""
 REPAIRED_HOPS = 254
 """The hop count of a repaired chunk forwarded down the tree (a repair answer is 255):
 its lag is the repair's upstream, not the tree's, and is not sampled (a subtree below
@@ -613,13 +615,20 @@ class Disseminator:
         self._next_heads = now + s.heads_interval_s
         self._announce(now)
         self._ask_claims(now)
+        live = set(self.live())
         for origin, log in self.logs.items():
             wanted = []
             wait_s = self.repair_wait_s(origin)
+            # While its origin lives it still holds the chunk (own_chunk_retain_s): a
+            # round of 1 MiB pieces on 5 Mbit/s links outlasted chunk_retain_s, and a
+            # number given up then was never asked for again (the round never ended).
+            keep_asking_s = s.chunk_retain_s
+            if origin in live:
+                keep_asking_s = max(keep_asking_s, s.own_chunk_retain_s)
             for seq, since in sorted(log.missing_since.items()):
                 if log.has(seq):
                     continue
-                if now - since > s.chunk_retain_s and log.asks.get(seq, 0) >= GIVE_UP_ASKS:
+                if now - since > keep_asking_s and log.asks.get(seq, 0) >= GIVE_UP_ASKS:
                     # Given up: counted and no longer asked for, but not held: the
                     # number was only claimed, and a real chunk that comes later is
                     # still delivered (once).
