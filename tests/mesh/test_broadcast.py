@@ -622,11 +622,12 @@ def test_a_number_is_asked_for_while_its_live_origin_still_holds_it() -> None:
         heads_interval_s=0.25, repair_after_s=0.3, chunk_retain_s=10.0, own_chunk_retain_s=40.0
     )
     for origin_live, given_up_by in ((True, 40.0), (False, 10.0)):
+        members = ["holder", "holder2"] + (["origin"] if origin_live else [])
         d = Disseminator(
             "me",
             settings,
             children=lambda origin, route, size: [],
-            live=lambda live=origin_live: ["holder", "holder2"] + (["origin"] if live else []),
+            live=members.copy,
             identities=identities("me", "origin"),
         )
         d.handle(Message("parent", chunk("origin", 1, hops=1)), now=0.0)
