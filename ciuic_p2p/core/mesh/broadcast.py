@@ -350,8 +350,8 @@ class Disseminator:
         if mode == "tree" and self.plan_for is not None:
             plan = self.plan_for(route, len(payload))
         unsigned = Chunk(self.node, seq, 0, payload, route=route, plan=plan)
-        signature = self.identities.sign(unsigned)
-        self._keep(self.node, seq, payload, signature, now, route, plan)
+        signed = dataclasses.replace(unsigned, signature=self.identities.sign(unsigned))
+        self._keep(signed, now)
         if mode == "direct":
             targets = list(self.live())
         elif mode == "gossip":
@@ -360,7 +360,6 @@ class Disseminator:
             targets = plan_children(plan, self.node, self.node, set(self.live())) or []
         else:
             targets = self.children(self.node, route, len(payload))
-        signed = dataclasses.replace(unsigned, signature=signature)
         for t in targets:
             self._send(t, signed)  # one body: the adapter encodes it once for all
         self._arm_heads(now)
@@ -471,9 +470,7 @@ class Disseminator:
             if claim.high >> SESSION_SHIFT == log.session:
                 log.holders.merge(claim.holders)
                 self._learn(log, claim.high, sender, now)
-        self._keep(
-            chunk.origin, chunk.seq, chunk.payload, chunk.signature, now, chunk.route, chunk.plan
-        )
+        self._keep(chunk, now)
         self.deliveries.append(Delivery(chunk.origin, chunk.seq, chunk.payload, now, chunk.hops))
         mode = self.settings.dissemination
         hops = min(chunk.hops + 1, REPAIRED_HOPS)
@@ -511,18 +508,9 @@ class Disseminator:
         """The chunk (origin, seq) as held here, if it still is."""
         return self.chunks.kept(origin, seq)
 
-    def _keep(
-        self,
-        origin: str,
-        seq: int,
-        payload: bytes,
-        signature: bytes,
-        now: float,
-        route: int,
-        plan: Plan,
-    ) -> None:
+    def _keep(self, chunk: Chunk, now: float) -> None:
         self._held_changes += 1
-        self.chunks.keep(origin, seq, payload, signature, now, route, plan)
+        self.chunks.keep(chunk, now)
 
     # -- repair -----------------------------------------------------------------------------
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from ciuic_p2p.config.sections import MeshSection
-from ciuic_p2p.core.mesh.messages import Plan
+from ciuic_p2p.core.mesh.messages import Chunk, Plan
 
 Kept = tuple[bytes, bytes, float, int, Plan]
 """A held chunk: (payload, its origin's signature, when kept, route, the plan it
@@ -58,22 +58,14 @@ class ChunkStore:
     def _of(self, origin: str) -> OrderedDict[Key, Kept]:
         return self.own if origin == self.node else self.others
 
-    def keep(
-        self,
-        origin: str,
-        seq: int,
-        payload: bytes,
-        signature: bytes,
-        now: float,
-        route: int,
-        plan: Plan = (),
-    ) -> None:
-        store = self._of(origin)
-        key = (origin, seq)
+    def keep(self, chunk: Chunk, now: float) -> None:
+        """Hold a signed chunk as its origin sent it (hops aside)."""
+        store = self._of(chunk.origin)
+        key = (chunk.origin, chunk.seq)
         if key in store:
             self._drop(store, key)
-        store[key] = (payload, signature, now, route, plan)
-        size = held_size(payload, plan)
+        store[key] = (chunk.payload, chunk.signature, now, chunk.route, chunk.plan)
+        size = held_size(chunk.payload, chunk.plan)
         self.held_bytes += size
         if store is self.others:
             self._others_bytes += size
