@@ -452,3 +452,33 @@ def test_the_consensus_bound_holds_parameters_against_parameters() -> None:
         for p in d.encode_params(d.snapshot_params(), c.step):
             c.receive("p3", p)
     assert float(c.buckets[0].abs().max()) == 0.0
+
+
+def test_a_fragment_of_a_step_this_replica_kept_none_of_is_not_mixed_nor_refused() -> None:
+    """A peer's consensus fragment of a step whose own fragment this replica no longer
+    holds (it joined since, or the peer's is older than the two it keeps) has nothing
+    to be compared with: it is counted unmatched and leaves the parameters alone. It
+    used to be held against the parameters of now, which refused an honest replica's
+    late fragment (CI: outer mode, 'norm' refusals beside a late joiner)."""
+    train = dataclasses.replace(TRAIN, consensus_interval_steps=1, consensus_fragments=1)
+    a, b = replica(0, train=train), replica(1, train=train)
+    for r in (a, b):
+        r.set_alive(["p0", "p1"])
+    late = b.encode_params(b.snapshot_params(), 0)  # b's fragment of step 0, sent late
+    with torch.no_grad():  # a trained on, far from where both were at step 0
+        a.buckets[0].mul_(-3.0)
+    for step in (5, 6):  # a keeps its fragments of its last two rounds only
+        a.step = step
+        a.encode_params(a.snapshot_params(), step)
+    before = [t.clone() for t in a.buckets]
+    for p in late:
+        a.receive("p1", p)
+    assert a.stats.params_unmatched == len(late) and not a.stats.refused
+    assert a.stats.params_mixed == 0
+    assert all(torch.equal(x, y) for x, y in zip(before, a.buckets, strict=True))
+    # The same fragment held against a's own of its step is still refused when far.
+    a.step = 7
+    a.encode_params(a.snapshot_params(), 7)
+    with pytest.raises(RefusedChunk, match="RMS away"):
+        for p in b.encode_params(b.snapshot_params(), 7):
+            a.receive("p1", p)

@@ -313,9 +313,18 @@ class Intake:
         h = item.header
         assert h is not None and item.values is not None
         if item.kind is PayloadKind.PARAMS:
-            self._check_params(origin, h, item.values)
+            mine = self._own_fragment(h)
+            if mine is None:
+                # We sent none at that step (joined since, skipped, or the peer's is
+                # older than the fragments we keep): nothing to compare it with, so it
+                # is not mixed. Holding it against our parameters of now instead
+                # refused honest late fragments (a peer 20 steps behind in outer mode).
+                self._check_once(self._params, origin, h)
+                self.stats.params_unmatched += 1
+                return
+            self._check_params(origin, h, item.values, mine)
             self._check_once(self._params, origin, h)
-            self._mix(h, item.values)
+            self._mix(h, item.values, mine)
             return
         ref = self.norms.rms[h.bucket]
         if (
@@ -388,13 +397,17 @@ class Intake:
                 "duplicate", f"chunk from {origin}: {exc}", origin, PayloadKind.UPDATE
             ) from None
 
-    def _check_params(self, origin: str, h: ChunkHeader, values: torch.Tensor) -> None:
+    def _own_fragment(self, h: ChunkHeader) -> torch.Tensor | None:
+        """Our parameters of the same step and span as a peer's fragment, if we kept
+        them (``own_params``: the fragments of our last two consensus rounds)."""
+        fragment = self.own_params.get(h.step)
+        return None if fragment is None else fragment.slice_of(h.bucket, *_span(h))
+
+    def _check_params(
+        self, origin: str, h: ChunkHeader, values: torch.Tensor, own: torch.Tensor
+    ) -> None:
         """Parameters far from ours, measured against our parameters' own scale (a
         faulty node, not drift), are refused; see ``train.params_distance_max_ratio``."""
-        fragment = self.own_params.get(h.step)
-        own = None if fragment is None else fragment.slice_of(h.bucket, *_span(h))
-        if own is None:
-            own = self.parameters.buckets[h.bucket][h.range_start : h.range_start + h.range_len]
         n = math.sqrt(max(1, h.range_len))
         dist = float(torch.linalg.vector_norm(values - own)) / n
         scale = float(torch.linalg.vector_norm(own)) / n
@@ -413,12 +426,7 @@ class Intake:
                 PayloadKind.PARAMS,
             )
 
-    def _mix(self, h: ChunkHeader, values: torch.Tensor) -> None:
-        fragment = self.own_params.get(h.step)
-        mine = None if fragment is None else fragment.slice_of(h.bucket, *_span(h))
-        if mine is None:  # we sent none at that step (joined since, or skipped)
-            self.stats.params_unmatched += 1
-            return
+    def _mix(self, h: ChunkHeader, values: torch.Tensor, mine: torch.Tensor) -> None:
         mix = self.train.consensus_mix / max(1, self.roster.replicas - 1)
         with torch.no_grad():
             diff = values.sub(mine).mul_(mix)
