@@ -162,6 +162,7 @@ async def run_rounds(
     pieces = [PIECE] * (payload // PIECE) + ([payload % PIECE] if payload % PIECE else [])
     got: dict[int, dict[str, int]] = {}
     done_at: dict[int, float] = {}
+    arrivals: dict[int, list[tuple[float, int]]] = {}
     need = (len(names) - 1) * len(pieces)
 
     def recorder(who: str) -> ChunkRecorder:
@@ -169,6 +170,7 @@ async def run_rounds(
             r = int.from_bytes(d.payload[:4], "little")
             per = got.setdefault(r, {})
             per[who] = per.get(who, 0) + 1
+            arrivals.setdefault(r, []).append((time.monotonic(), d.hops))
             if all(per.get(n, 0) >= need for n in names):
                 done_at.setdefault(r, time.monotonic())
 
@@ -177,6 +179,8 @@ async def run_rounds(
     out: dict[str, Any] = {
         "round_s": [],
         "warmup_s": [],
+        "cpu_share": [],
+        "tail": [],
         "predicted_s": [],
         "chosen": [],
         "chosen_by_origin": [],
@@ -193,7 +197,7 @@ async def run_rounds(
                 predicted = first.predict_round_s(strategy, payload)  # type: ignore[arg-type]
             if r >= warmup:
                 out["same_plan"].append([list(g) for g in first.same_plan(payload) if len(g) > 1])
-            t0 = time.monotonic()
+            t0, cpu0 = time.monotonic(), time.process_time()
             for n in names:
                 daemon = mesh.daemons[n]
                 for piece in pieces:
@@ -219,10 +223,27 @@ async def run_rounds(
                 took = done_at[r] - t0
             except TimeoutError:
                 took = float("inf")
+            # The whole mesh (daemons, QUIC, emulator) is this one process: near 1.0
+            # of a core, the round waited for the CPU, not for the links.
+            cpu_s = time.process_time() - cpu0
+            wall_s = time.monotonic() - t0
             if r < warmup:
                 out["warmup_s"].append(took)
             else:
                 out["round_s"].append(took)
+                out["cpu_share"].append(round(cpu_s / wall_s, 3))
+                # A round's tail: from when 95% of its deliveries were in to its last,
+                # and whether that last came by repair (a copy waited for, then asked).
+                got_r = sorted(arrivals.get(r, []))
+                if got_r:
+                    p95 = got_r[int(0.95 * (len(got_r) - 1))][0]
+                    out["tail"].append(
+                        {
+                            "tail_s": round(got_r[-1][0] - p95, 2),
+                            "repaired": got_r[-1][1] == 255,
+                            "repaired_n": sum(1 for _, h in got_r if h == 255),
+                        }
+                    )
                 out["predicted_s"].append(predicted)
                 out["chosen"].append(chosen)
             await asyncio.sleep(0.2)
@@ -240,6 +261,8 @@ async def run_rounds(
         out["duplicates"] = sum(x.duplicates for x in spread)
         out["lost"] = sum(x.lost for x in spread)
         out["plans_refused"] = sum(x.plans_refused for x in spread)
+        # Copies not sent again because one handed to the same link was on its way.
+        out["in_flight_refused"] = sum(mesh.daemons[n].counters["chunks_in_flight"] for n in names)
     return out
 
 
@@ -423,6 +446,8 @@ def main() -> int:
                     row[strategy] = {
                         "round_s": statistics.median(r["round_s"]),
                         "rounds_s": [round(x, 3) for x in r["round_s"]],
+                        "cpu_share": r["cpu_share"],
+                        "tail": r["tail"],
                         "warmup_s": [round(x, 3) for x in r["warmup_s"]],
                         "predicted_s": statistics.median(r["predicted_s"]),
                         "chosen": r["chosen"],
@@ -435,6 +460,7 @@ def main() -> int:
                         "duplicates": r["duplicates"],
                         "lost": r["lost"],
                         "plans_refused": r["plans_refused"],
+                        "in_flight_refused": r["in_flight_refused"],
                         "wall_s": round(time.monotonic() - t0, 1),
                     }
                     print(f"{sname} {payload} {strategy}: {row[strategy]}", file=sys.stderr)

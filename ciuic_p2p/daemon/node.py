@@ -520,6 +520,11 @@ class MeshDaemon:
                 self.node.learn_identity(peer_id_of(event.peer), event.certificate)
         elif isinstance(event, PeerDisconnected):
             self.counters["links_lost"] += 1
+            address = self._address_of.get(event.peer)
+            for lane in (0, 1):
+                dest = self._outboxes.get((address or "", lane))
+                if dest is not None:
+                    dest.box.link_lost()
         elif isinstance(event, FrameReceived) and event.type in (
             FrameType.GOSSIP,
             FrameType.MESH_CHUNK,
@@ -617,11 +622,14 @@ class MeshDaemon:
         lane = int(ftype in BULK_TYPES)
         dest = self._outboxes.get((address, lane))
         if dest is None:
-            dest = self._outboxes[(address, lane)] = _Destination()
-        dropped = dest.box.dropped
-        accepted = dest.box.push(ftype, data, chunk)
+            box = Outbox(in_flight_s=self.config.transport.stall_timeout_s)
+            dest = self._outboxes[(address, lane)] = _Destination(box)
+        dropped, in_flight = dest.box.dropped, dest.box.in_flight
+        accepted = dest.box.push(ftype, data, chunk, self.clock())
         self.counters["outbox_dropped"] += dest.box.dropped - dropped
-        if not accepted:  # that chunk is still queued for this peer (see daemon.outbox)
+        if dest.box.in_flight > in_flight:  # a copy is on its way there (daemon.outbox)
+            self.counters["chunks_in_flight"] += 1
+        elif not accepted:  # that chunk is still queued for this peer (see daemon.outbox)
             self.counters["repairs_already_queued"] += 1
         elif chunk is not None and chunk[0] != self.peer_id:
             self.traffic[address].chunks_relayed += 1
@@ -646,9 +654,11 @@ class MeshDaemon:
                         del self._outboxes[dest_key]
                         return
                 continue
-            ftype, data = box.pop()
+            ftype, data, chunk = box.take()
             try:
                 await self.transport.send(key, ftype, data)
+                if chunk is not None:
+                    box.handed_to_link(chunk, self.clock())
                 self.counters["messages_sent"] += 1
                 traffic = self.traffic[address]
                 traffic.bytes_sent += len(data)

@@ -8,11 +8,18 @@ sender on the stream would not do: the one with a backlog takes all the credit.
 A chunk (origin, seq) is queued at most once per destination: a peer re-asks for a
 chunk still queued here whenever our backlog outlasts its repair timer, and a second
 copy would only lengthen the queue that made it ask: a backlog would feed itself.
+Nor is it queued again while a copy handed to the link is still on its way there
+(``in_flight_s``, and until the link is lost): the link is a reliable stream, so the
+copy arrives unless the link goes. Measured (multi-cloud matrix, rate scale 0.01, 2.1
+MB rounds, tree): 169 of 322 duplicate arrivals came from the member that had sent the
+first copy on the same link, 163 of them asked for while the first was in transit
+(one 1 MiB copy took 26 s behind the pieces queued ahead of it).
 """
 
 from __future__ import annotations
 
 import collections
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ciuic_p2p.core.link.frames import FrameType
@@ -23,6 +30,9 @@ matters, and chunks are repaired)."""
 
 ChunkKey = tuple[str, int]
 """A mesh chunk's (origin, seq)."""
+
+MAX_HANDED = 4096
+"""Chunks handed to the link remembered per destination (the oldest go first)."""
 
 
 @dataclass
@@ -41,9 +51,20 @@ class Outbox:
     """Bytes in ``side`` (bounded per fetcher by the store: core.store.holder's Holder)."""
     already_queued: int = 0
     dropped: int = 0
+    in_flight_s: float = 10.0
+    """How long a chunk handed to the link counts as on its way (the transport's
+    ``stall_timeout_s``: past it a live link has delivered it, or the copy was lost at
+    the peer, which then may ask again)."""
+    handed: OrderedDict[ChunkKey, float] = field(default_factory=OrderedDict)
+    """Chunks handed to the link, by when (:meth:`handed_to_link`)."""
+    in_flight: int = 0
+    """Chunks not queued because a copy handed to the link was still on its way."""
 
-    def push(self, ftype: FrameType, data: bytes, chunk: ChunkKey | None = None) -> bool:
-        """Queue a frame; False if it is a chunk already queued for this destination."""
+    def push(
+        self, ftype: FrameType, data: bytes, chunk: ChunkKey | None = None, now: float = 0.0
+    ) -> bool:
+        """Queue a frame; False if it is a chunk already queued for this destination,
+        or handed to its link less than ``in_flight_s`` before ``now``."""
         if ftype is FrameType.STORE_DATA:
             self.side.append((ftype, data))
             self.side_bytes += len(data)
@@ -51,6 +72,10 @@ class Outbox:
         if chunk is not None:
             if chunk in self.chunks:
                 self.already_queued += 1
+                return False
+            handed_at = self.handed.get(chunk)
+            if handed_at is not None and now - handed_at < self.in_flight_s:
+                self.in_flight += 1
                 return False
             self.chunks.add(chunk)
         if len(self.queue) >= MAX_OUTBOX:
@@ -63,14 +88,30 @@ class Outbox:
 
     def pop(self) -> tuple[FrameType, bytes]:
         """The next frame to send (the queues must not both be empty)."""
+        ftype, data, _ = self.take()
+        return ftype, data
+
+    def take(self) -> tuple[FrameType, bytes, ChunkKey | None]:
+        """The next frame to send and the chunk it carries, if any."""
         self.turn = not self.turn
         if self.side and (self.turn or not self.queue):
             ftype, data = self.side.popleft()
             self.side_bytes -= len(data)
-            return ftype, data
+            return ftype, data, None
         ftype, data, chunk = self.queue.popleft()
         self._taken(data, chunk)
-        return ftype, data
+        return ftype, data, chunk
+
+    def handed_to_link(self, chunk: ChunkKey, now: float) -> None:
+        """``chunk`` left for the link at ``now``: no second copy while it is on its way."""
+        self.handed[chunk] = now
+        self.handed.move_to_end(chunk)
+        while len(self.handed) > MAX_HANDED:
+            self.handed.popitem(last=False)
+
+    def link_lost(self) -> None:
+        """The link went: what was on it may never arrive."""
+        self.handed.clear()
 
     def clear(self) -> int:
         """Drop everything (the destination is unreachable); returns how many frames."""
