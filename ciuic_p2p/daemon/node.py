@@ -515,16 +515,16 @@ class MeshDaemon:
             traffic.bytes_received += len(event.payload)
             traffic.chunks_received += event.type is FrameType.MESH_CHUNK
         if isinstance(event, PeerConnected):
+            # A new link may replace an older one to the same peer without a
+            # PeerDisconnected (a restarted peer re-dialling): what the old one
+            # carried may never arrive.
+            self._links_lost(event.peer)
             self._learn_peer(event.peer, format_address(*event.address))
             if self.node is not None and event.certificate:
                 self.node.learn_identity(peer_id_of(event.peer), event.certificate)
         elif isinstance(event, PeerDisconnected):
             self.counters["links_lost"] += 1
-            address = self._address_of.get(event.peer)
-            for lane in (0, 1):
-                dest = self._outboxes.get((address or "", lane))
-                if dest is not None:
-                    dest.box.link_lost()
+            self._links_lost(event.peer)
         elif isinstance(event, FrameReceived) and event.type in (
             FrameType.GOSSIP,
             FrameType.MESH_CHUNK,
@@ -614,6 +614,19 @@ class MeshDaemon:
         address = self.mesh.address_of(peer)
         return 0 if address is None else self._bulk_queued(address)
 
+    def _links_lost(self, peer: bytes) -> None:
+        """Every outbox that sends to ``peer`` forgets what it handed to the link: the
+        outboxes are keyed by address, and a peer may be known at more than one (the
+        one it advertises and the one it dialled from)."""
+        addresses = {a for a, k in self._peer_at.items() if k == peer}
+        if (known := self._address_of.get(peer)) is not None:
+            addresses.add(known)
+        for address in addresses:
+            for lane in (0, 1):
+                dest = self._outboxes.get((address, lane))
+                if dest is not None:
+                    dest.box.link_lost()
+
     def _enqueue(
         self, address: str, ftype: FrameType, data: bytes, chunk: ChunkKey | None = None
     ) -> None:
@@ -622,7 +635,10 @@ class MeshDaemon:
         lane = int(ftype in BULK_TYPES)
         dest = self._outboxes.get((address, lane))
         if dest is None:
-            box = Outbox(in_flight_s=self.config.transport.stall_timeout_s)
+            t = self.config.transport
+            # With lanes a chunk may leave through a lane process, whose losses the
+            # daemon never hears of: no copy counts as on its way there.
+            box = Outbox(in_flight_s=t.stall_timeout_s if t.lanes <= 1 else 0.0)
             dest = self._outboxes[(address, lane)] = _Destination(box)
         dropped, in_flight = dest.box.dropped, dest.box.in_flight
         accepted = dest.box.push(ftype, data, chunk, self.clock())

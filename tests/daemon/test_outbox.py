@@ -2,8 +2,19 @@
 
 from __future__ import annotations
 
+import datetime as dt
+from pathlib import Path
+
+from ciuic_p2p.admission import ClusterCA, Trust
+from ciuic_p2p.config import Config
 from ciuic_p2p.core.link.frames import FrameType
+from ciuic_p2p.daemon.node import MeshDaemon, _Destination
 from ciuic_p2p.daemon.outbox import MAX_HANDED, MAX_OUTBOX, Outbox
+from ciuic_p2p.identity import NodeKey
+from ciuic_p2p.transport.base import PeerConnected, PeerDisconnected
+from ciuic_p2p.transport.memory import MemoryNetwork, MemoryTransport
+
+UTC = dt.datetime(2026, 12, 4, tzinfo=dt.UTC)
 
 
 def test_a_chunk_still_queued_is_not_queued_again() -> None:
@@ -57,8 +68,53 @@ def test_a_chunk_on_its_way_over_the_link_is_not_sent_again_until_it_is_due_or_l
     assert box.push(FrameType.GOSSIP, b"g", None, now=13.0)
 
 
-def test_the_chunks_remembered_as_handed_are_bounded() -> None:
-    box = Outbox()
+def test_the_chunks_remembered_as_handed_are_bounded_and_forgotten_when_due() -> None:
+    box = Outbox(in_flight_s=1e9)
     for i in range(MAX_HANDED + 5):
         box.handed_to_link(("o", i), now=float(i))
     assert len(box.handed) == MAX_HANDED and ("o", 0) not in box.handed
+    due = Outbox(in_flight_s=10.0)
+    for i in range(30):
+        due.handed_to_link(("o", i), now=float(i))
+    assert len(due.handed) == 10 and ("o", 19) not in due.handed
+    # Without an in-flight time (lanes: their losses are not heard of) nothing is kept.
+    none = Outbox(in_flight_s=0.0)
+    none.handed_to_link(("o", 1), now=0.0)
+    assert not none.handed and none.push(FrameType.MESH_CHUNK, b"a", ("o", 1), now=0.0)
+
+
+def test_the_daemon_forgets_what_a_lost_or_replaced_link_carried(tmp_path: Path) -> None:
+    """The outboxes are keyed by address and a peer may be known at two (the one it
+    advertises, the one it dialled from); a link may also be replaced by a newer one
+    with no PeerDisconnected (a restarted peer re-dialling). Either way every outbox
+    that sends to that peer stops counting its handed chunks as on their way."""
+    ca = ClusterCA.create("outbox", UTC)
+    key = NodeKey.generate()
+    transport = MemoryTransport(
+        MemoryNetwork(),
+        key,
+        ca.issue(key.public_key, UTC),
+        Trust(ca.certificate),
+        Config().transport,
+        wallclock=lambda: UTC,
+    )
+    daemon = MeshDaemon(Config(), key, transport, state_dir=tmp_path)
+    peer = NodeKey.generate().public_key
+    advertised, dialled_from = "peer.example:7946", "10.0.0.7:50000"
+    boxes = []
+    for address in (advertised, dialled_from):
+        box = Outbox(in_flight_s=10.0)
+        daemon._outboxes[(address, 1)] = _Destination(box)
+        boxes.append(box)
+    daemon._learn_peer(peer, advertised)
+    daemon._learn_peer(peer, dialled_from)  # its later inbound link
+    for event in (
+        PeerDisconnected(peer, "idle"),
+        PeerConnected(peer, ("10.0.0.7", 50001), dialed=False),
+    ):
+        for box in boxes:
+            box.handed_to_link(("o", 1), now=0.0)
+        daemon._on_event(event)
+        assert all(box.push(FrameType.MESH_CHUNK, b"x", ("o", 1), now=1.0) for box in boxes)
+        for box in boxes:
+            box.take()
