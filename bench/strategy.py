@@ -262,6 +262,11 @@ async def run_rounds(
         out["lost"] = sum(x.lost for x in spread)
         out["plans_refused"] = sum(x.plans_refused for x in spread)
         # Copies not sent again because one handed to the same link was on its way.
+        # Probes answered late whose target's chunks came meanwhile, and suspicions
+        # not turned into deaths for the same reason (core.mesh.membership).
+        members = [mesh.daemons[n].mesh.membership for n in names]
+        out["probes_answered_by_traffic"] = sum(m.probes_answered_by_traffic for m in members)
+        out["deaths_withheld"] = sum(m.deaths_withheld for m in members)
         out["in_flight_refused"] = sum(mesh.daemons[n].counters["chunks_in_flight"] for n in names)
     return out
 
@@ -461,6 +466,8 @@ def main() -> int:
                         "lost": r["lost"],
                         "plans_refused": r["plans_refused"],
                         "in_flight_refused": r["in_flight_refused"],
+                        "probes_answered_by_traffic": r["probes_answered_by_traffic"],
+                        "deaths_withheld": r["deaths_withheld"],
                         "wall_s": round(time.monotonic() - t0, 1),
                     }
                     print(f"{sname} {payload} {strategy}: {row[strategy]}", file=sys.stderr)

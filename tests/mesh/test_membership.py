@@ -123,3 +123,24 @@ def test_probe_deadlines_follow_each_peers_rtt(mesh: SimMesh) -> None:
     scenario = mesh.emulated.scenario
     assert scenario.rtt_s("Tokyo", "Singapore") < near < far
     assert far > scenario.rtt_s("Tokyo", "SaoPaulo") > 2 * near
+
+
+def test_a_member_whose_traffic_keeps_coming_is_not_declared_dead(mesh: SimMesh) -> None:
+    """A node streaming 1 MiB pieces over a saturated uplink answers probes seconds
+    late: members were declared dead while their chunks kept arriving (2.1 MB rounds,
+    emulated multi-cloud matrix). Any message on a member's own link since the probe
+    (or the suspicion) counts; a member that goes quiet is declared dead as before."""
+    london = "London"
+    others = [n for n in NAMES if n != london]
+    mesh.run_for(5)
+    mesh.emulated.partition([london], others)  # every probe, ack and refutation lost
+    for _ in range(60):  # 30 s in which its other traffic still arrives
+        mesh.run_for(0.5)
+        for n in others:
+            mesh.nodes[n].membership.heard(london, mesh.now)
+    declared = [(n, e.state) for n in others for e in mesh.member_events[n] if e.node == london]
+    assert all(state < State.DEAD for _, state in declared), declared
+    answered = sum(mesh.nodes[n].membership.probes_answered_by_traffic for n in others)
+    assert answered > 0
+    took = mesh.run_until_true(lambda: mesh.all_mark(london), limit_s=15)
+    assert took < 10

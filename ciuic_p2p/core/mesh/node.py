@@ -157,6 +157,8 @@ class MeshNode:
     def receive_message(self, src: str, msg: Message, now: float) -> None:
         if msg.sender == self.node:
             return
+        # The adapter checked the sender against the link's key: it is alive.
+        self.membership.heard(msg.sender, now)
         if msg.kind in DISSEMINATION_KINDS:
             self.dissemination.handle(msg, now)
         else:
