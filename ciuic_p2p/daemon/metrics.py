@@ -502,6 +502,15 @@ class DaemonCollector(Collector):
             "Lifeguard local health: 0 is healthy; higher stretches this node's timeouts.",
             node.health_score,
         )
+        answered = CounterMetricFamily(
+            "ciuic_membership_answered_by_traffic",
+            "Late probes whose target's own messages came meanwhile (probe), and "
+            "suspicions not turned into deaths here for the same reason (death).",
+            labels=["what"],
+        )
+        answered.add_metric(["probe"], node.membership.probes_answered_by_traffic)
+        answered.add_metric(["death"], node.membership.deaths_withheld)
+        yield answered
         rtt = GaugeMetricFamily(
             "ciuic_peer_rtt_seconds",
             "RTT to each member as routing uses it, by source (measured, vivaldi).",
