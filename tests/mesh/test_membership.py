@@ -9,6 +9,8 @@ import pytest
 
 from ciuic_p2p.config import MeshSection
 from ciuic_p2p.core.mesh.members import State
+from ciuic_p2p.core.mesh.membership import MAX_DEATHS_WITHHELD
+from ciuic_p2p.core.mesh.messages import Suspect
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
 from ciuic_p2p.emulator.scenarios import load_scenario
@@ -144,3 +146,22 @@ def test_a_member_whose_traffic_keeps_coming_is_not_declared_dead(mesh: SimMesh)
     assert answered > 0
     took = mesh.run_until_true(lambda: mesh.all_mark(london), limit_s=15)
     assert took < 10
+
+
+def test_a_member_that_keeps_sending_but_never_refutes_is_declared_dead_in_bounded_time(
+    mesh: SimMesh,
+) -> None:
+    """Review: a member that ignores its suspicion and only keeps sending would stay
+    live here and dead elsewhere (split trees). Its traffic extends a suspicion at most
+    ``MAX_DEATHS_WITHHELD`` times."""
+    london, tokyo = "London", mesh.nodes["Tokyo"].membership
+    mesh.run_for(5)
+    mesh.emulated.partition([london], [n for n in NAMES if n != london])  # cannot refute
+    incarnation = tokyo.members[london].incarnation
+    tokyo.apply(Suspect(london, incarnation, "Sydney"), mesh.now)
+    start = mesh.now
+    while tokyo.state_of(london) != State.DEAD:
+        assert mesh.now - start < 20, "never declared dead"
+        mesh.run_for(0.25)
+        tokyo.heard(london, mesh.now)
+    assert tokyo.deaths_withheld == MAX_DEATHS_WITHHELD

@@ -15,7 +15,10 @@ SWIM (Das et al., 2002) with the refinements memberlist ships and Lifeguard
 - Traffic is evidence too: any message that came from a member on its own
   authenticated link (a chunk, a repair, an announcement) since a probe was sent
   counts as that probe's answer, and since a suspicion began, as a reason not to
-  declare it dead here (the suspicion stays until the member refutes it). A node
+  declare it dead here yet (the suspicion stays until the member refutes it, and is
+  extended so at most ``MAX_DEATHS_WITHHELD`` times: a member that keeps sending but
+  never refutes is not kept live here while others hold it dead). Only messages the
+  adapter checked against the link's key count (``MeshNode.receive_message``). A node
   sending 1 MiB pieces over a saturated uplink answers probes seconds late, behind
   its own queue: 2.1 MB rounds on the emulated multi-cloud matrix at rate scale 0.01
   had members suspected dozens of times per run and declared dead while they were
@@ -85,6 +88,11 @@ from ciuic_p2p.core.mesh.messages import (
     update_size,
 )
 from ciuic_p2p.core.mesh.suspicion import Awareness, Suspicion
+
+MAX_DEATHS_WITHHELD = 3
+"""Timeouts a suspicion may be extended by the suspect's traffic: a member that keeps
+sending but never refutes (a hostile one ignoring its suspicion) is declared dead
+after at most this many more, or it would stay live here and dead elsewhere."""
 
 MAX_WAITING = 256
 """Alives held for a credential that has not arrived yet (it travels as its own
@@ -535,11 +543,16 @@ class Membership:
         for node in list(self.table.suspected):
             m = self.members[node]
             if m.suspicion is not None and now >= m.suspicion.deadline():
-                if self._heard_since(node, m.suspicion.started_at):
-                    # Alive by its traffic: not dead by our word; it has another
+                suspicion = m.suspicion
+                if (
+                    self._heard_since(node, suspicion.started_at)
+                    and suspicion.withheld < MAX_DEATHS_WITHHELD
+                ):
+                    # Alive by its traffic: not dead by our word yet; it has another
                     # timeout to refute, and others may still declare it.
                     self.deaths_withheld += 1
-                    m.suspicion.started_at = now
+                    suspicion.withheld += 1
+                    suspicion.started_at = now
                     continue
                 dead = Dead(m.node, m.incarnation, self.node)
                 self.table.set_state(m, State.DEAD, m.incarnation, now)
@@ -617,19 +630,21 @@ class Membership:
         """A message from ``node`` came on its own authenticated link at ``now``."""
         if node in self.members:
             self._heard[node] = now
+            if len(self._heard) > 2 * len(self.members) + 64:  # forgotten members' go
+                self._heard = {n: t for n, t in self._heard.items() if n in self.members}
 
     def _heard_since(self, node: str, since: float) -> bool:
         heard = self._heard.get(node)
         return heard is not None and heard >= since
 
     def _probe_failed(self, probe: _Probe, now: float) -> None:
+        if self._heard_since(probe.target, probe.sent_at):
+            self.probes_answered_by_traffic += 1  # answered, late: not our links' fault
+            return
         # Lifeguard: helpers that did not even send a nack point at our own links.
         self.awareness.apply(probe.helpers - probe.nacks if probe.helpers else 1)
         m = self.members.get(probe.target)
         if m is None:
-            return
-        if self._heard_since(m.node, probe.sent_at):
-            self.probes_answered_by_traffic += 1
             return
         if m.state == State.ALIVE:
             self._suspect(m, m.incarnation, self.node, now)

@@ -147,18 +147,26 @@ class MeshNode:
     # -- the Endpoint interface (emulator.model.simulator) --------------------------------
 
     def receive_datagram(self, src: str, data: bytes, now: float) -> None:
+        """Bytes from ``src``, whose sender nothing has checked (the simulator's
+        datagrams): not taken as a sign of that sender's life."""
         try:
             msg = decode_message(data)
         except MeshDecodeError:
             self.decode_errors += 1
             return
-        self.receive_message(src, msg, now)
+        self._receive(src, msg, now)
 
     def receive_message(self, src: str, msg: Message, now: float) -> None:
+        """A message whose sender the adapter checked against the authenticated link
+        it came on: that member is alive (core.mesh.membership counts it as an
+        answer)."""
+        if msg.sender != self.node:
+            self.membership.heard(msg.sender, now)
+        self._receive(src, msg, now)
+
+    def _receive(self, src: str, msg: Message, now: float) -> None:
         if msg.sender == self.node:
             return
-        # The adapter checked the sender against the link's key: it is alive.
-        self.membership.heard(msg.sender, now)
         if msg.kind in DISSEMINATION_KINDS:
             self.dissemination.handle(msg, now)
         else:

@@ -27,6 +27,8 @@ class Suspicion:
         self.max_s = max(max_s, min_s)
         self.confirmed_by = {by}
         self.confirmations = 0
+        self.withheld = 0
+        """Times this node extended it because the suspect's traffic still came."""
 
     def confirm(self, by: str) -> bool:
         """A new independent suspicion; True if it counted (first from ``by``)."""
