@@ -122,11 +122,14 @@ async def test_metrics_of_a_running_mesh_carry_every_family_with_per_peer_labels
                 return {o: r.step for o, r in servers[0].progress.origins.items()}
 
             def settled() -> bool:
-                """Both steps 5 seen at the scraped node, chunks relayed, every RTT known."""
+                """Both steps 5 seen at the scraped node, chunks relayed, every RTT known,
+                and a probe answered by it (every RTT can be known from its own probes
+                and others' published links before anyone has probed it: CI once)."""
                 return (
                     steps_seen() == {ids[0]: 5, ids[1]: 5}
                     and sum(t.chunks_relayed for t in a.traffic.values()) > 0
                     and all(a.mesh.rttmap.rtt_s(x, y) for x in ids for y in ids if x < y)
+                    and a.mesh_bytes_sent["ACK"] > 0
                 )
 
             for step in range(1, 6):
