@@ -103,7 +103,7 @@ def analyse(events: list[Event]) -> dict[str, Any]:
                 "round": r,
                 "end_s": round(last[1] - start, 2),
                 "p95_s": round(firsts[int(0.95 * (len(firsts) - 1))][1] - start, 2),
-                "last_by": "repair" if last[6] >= 254 else "tree",
+                "last_by": "repair" if last[6] >= broadcast.REPAIRED_HOPS else "tree",
             }
         )
     return {

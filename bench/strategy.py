@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from ciuic_p2p.config import Config, LogSection
-from ciuic_p2p.core.mesh.broadcast import Delivery
+from ciuic_p2p.core.mesh.broadcast import REPAIRED_HOPS, Delivery
 from ciuic_p2p.core.mesh.strategy import STRATEGIES
 from ciuic_p2p.daemon.node import ChunkRecorder
 from ciuic_p2p.data import WAN_DIR
@@ -240,8 +240,8 @@ async def run_rounds(
                     out["tail"].append(
                         {
                             "tail_s": round(got_r[-1][0] - p95, 2),
-                            "repaired": got_r[-1][1] == 255,
-                            "repaired_n": sum(1 for _, h in got_r if h == 255),
+                            "repaired": got_r[-1][1] >= REPAIRED_HOPS,
+                            "repaired_n": sum(1 for _, h in got_r if h >= REPAIRED_HOPS),
                         }
                     )
                 out["predicted_s"].append(predicted)

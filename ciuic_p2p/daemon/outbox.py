@@ -13,16 +13,15 @@ Nor is it queued again while a copy handed to the link is still on its way there
 outbox of that peer): the link is a reliable stream, so the copy arrives unless the
 link goes. With lanes (``transport.lanes`` > 1) a chunk may leave through a lane
 process whose losses the daemon never hears of, so there nothing counts as on its
-way. Measured (multi-cloud matrix, rate scale 0.01, 2.1
-MB rounds, tree): 169 of 322 duplicate arrivals came from the member that had sent the
-first copy on the same link, 163 of them asked for while the first was in transit
-(one 1 MiB copy took 26 s behind the pieces queued ahead of it).
+way. Measured (multi-cloud matrix, rate scale 0.01, 2.1 MB rounds, tree): 169 of 322
+duplicate arrivals came from the member that had sent the first copy on the same
+link, 163 of them asked for while the first was in transit (one 1 MiB copy took 26 s
+behind the pieces queued ahead of it).
 """
 
 from __future__ import annotations
 
 import collections
-from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from ciuic_p2p.core.link.frames import FrameType
@@ -58,7 +57,9 @@ class Outbox:
     """How long a chunk handed to the link counts as on its way (the transport's
     ``stall_timeout_s``: past it a live link has delivered it, or the copy was lost at
     the peer, which then may ask again)."""
-    handed: OrderedDict[ChunkKey, float] = field(default_factory=OrderedDict)
+    handed: collections.OrderedDict[ChunkKey, float] = field(
+        default_factory=collections.OrderedDict
+    )
     """Chunks handed to the link, by when (:meth:`handed_to_link`)."""
     in_flight: int = 0
     """Chunks not queued because a copy handed to the link was still on its way."""
@@ -89,13 +90,9 @@ class Outbox:
         self.queued_bytes += len(data)
         return True
 
-    def pop(self) -> tuple[FrameType, bytes]:
-        """The next frame to send (the queues must not both be empty)."""
-        ftype, data, _ = self.take()
-        return ftype, data
-
     def take(self) -> tuple[FrameType, bytes, ChunkKey | None]:
-        """The next frame to send and the chunk it carries, if any."""
+        """The next frame to send and the chunk it carries, if any (the queues must not
+        both be empty)."""
         self.turn = not self.turn
         if self.side and (self.turn or not self.queue):
             ftype, data = self.side.popleft()
