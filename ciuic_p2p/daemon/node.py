@@ -342,7 +342,11 @@ class MeshDaemon:
         self.closed.set()
         if self._timer is not None:
             self._timer.cancel()
-        tasks = self._tasks + [o.task for o in self._outboxes.values() if o.task is not None]
+        tasks: list[asyncio.Future[Any]] = [*self._tasks]
+        tasks += [o.task for o in self._outboxes.values() if o.task is not None]
+        # A dial outlives the sender that awaited it (it is shielded, shared by all of
+        # the address's waiters): left pending, the loop's end destroys it mid-flight.
+        tasks += self._dialing.values()
         for task in tasks:
             task.cancel()
         for task in tasks:

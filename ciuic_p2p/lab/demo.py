@@ -119,7 +119,7 @@ def _row(label: str, s: dict[str, Any]) -> str:
     return (
         f"  {label:<22} {s['steps']:>6} {s['wall_s']:>8.1f} {s['eval_loss']:>9.4f} "
         f"{s['accuracy']:>8.3f} {s['udp_bytes_sent'] / 1e6:>9.2f} {s['bytes_per_step']:>11.0f} "
-        f"{100 * s['wait_fraction']:>6.1f}% {stale:>8}"
+        f"{100 * s['wait_fraction']:>7.1f}% {stale:>8}"
     )
 
 
@@ -192,11 +192,16 @@ def run_demo(args: argparse.Namespace) -> int:
     consensus = final_consensus(out / "async", len(names))
     print(
         "\n  run                     steps   wall s  eval loss accuracy   MB/node  bytes/step"
-        "   wait  stale"
+        " off-step    stale"
     )
     labels = {"async": "ciuic async sparse", "dense": "dense sync all-reduce"}
     for mode, s in summaries.items():
         print(_row(labels[mode], s))
+    print(
+        "  off-step: a trainer's wall time outside its own steps (the hook, and the CPU\n"
+        "  the other nodes' processes take on this one machine); the async trainers never\n"
+        "  wait for the network. bytes/step: every UDP byte a node sent, control included."
+    )
     a = summaries["async"]
     print(f"\n  consensus distance of the async replicas: {consensus:.4f}")
     if "dense" in summaries:

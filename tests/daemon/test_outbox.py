@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from ciuic_p2p.core.link.frames import FrameType
 from ciuic_p2p.daemon.node import MeshDaemon, _Destination
 from ciuic_p2p.daemon.outbox import MAX_HANDED, MAX_OUTBOX, Outbox
 from ciuic_p2p.identity import NodeKey
-from ciuic_p2p.transport.base import PeerConnected, PeerDisconnected
+from ciuic_p2p.transport.base import Address, PeerConnected, PeerDisconnected
 from ciuic_p2p.transport.memory import MemoryNetwork, MemoryTransport
 
 UTC = dt.datetime(2026, 12, 4, tzinfo=dt.UTC)
@@ -118,3 +119,40 @@ def test_the_daemon_forgets_what_a_lost_or_replaced_link_carried(tmp_path: Path)
         assert all(box.push(FrameType.MESH_CHUNK, b"x", ("o", 1), now=1.0) for box in boxes)
         for box in boxes:
             box.take()
+
+
+class _HangingDials(MemoryTransport):
+    """A transport whose dials never finish (a peer that never answers the handshake
+    within the test)."""
+
+    async def connect(self, address: Address, expected_peer: bytes | None = None) -> bytes:
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+
+async def test_closing_the_daemon_ends_the_dials_its_senders_were_waiting_on(
+    tmp_path: Path,
+) -> None:
+    """A dial is shared by every sender waiting for its address and shielded from
+    their cancellation: a close that ended only the senders left it pending, and the
+    loop's end destroyed it ("Task was destroyed but it is pending!" at `leave`)."""
+    ca = ClusterCA.create("outbox", UTC)
+    key = NodeKey.generate()
+    transport = _HangingDials(
+        MemoryNetwork(),
+        key,
+        ca.issue(key.public_key, UTC),
+        Trust(ca.certificate),
+        Config().transport,
+        wallclock=lambda: UTC,
+    )
+    daemon = MeshDaemon(Config(), key, transport, state_dir=tmp_path)
+    daemon._enqueue("127.0.0.1:9", FrameType.GOSSIP, b"x")
+    for _ in range(100):  # the sender task starts and dials
+        if daemon._dialing:
+            break
+        await asyncio.sleep(0)
+    dials = list(daemon._dialing.values())
+    assert dials and not any(d.done() for d in dials)
+    await daemon.close()
+    assert all(d.done() for d in dials)
