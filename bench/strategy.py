@@ -7,7 +7,8 @@ A round: every node broadcasts a payload of ``--payloads`` bytes at once (in pie
 at most 1 MiB, as a trainer's chunks go, named as one round); it ends when every node
 has every other node's whole payload. Round time: from the round's start until then.
 Each (scenario, strategy, payload) runs in a fresh mesh with the same seed: formed,
-``--settle`` seconds for every link to be measured and published, ``--warmup-rounds``
+``--settle`` seconds for every link to be measured (``--rate-probe-bytes`` of filler
+down each, core.link.rateprobe) and published, ``--warmup-rounds``
 rounds (2) whose bulk frames measure the links' rates, which are then published and
 pace the links (their times are reported as ``warmup_s``, not counted), then
 ``--rounds`` measured rounds. A training run repeats its round hundreds of times: the
@@ -69,6 +70,12 @@ measured 2,242 bytes per node and step of UDP payload at H=30 with control; one 
 chunks are about 2.4 kB)."""
 UPDATE_BYTES = 2_100_000
 """One send of a 100M-parameter model's update at 1% density (bench/datapath.py)."""
+RATE_PROBE_BYTES = 1 << 20
+"""Filler per probe (``mesh.rate_probe_bytes``; the config's default is none): without
+it, the links the strategy in force leaves idle keep whatever they read in the warm-up,
+and on the multi-cloud matrix the model put the ring level with the tree there (the
+ring's own runs were 1.3-1.6x faster). 1 MiB: the two back-to-back halves of it past
+QUIC's slow start at these rates (10 Mbit/s, up to 230 ms)."""
 SMALL_BYTES = 64 * 1024
 """Payloads under this get ``--small-rounds`` measured rounds."""
 
@@ -145,6 +152,7 @@ async def run_rounds(
     timeout_s: float,
     warmup: int = 2,
     carry_plans: bool = True,
+    rate_probe_bytes: int | None = None,
 ) -> dict[str, Any]:
     names = scenario.node_names()
     uplink = min(n.uplink_bps or 0.0 for n in scenario.nodes)
@@ -155,6 +163,9 @@ async def run_rounds(
         base.mesh,
         strategy=strategy,  # type: ignore[arg-type]
         carry_plans=carry_plans,
+        rate_probe_bytes=(
+            base.mesh.rate_probe_bytes if rate_probe_bytes is None else rate_probe_bytes
+        ),
         node_uplink_bps=uplink,
         default_rate_bps=uplink or base.mesh.default_rate_bps,
     )
@@ -268,6 +279,11 @@ async def run_rounds(
         out["probes_answered_by_traffic"] = sum(m.probes_answered_by_traffic for m in members)
         out["deaths_withheld"] = sum(m.deaths_withheld for m in members)
         out["in_flight_refused"] = sum(mesh.daemons[n].counters["chunks_in_flight"] for n in names)
+        # Filler sent to measure links (core.link.rateprobe), by why.
+        out["rate_probes"] = {
+            why: sum(mesh.daemons[n].rate_probes.sent[why] for n in names)
+            for why in ("unmeasured", "low")
+        }
     return out
 
 
@@ -409,6 +425,13 @@ def main() -> int:
         help="large pieces carry no plan: every relay forwards by its own trees "
         "(mesh.carry_plans false; the behaviour before it)",
     )
+    ap.add_argument(
+        "--rate-probe-bytes",
+        type=int,
+        default=RATE_PROBE_BYTES,
+        help="mesh.rate_probe_bytes: filler that measures links the traffic leaves "
+        "unmeasured or reading low (core.link.rateprobe; 0: none, the config's default)",
+    )
     ap.add_argument("--skip-dissemination", action="store_true", help="no 1 MB tree row")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
@@ -446,6 +469,7 @@ def main() -> int:
                             args.timeout,
                             args.warmup_rounds,
                             not args.no_carry_plans,
+                            args.rate_probe_bytes,
                         )
                     )
                     row[strategy] = {
@@ -468,6 +492,7 @@ def main() -> int:
                         "in_flight_refused": r["in_flight_refused"],
                         "probes_answered_by_traffic": r["probes_answered_by_traffic"],
                         "deaths_withheld": r["deaths_withheld"],
+                        "rate_probes": r["rate_probes"],
                         "wall_s": round(time.monotonic() - t0, 1),
                     }
                     print(f"{sname} {payload} {strategy}: {row[strategy]}", file=sys.stderr)
@@ -485,6 +510,7 @@ def main() -> int:
         "warmup_rounds": args.warmup_rounds,
         "small_rounds": args.small_rounds,
         "carry_plans": not args.no_carry_plans,
+        "rate_probe_bytes": args.rate_probe_bytes,
         "scenarios": table,
         "auto_over_best_max": max((r.get("auto_over_best", 0.0) for r in table), default=None),
         "auto_over_best_max_unpooled": max(

@@ -297,16 +297,24 @@ class MeshSection:
     from the published link state and the round's size, chosen by each origin at its
     round boundaries (its chunks name the strategy, so relays follow it)."""
     rate_probe_bytes: int = 0
-    """Filler sent to a peer that has not measured the link from this node yet (its
-    published rate for it is missing), so that every link's rate is known before a
-    round depends on it: two frames of half this, each a sample of the link's pace
-    (core.link.throughput). 0 (the default): no probes. A probe of a few hundred KiB
-    on an idle connection measures QUIC's slow start more than the link (256 KiB read
-    4 Mbit/s on a 140 ms, 20 Mbit/s emulated path, where a 2 MB transfer read 20):
-    ``default_rate_bps`` set to the nodes' uplink was the better guess in
-    bench/strategy.py."""
+    """Filler sent down a link to measure it (core.link.rateprobe): a link no one has
+    measured from this node (its peer published no rate for it), or one that reads
+    below ``rate_probe_below`` of this node's best while this node sends nothing
+    else, in frames of at most 256 KiB that the peer times as any bulk frame
+    (core.link.throughput) and drops. 0 (the default): no probes. Size it to a few
+    bandwidth-delay products of the links: a probe of a few hundred KiB on an idle
+    connection measures QUIC's slow start more than the link (256 KiB read 4 Mbit/s on
+    a 140 ms, 20 Mbit/s emulated path, where a 2 MB transfer read 20)."""
     rate_probe_interval_s: float = 60.0
-    """A link is probed at most this often, and never while bulk data waits for it."""
+    """A link is probed at most this often (a link that still reads low after its
+    probe, up to 8 times less often), and never while bulk data waits for it."""
+    rate_probe_below: float = 0.5
+    """A measured link reading below this fraction of the fastest link this node's
+    peers published from it (at most ``default_rate_bps`` and ``node_uplink_bps``)
+    is probed too, when this node sends nothing else: a link the strategy in force
+    leaves idle keeps the reading of whatever last crossed it, and one measured while
+    its sender fed several links reads its share of the uplink. 0: unmeasured links
+    only."""
     carry_plans: bool = True
     """A large piece (over 64 KiB) carries the tree its origin planned for it, and every
     relay forwards it by that plan rather than by the trees of the state it holds when

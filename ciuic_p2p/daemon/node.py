@@ -43,7 +43,8 @@ from typing import Any, Literal, Protocol
 
 from ciuic_p2p.addresses import format_address, parse_address
 from ciuic_p2p.config import Config
-from ciuic_p2p.core.link.frames import BULK_TYPES, FrameType
+from ciuic_p2p.core.link.frames import BULK_TYPES, MAX_RATE_PROBE_BYTES, FrameType
+from ciuic_p2p.core.link.rateprobe import RateProbes
 from ciuic_p2p.core.mesh.broadcast import Delivery
 from ciuic_p2p.core.mesh.identities import Identities
 from ciuic_p2p.core.mesh.members import MemberEvent, State
@@ -87,6 +88,9 @@ MAX_DIALS = 64
 RATE_FEED_INTERVAL_S = 1.0
 """How often the links' measured rates are handed to the mesh (they change per large
 frame; the mesh republishes only a move of ``link_rate_change_ratio``)."""
+IDLE_UNACKED_BYTES = 64 * 1024
+"""Unacknowledged stream bytes under which a node counts as sending nothing else (its
+control traffic: probes, acks, gossip) when it picks a moment for a rate probe."""
 REPAIR_QUEUE_BYTES = 8 * 1024 * 1024
 """Chunks queued for one destination past which a repair answer (a WANT's) is not
 queued: a member that asks for everything and reads nothing gets this much."""
@@ -214,8 +218,15 @@ class MeshDaemon:
         self.mesh_bytes_sent: collections.Counter[str] = collections.Counter()
         self.mesh_messages_sent: collections.Counter[str] = collections.Counter()
         self._next_rate_feed = 0.0
-        self._probed_at: dict[str, float] = {}
-        """When each peer was last sent a rate probe (daemon clock)."""
+        m = config.mesh
+        uplink = m.node_uplink_bps if 0 < m.node_uplink_bps < math.inf else math.inf
+        self.rate_probes = RateProbes(
+            m.rate_probe_bytes,
+            m.rate_probe_interval_s,
+            m.rate_probe_below,
+            min(m.default_rate_bps, uplink),
+        )
+        """Which link gets filler to measure it, and when (core.link.rateprobe)."""
         self.traffic: collections.defaultdict[str, PeerTraffic] = collections.defaultdict(
             PeerTraffic
         )
@@ -465,40 +476,45 @@ class MeshDaemon:
             return
         # By the link's proven key, not by a member's signed address: a member that
         # signed another's address must not set that one's pace.
+        now = self.clock()
         for key in self.transport.peers():
-            rate_bps = node.rate_bps(self.peer_id, peer_id_of(key))
+            peer = peer_id_of(key)
+            rate_bps = node.rate_bps(self.peer_id, peer)
+            if self.rate_probes.unpaced(peer, now):  # a probe reads above the pace
+                rate_bps = None
             pace_bps = None if rate_bps is None else gain * rate_bps
             self.guard.call("pace", self.transport.pace, key, pace_bps)
 
     def _probe_rates(self, node: MeshNode, now: float) -> None:
-        """To one live peer a turn whose rate from this node no one has published (it
-        carried too little to measure), ``rate_probe_bytes`` of filler in two frames,
-        unless bulk data waits for that peer: at most once per link every
-        ``rate_probe_interval_s``; the peer measures their pace and drops them."""
-        m = self.config.mesh
-        if m.rate_probe_bytes <= 0:
+        """Filler down one link a turn that no one has measured, or that reads well
+        below this node's best (core.link.rateprobe says when); the peer times it as
+        any bulk frame and drops it. The link goes unpaced while it carries it."""
+        if self.rate_probes.probe_bytes <= 0:
             return
         members = node.members()
-        view = node.view()
-        for gone in [p for p in self._probed_at if p not in view]:
-            del self._probed_at[gone]
-        for peer in view:
-            if peer == self.peer_id or node.rate_bps(self.peer_id, peer) is not None:
-                continue
+        published: dict[str, float | None] = {}
+        ready: list[str] = []
+        for peer in node.view():
             member = members.get(peer)
-            if member is None or member.address not in self._peer_at:  # no link yet
+            if peer == self.peer_id or member is None:
                 continue
-            address = member.address
-            if self._bulk_queued(address):
-                continue
-            if now - self._probed_at.get(peer, -math.inf) < m.rate_probe_interval_s:
-                continue
-            self._probed_at[peer] = now
-            half = m.rate_probe_bytes // 2
-            for _ in range(2):
-                self._enqueue(address, FrameType.RATE_PROBE, bytes(half))
-            self.counters["rate_probes_sent"] += 1
-            return  # one link a turn: probes never crowd a node's uplink
+            published[peer] = node.rate_bps(self.peer_id, peer)
+            if member.address in self._peer_at and not self._bulk_queued(member.address):
+                ready.append(peer)
+        idle = self.backlog_bytes() == 0 and self.transport.unacked_bytes() < IDLE_UNACKED_BYTES
+        probe = self.rate_probes.choose(now, published, ready, idle)
+        if probe is None:
+            return
+        address = members[probe.peer].address
+        key = self._peer_at[address]
+        self.guard.call("pace", self.transport.pace, key, None)
+        left = probe.nbytes
+        while left > 0:
+            piece = min(left, MAX_RATE_PROBE_BYTES)
+            self._enqueue(address, FrameType.RATE_PROBE, bytes(piece))
+            left -= piece
+        self.counters["rate_probes_sent"] += 1
+        self.counters[f"rate_probes_{probe.reason}"] += 1
 
     def _member_changed(self, event: MemberEvent) -> None:
         self.member_events[event.state.name.lower()] += 1

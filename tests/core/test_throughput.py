@@ -120,3 +120,17 @@ def test_no_sequence_of_arrivals_raises_or_gives_an_impossible_rate(
         est.arrived(nbytes, completed, left, now)
         rate = est.rate_bps
         assert rate is None or 0 < rate <= MAX_RATE_BPS
+
+
+def test_a_frame_whose_tail_came_in_one_burst_gives_no_sample() -> None:
+    """A busy loop delays an emulated link's deliveries, then makes them at once: the
+    tail of a 1 MiB frame read 14x the pace of the whole. Such a tail is no rate."""
+    est = ReceiveRate(min_sample_bytes=64 * 1024)
+    size, now, sent = 1 << 20, 0.0, 0
+    while sent < size:
+        n = min(PIECE, size - sent)
+        sent += n
+        now += n * 8 / (3.7e6 if sent <= 300 * 1024 else 1e9)
+        est.arrived(n, [size] if sent == size else [], 0, now)
+    assert est.rate_bps is None and est.samples_taken == 0
+    assert est.bursts_left_out == 1

@@ -89,7 +89,7 @@ async def test_a_link_nothing_large_crossed_is_probed_once_and_measured() -> Non
     scenario = load_scenario(scenario_path("multicloud8"), rate_scale=RATE_SCALE)
     names = [*NAMES, "gcp:europe-west6-a"]
     wan = Config.wan()  # probes are off by default
-    probing = dataclasses.replace(wan.mesh, rate_probe_bytes=256 * 1024)
+    probing = dataclasses.replace(wan.mesh, rate_probe_bytes=512 * 1024)  # two frames
     async with DaemonMesh(scenario, names, dataclasses.replace(wan, mesh=probing)) as mesh:
         await mesh.form()
         daemons = [mesh.daemons[n] for n in names]

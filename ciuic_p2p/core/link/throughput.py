@@ -38,6 +38,14 @@ the event loop's resolution, not the path's."""
 RAMP_BYTES = 256 * 1024
 """The head of a large frame left out of its sample (a few round trips of slow start on
 the paths the pacer serves)."""
+MAX_RATE_FOLD = 4.0
+"""A frame timed from where its ramp ends reads at most this many times the pace of
+the whole frame (from its first piece), or gives no sample. Slow start on a long path
+makes the tail outrun the whole by 2-3.5x (1 MiB at 20 Mbit/s over 220 ms: 1.1 s of
+ramp, then 0.3 s); a burst reads far more: where several daemons and the WAN emulator
+share one event loop, a busy loop delays the emulator's deliveries and then makes them
+at once, and the tail of a 1 MiB frame over a 3.7 Mbit/s emulated link read 56 Mbit/s
+(bench/strategy.py, the 11-city matrix) while the whole frame read near 4."""
 MAX_RATE_BPS = 1e12
 """Above any link: a sample beyond it is a clock artefact, not a measurement."""
 
@@ -57,6 +65,8 @@ class ReceiveRate:
         self._ramp_end: tuple[float, int] | None = None
         """When its first ``ramp_bytes`` had come, and how many bytes had by then."""
         self.samples_taken = 0
+        self.bursts_left_out = 0
+        """Frames whose tail read too fast against the whole (``MAX_RATE_FOLD``)."""
 
     def arrived(self, nbytes: int, completed: list[int], left_over: int, now: float) -> None:
         """``nbytes`` arrived at ``now``; they ended frames of the sizes in
@@ -76,7 +86,12 @@ class ReceiveRate:
             size = completed[0]
             ramp = self._ramp_end
             if ramp is not None and size - ramp[1] >= self.ramp_bytes:
-                self._sample(size - ramp[1], now - ramp[0])
+                tail_s, whole_s = now - ramp[0], now - self._started_at
+                whole_bytes = size - self._first_piece
+                if tail_s * whole_bytes * MAX_RATE_FOLD >= whole_s * (size - ramp[1]):
+                    self._sample(size - ramp[1], tail_s)
+                else:
+                    self.bursts_left_out += 1
             elif size >= self.min_sample_bytes:
                 self._sample(size - self._first_piece, now - self._started_at)
         # Any other frame ended in this same piece (no time to measure); what is left

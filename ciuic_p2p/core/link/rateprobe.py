@@ -1,0 +1,125 @@
+"""Which link to send a rate probe down, and when: the active half of link-rate
+measurement (core.link.throughput is the passive half). Pure: the daemon asks with
+``now`` and the published rates; it sends the filler and lifts the link's pace.
+
+A link's rate is measured only from what it carries, and a reading is what the link
+carried then, not what it can carry:
+
+- a link no transfer crossed has no reading at all (``default_rate_bps`` stands in);
+- a link the strategy in force leaves idle keeps the reading of whatever last crossed
+  it, often a first frame in QUIC's slow start;
+- a link measured only while its sender's uplink fed several links at once reads that
+  uplink's share, and a paced link reads no faster than its pace, so it climbs by at
+  most ``pace_gain`` a reading.
+
+On the multi-cloud matrix (every pair 10 Mbit/s, as every uplink, in
+bench/strategy.py) the published rates after two tree rounds ranged 1.1-10 Mbit/s, and
+the ring's links, which the tree uses little, stayed at 1.1-3 Mbit/s: the cost model
+put the ring level with the tree, though the ring's own runs were 1.3-1.6x faster.
+
+So a link is probed when no one has measured it, or when it reads below ``below``
+times the fastest link this node's peers have published from it (capped at what the
+node may assume of any link): then ``probe_bytes`` of filler go down it alone, unpaced,
+while this node sends nothing else, and the receiver times them as any bulk frame.
+Bounded: one link at a time, each at most once per ``interval_s``; a link that still
+reads low after its probe is waited on twice as long each time (up to
+``MAX_BACKOFF`` times the interval): it is slow, not unmeasured.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass
+
+MAX_BACKOFF = 8
+"""A link that reads low after probe upon probe is probed at most every this many
+intervals."""
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Send ``nbytes`` of filler to ``peer`` now, unpaced until ``unpaced_until``."""
+
+    peer: str
+    nbytes: int
+    unpaced_until: float
+    reason: str
+    """``unmeasured`` (no published rate) or ``low`` (below the node's best link)."""
+
+
+class RateProbes:
+    """The probe schedule of one node's links (see the module docstring)."""
+
+    def __init__(
+        self, probe_bytes: int, interval_s: float, below: float, ceiling_bps: float
+    ) -> None:
+        self.probe_bytes = max(0, probe_bytes)
+        self.interval_s = interval_s
+        self.below = below
+        self.ceiling_bps = ceiling_bps
+        """The most any link is taken to carry (the node's uplink, or the rate assumed
+        of an unmeasured link): the yardstick never reads above it."""
+        self._probed_at: dict[str, float] = {}
+        self._backoff: dict[str, int] = {}
+        self._unpaced_until: dict[str, float] = {}
+        self.sent = {"unmeasured": 0, "low": 0}
+
+    def choose(
+        self,
+        now: float,
+        published: Mapping[str, float | None],
+        ready: Collection[str],
+        idle: bool,
+    ) -> Probe | None:
+        """The probe to send now, if any. ``published``: the rate each live peer
+        published for the link from this node (None: not measured); ``ready``: the
+        peers with a link up and no bulk data waiting for them; ``idle``: this node
+        sends nothing else (no bulk queued or unacknowledged on any link)."""
+        if self.probe_bytes <= 0:
+            return None
+        for gone in [p for p in self._probed_at if p not in published]:
+            self._forget(gone)
+        yardstick = self._yardstick(published)
+        for peer in sorted(published):  # one order on every call: no link starves
+            rate = published[peer]
+            if peer not in ready:
+                continue
+            if rate is None:
+                reason = "unmeasured"
+            elif idle and yardstick is not None and rate < self.below * yardstick:
+                reason = "low"
+            else:
+                self._backoff.pop(peer, None)  # reads as well as the rest now
+                continue
+            last = self._probed_at.get(peer)
+            wait_s = self.interval_s * self._backoff.get(peer, 1)
+            if last is not None and now - last < wait_s:
+                continue
+            if last is not None and reason == "low":  # probed, and still low
+                self._backoff[peer] = min(MAX_BACKOFF, 2 * self._backoff.get(peer, 1))
+            self._probed_at[peer] = now
+            until = now + 2 * self.probe_bytes * 8 / self.ceiling_bps + 1.0
+            self._unpaced_until[peer] = until
+            self.sent[reason] += 1
+            return Probe(peer, self.probe_bytes, until, reason)
+        return None
+
+    def unpaced(self, peer: str, now: float) -> bool:
+        """Whether the link to ``peer`` carries a probe now (its pace is lifted, so
+        the probe can read above the rate that set it)."""
+        until = self._unpaced_until.get(peer)
+        if until is None:
+            return False
+        if now >= until:
+            del self._unpaced_until[peer]
+            return False
+        return True
+
+    def _yardstick(self, published: Mapping[str, float | None]) -> float | None:
+        rates = [r for r in published.values() if r is not None and r > 0]
+        return min(max(rates), self.ceiling_bps) if rates else None
+
+    def _forget(self, peer: str) -> None:
+        self._probed_at.pop(peer, None)
+        self._backoff.pop(peer, None)
+        self._unpaced_until.pop(peer, None)
