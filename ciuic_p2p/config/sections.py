@@ -309,8 +309,9 @@ class MeshSection:
     """A link is probed at most this often (a link that still reads low after its
     probe, up to 8 times less often), and never while bulk data waits for it."""
     rate_probe_below: float = 0.5
-    """A measured link reading below this fraction of the fastest link this node's
-    peers published from it (at most ``default_rate_bps`` and ``node_uplink_bps``)
+    """A measured link reading below this fraction of the second fastest link this
+    node's peers published from it (at most ``default_rate_bps`` and ``node_uplink_bps``;
+    the second, so one member claiming a fast link cannot draw probes down every other)
     is probed too, when this node sends nothing else: a link the strategy in force
     leaves idle keeps the reading of whatever last crossed it, and one measured while
     its sender fed several links reads its share of the uplink. 0: unmeasured links

@@ -42,28 +42,39 @@ def test_one_link_a_turn_in_a_fixed_order() -> None:
 
 def test_a_link_reading_far_below_the_best_is_probed_only_while_the_node_is_idle() -> None:
     p = probes()
-    published: dict[str, float | None] = {"b": 9 * MBIT, "c": 2 * MBIT, "d": 6 * MBIT}
-    assert p.choose(0.0, published, ["b", "c", "d"], idle=False) is None
-    probe = p.choose(0.0, published, ["b", "c", "d"], idle=True)
+    published: dict[str, float | None] = {
+        "b": 9 * MBIT,
+        "c": 2 * MBIT,
+        "d": 6 * MBIT,
+        "e": 8 * MBIT,
+    }
+    assert p.choose(0.0, published, ["b", "c", "d", "e"], idle=False) is None
+    probe = p.choose(0.0, published, ["b", "c", "d", "e"], idle=True)
     assert probe is not None and (probe.peer, probe.reason) == ("c", "low")
-    # d reads above half the best (4.5 Mbit/s), b is the best: neither is probed.
-    assert p.choose(0.0, published, ["b", "c", "d"], idle=True) is None
+    # The rest read above half the second best (4 Mbit/s): none is probed.
+    assert p.choose(0.0, published, ["b", "c", "d", "e"], idle=True) is None
+
+
+def test_one_member_claiming_a_fast_link_does_not_draw_probes_down_every_other() -> None:
+    p = probes()
+    published: dict[str, float | None] = {"liar": 10 * MBIT, "c": 3 * MBIT, "d": 3 * MBIT}
+    assert p.choose(0.0, published, ["liar", "c", "d"], idle=True) is None
 
 
 def test_the_yardstick_never_reads_above_the_ceiling() -> None:
     """A reading of 80 Mbit/s on a node told its links carry at most 10 (one burst the
     event loop read at once) does not make every honest link look slow."""
     p = probes()
-    published: dict[str, float | None] = {"b": 80 * MBIT, "c": 6 * MBIT}
-    assert p.choose(0.0, published, ["b", "c"], idle=True) is None
+    published: dict[str, float | None] = {"b": 80 * MBIT, "x": 70 * MBIT, "c": 6 * MBIT}
+    assert p.choose(0.0, published, ["b", "x", "c"], idle=True) is None
 
 
 def test_a_link_that_stays_slow_is_probed_ever_less_often_up_to_a_bound() -> None:
     p = probes()
-    published: dict[str, float | None] = {"b": 9 * MBIT, "c": 1 * MBIT}
+    published: dict[str, float | None] = {"a": 9 * MBIT, "b": 9 * MBIT, "c": 1 * MBIT}
     sent_at = []
     for t in range(0, 60 * 40, 10):
-        if p.choose(float(t), published, ["b", "c"], idle=True) is not None:
+        if p.choose(float(t), published, ["a", "b", "c"], idle=True) is not None:
             sent_at.append(t)
     gaps = [b - a for a, b in itertools.pairwise(sent_at)]
     assert gaps[:4] == [60, 120, 240, 480]
@@ -72,13 +83,14 @@ def test_a_link_that_stays_slow_is_probed_ever_less_often_up_to_a_bound() -> Non
 
 def test_a_link_that_reads_well_again_starts_over() -> None:
     p = probes()
-    low: dict[str, float | None] = {"b": 9 * MBIT, "c": 1 * MBIT}
-    assert p.choose(0.0, low, ["b", "c"], idle=True) is not None
-    assert p.choose(60.0, low, ["b", "c"], idle=True) is not None  # backoff now 2
-    well: dict[str, float | None] = {"b": 9 * MBIT, "c": 8 * MBIT}
-    assert p.choose(100.0, well, ["b", "c"], idle=True) is None
+    low: dict[str, float | None] = {"a": 9 * MBIT, "b": 9 * MBIT, "c": 1 * MBIT}
+    well: dict[str, float | None] = {"a": 9 * MBIT, "b": 9 * MBIT, "c": 8 * MBIT}
+    ready = ["a", "b", "c"]
+    assert p.choose(0.0, low, ready, idle=True) is not None
+    assert p.choose(60.0, low, ready, idle=True) is not None  # backoff now 2
+    assert p.choose(100.0, well, ready, idle=True) is None
     # Slow again later: one interval after its last probe, not two.
-    assert p.choose(120.0, low, ["b", "c"], idle=True) is not None
+    assert p.choose(120.0, low, ready, idle=True) is not None
 
 
 def test_a_probed_link_is_unpaced_for_a_bounded_while() -> None:

@@ -18,8 +18,8 @@ the ring's links, which the tree uses little, stayed at 1.1-3 Mbit/s: the cost m
 put the ring level with the tree, though the ring's own runs were 1.3-1.6x faster.
 
 So a link is probed when no one has measured it, or when it reads below ``below``
-times the fastest link this node's peers have published from it (capped at what the
-node may assume of any link): then ``probe_bytes`` of filler go down it alone, unpaced,
+times the second fastest link this node's peers have published from it (capped at
+what the node may assume of any link): then ``probe_bytes`` of filler go down it alone, unpaced,
 while this node sends nothing else, and the receiver times them as any bulk frame.
 Bounded: one link at a time, each at most once per ``interval_s``; a link that still
 reads low after its probe is waited on twice as long each time (up to
@@ -116,8 +116,13 @@ class RateProbes:
         return True
 
     def _yardstick(self, published: Mapping[str, float | None]) -> float | None:
-        rates = [r for r in published.values() if r is not None and r > 0]
-        return min(max(rates), self.ceiling_bps) if rates else None
+        """The second fastest link (the fastest when there is one), at most the
+        ceiling: one member that claims a fast link from this node cannot make every
+        other link look slow and draw probes down all of them."""
+        rates = sorted(r for r in published.values() if r is not None and r > 0)
+        if not rates:
+            return None
+        return min(rates[-2] if len(rates) > 1 else rates[-1], self.ceiling_bps)
 
     def _forget(self, peer: str) -> None:
         self._probed_at.pop(peer, None)
