@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="ciuic-node",
         description=(
             "ciuic-p2p node daemon: trains one model across GPU nodes on slow, far links "
-            "by exchanging sparse INT8 updates over authenticated QUIC."
+            "by exchanging sparse, low-bit quantized updates over authenticated QUIC."
         ),
     )
     parser.add_argument("--version", action="version", version=f"ciuic-node {__version__}")
