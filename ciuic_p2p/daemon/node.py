@@ -499,7 +499,15 @@ class MeshDaemon:
             if peer == self.peer_id or member is None:
                 continue
             published[peer] = node.rate_bps(self.peer_id, peer)
-            if member.address in self._peer_at and not self._bulk_queued(member.address):
+            # By the link's proven key: a member that signed another's address must
+            # not draw probes, or a lifted pace, onto that one's link.
+            key = self._peer_at.get(member.address)
+            if (
+                key is not None
+                and peer_id_of(key) == peer
+                and key in self.transport.peers()
+                and not self._bulk_queued(member.address)
+            ):
                 ready.append(peer)
         idle = self.backlog_bytes() == 0 and self.transport.unacked_bytes() < IDLE_UNACKED_BYTES
         probe = self.rate_probes.choose(now, published, ready, idle)

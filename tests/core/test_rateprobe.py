@@ -104,9 +104,42 @@ def test_a_probed_link_is_unpaced_for_a_bounded_while() -> None:
     assert not p.unpaced("b", 0.5)  # once over, it stays over
 
 
-def test_a_departed_peer_is_forgotten() -> None:
+def test_a_peer_that_leaves_and_rejoins_keeps_its_wait() -> None:
     p = probes()
     assert p.choose(0.0, {"b": None}, ["b"], idle=True) is not None
     assert p.choose(1.0, {}, [], idle=True) is None
-    assert not p.unpaced("b", 1.0)
-    assert p.choose(2.0, {"b": None}, ["b"], idle=True) is not None  # a new member
+    assert not p.unpaced("b", 1.0)  # gone: its pace is none of our business now
+    assert p.choose(2.0, {"b": None}, ["b"], idle=True) is None  # back within 60 s
+    assert p.choose(60.0, {"b": None}, ["b"], idle=True) is not None
+    # Forgotten once its longest wait is over: the table does not grow.
+    p.choose(60.0 + 60 * MAX_BACKOFF, {}, [], idle=True)
+    assert p.choose(60.0 + 60 * MAX_BACKOFF, {"b": None}, ["b"], idle=True) is not None
+
+
+def test_a_busy_moment_does_not_reset_a_slow_links_wait() -> None:
+    p = probes()
+    low: dict[str, float | None] = {"a": 9 * MBIT, "b": 9 * MBIT, "c": 1 * MBIT}
+    ready = ["a", "b", "c"]
+    sent_at = []
+    for t in range(0, 60 * 20, 10):
+        busy = t % 100 == 50  # one busy moment in ten
+        if p.choose(float(t), low, ready, idle=not busy) is not None:
+            sent_at.append(t)
+    assert [b - a for a, b in itertools.pairwise(sent_at)][:3] == [60, 120, 240]
+
+
+def test_a_link_that_stays_unmeasured_is_probed_ever_less_often() -> None:
+    """A peer that never publishes what it measured draws a bounded trickle."""
+    p = probes()
+    sent_at = [t for t in range(0, 60 * 30, 10) if p.choose(float(t), {"b": None}, ["b"], True)]
+    assert [b - a for a, b in itertools.pairwise(sent_at)][:4] == [60, 120, 240, 480]
+
+
+def test_a_slow_links_probe_keeps_it_unpaced_long_enough_to_cross() -> None:
+    p = probes()
+    probe = p.choose(0.0, {"a": 9 * MBIT, "b": 9 * MBIT, "c": 4 * MBIT}, ["c"], idle=True)
+    assert probe is not None and probe.peer == "c"
+    # 1 MiB twice over at its 4 Mbit/s reading, plus a second; never above 10 s.
+    assert probe.unpaced_until == 2 * (1 << 20) * 8 / (4 * MBIT) + 1.0
+    crawl = probes().choose(0.0, {"a": 9 * MBIT, "b": 9 * MBIT, "c": 0.1 * MBIT}, ["c"], True)
+    assert crawl is not None and crawl.unpaced_until == 10.0

@@ -22,8 +22,9 @@ times the second fastest link this node's peers have published from it (capped a
 what the node may assume of any link): then ``probe_bytes`` of filler go down it alone, unpaced,
 while this node sends nothing else, and the receiver times them as any bulk frame.
 Bounded: one link at a time, each at most once per ``interval_s``; a link that still
-reads low after its probe is waited on twice as long each time (up to
-``MAX_BACKOFF`` times the interval): it is slow, not unmeasured.
+reads low (or unmeasured) after its probe is waited on twice as long each time (up to
+``MAX_BACKOFF`` times the interval), and a peer that leaves and rejoins keeps its
+wait: it is slow, not unmeasured.
 """
 
 from __future__ import annotations
@@ -32,8 +33,12 @@ from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 MAX_BACKOFF = 8
-"""A link that reads low after probe upon probe is probed at most every this many
-intervals."""
+"""A link that reads low (or stays unmeasured) after probe upon probe is probed at
+most every this many intervals."""
+MIN_WINDOW_RATE_BPS = 1e6
+"""The slowest a probe is taken to cross when its link's pace is lifted for it."""
+MAX_UNPACED_S = 10.0
+"""The longest a link goes unpaced for one probe."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,32 +82,42 @@ class RateProbes:
         sends nothing else (no bulk queued or unacknowledged on any link)."""
         if self.probe_bytes <= 0:
             return None
-        for gone in [p for p in self._probed_at if p not in published]:
-            self._forget(gone)
+        self._forget_departed(published, now)
         yardstick = self._yardstick(published)
         for peer in sorted(published):  # one order on every call: no link starves
             rate = published[peer]
-            if peer not in ready:
-                continue
-            if rate is None:
-                reason = "unmeasured"
-            elif idle and yardstick is not None and rate < self.below * yardstick:
-                reason = "low"
-            else:
+            low = rate is not None and yardstick is not None and rate < self.below * yardstick
+            if rate is not None and not low:
                 self._backoff.pop(peer, None)  # reads as well as the rest now
                 continue
-            last = self._probed_at.get(peer)
-            wait_s = self.interval_s * self._backoff.get(peer, 1)
-            if last is not None and now - last < wait_s:
+            if peer not in ready or (low and not idle):
                 continue
-            if last is not None and reason == "low":  # probed, and still low
+            reason = "low" if low else "unmeasured"
+            last = self._probed_at.get(peer)
+            if last is not None and now - last < self.interval_s * self._backoff.get(peer, 1):
+                continue
+            if last is not None:  # probed before, and still unmeasured or low
                 self._backoff[peer] = min(MAX_BACKOFF, 2 * self._backoff.get(peer, 1))
             self._probed_at[peer] = now
-            until = now + 2 * self.probe_bytes * 8 / self.ceiling_bps + 1.0
-            self._unpaced_until[peer] = until
+            # While the probe crosses at the link's reading (a low one, or the ceiling
+            # where none), twice over, plus a second: the pace comes back after it.
+            pace_bps = max(rate or self.ceiling_bps, MIN_WINDOW_RATE_BPS)
+            span_s = min(MAX_UNPACED_S, 2 * self.probe_bytes * 8 / pace_bps + 1.0)
+            self._unpaced_until[peer] = now + span_s
             self.sent[reason] += 1
-            return Probe(peer, self.probe_bytes, until, reason)
+            return Probe(peer, self.probe_bytes, now + span_s, reason)
         return None
+
+    def _forget_departed(self, published: Mapping[str, float | None], now: float) -> None:
+        """A peer that left stays remembered until its longest wait is over: one that
+        leaves and rejoins must not draw a probe each time."""
+        for peer in [p for p in self._unpaced_until if p not in published]:
+            del self._unpaced_until[peer]
+        horizon_s = self.interval_s * MAX_BACKOFF
+        for peer in [p for p in self._probed_at if p not in published]:
+            if now - self._probed_at[peer] >= horizon_s:
+                self._probed_at.pop(peer)
+                self._backoff.pop(peer, None)
 
     def unpaced(self, peer: str, now: float) -> bool:
         """Whether the link to ``peer`` carries a probe now (its pace is lifted, so
@@ -123,8 +138,3 @@ class RateProbes:
         if not rates:
             return None
         return min(rates[-2] if len(rates) > 1 else rates[-1], self.ceiling_bps)
-
-    def _forget(self, peer: str) -> None:
-        self._probed_at.pop(peer, None)
-        self._backoff.pop(peer, None)
-        self._unpaced_until.pop(peer, None)
