@@ -134,3 +134,32 @@ def test_a_frame_whose_tail_came_in_one_burst_gives_no_sample() -> None:
         est.arrived(n, [size] if sent == size else [], 0, now)
     assert est.rate_bps is None and est.samples_taken == 0
     assert est.bursts_left_out == 1
+
+
+def test_a_frame_timed_whole_whose_last_part_came_in_one_burst_gives_no_sample() -> None:
+    """A 256 KiB rate probe (timed whole: under twice the ramp) whose last 60% the
+    busy loop delivered at once (it read 2.6x the link) reads no rate; one that came
+    steadily does."""
+    est = ReceiveRate(min_sample_bytes=64 * 1024)
+    size, now, sent = 256 * 1024, 0.0, 0
+    while sent < size:
+        n = min(PIECE, size - sent)
+        sent += n
+        now += n * 8 / (3.6e6 if sent <= 100 * 1024 else 1e9)
+        est.arrived(n, [size] if sent == size else [], 0, now)
+    assert est.rate_bps is None and est.bursts_left_out == 1
+    deliver(est, [size], 3.6e6, start=now + 1.0)
+    assert est.rate_bps is not None and abs(est.rate_bps - 3.6e6) / 3.6e6 < 0.01
+
+
+def test_a_small_frame_in_slow_start_still_gives_a_sample() -> None:
+    """The guard leaves honest slow start alone: a 256 KiB frame whose first quarter
+    came at a fifth of the rate the rest came at is a sample (of its whole pace)."""
+    est = ReceiveRate(min_sample_bytes=64 * 1024)
+    size, now, sent = 256 * 1024, 0.0, 0
+    while sent < size:
+        n = min(PIECE, size - sent)
+        sent += n
+        now += n * 8 / (2e6 if sent <= 64 * 1024 else 10e6)
+        est.arrived(n, [size] if sent == size else [], 0, now)
+    assert est.samples_taken == 1 and est.bursts_left_out == 0

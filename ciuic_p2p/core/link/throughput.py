@@ -39,13 +39,18 @@ RAMP_BYTES = 256 * 1024
 """The head of a large frame left out of its sample (a few round trips of slow start on
 the paths the pacer serves)."""
 MAX_RATE_FOLD = 4.0
-"""A frame timed from where its ramp ends reads at most this many times the pace of
-the whole frame (from its first piece), or gives no sample. Slow start on a long path
+"""A frame timed from where its ramp ends, or the last quarter of one timed whole,
+reads at most this many times the pace of the whole frame (from its first piece), or
+the frame gives no sample. Slow start on a long path
 makes the tail outrun the whole by 2-3.5x (1 MiB at 20 Mbit/s over 220 ms: 1.1 s of
 ramp, then 0.3 s); a burst reads far more: where several daemons and the WAN emulator
 share one event loop, a busy loop delays the emulator's deliveries and then makes them
 at once, and the tail of a 1 MiB frame over a 3.7 Mbit/s emulated link read 56 Mbit/s
 (bench/strategy.py, the 11-city matrix) while the whole frame read near 4."""
+MARK_BYTES = 32 * 1024
+"""A frame's arrival time is noted each time this many more of its bytes came..."""
+MAX_MARKS = 16
+"""...up to here (512 KiB: a larger frame is timed after its ramp)."""
 MAX_RATE_BPS = 1e12
 """Above any link: a sample beyond it is a clock artefact, not a measurement."""
 
@@ -64,6 +69,9 @@ class ReceiveRate:
         """Bytes of the frame now arriving so far."""
         self._ramp_end: tuple[float, int] | None = None
         """When its first ``ramp_bytes`` had come, and how many bytes had by then."""
+        self._marks: list[tuple[int, float]] = []
+        """(bytes seen, when) as the frame passed 32 KiB, 64 KiB, 96 KiB...: where
+        its last quarter began, for a frame timed whole."""
         self.samples_taken = 0
         self.bursts_left_out = 0
         """Frames whose tail read too fast against the whole (``MAX_RATE_FOLD``)."""
@@ -81,19 +89,22 @@ class ReceiveRate:
             self._seen += nbytes
             if self._ramp_end is None and self._seen >= self.ramp_bytes:
                 self._ramp_end = (now, self._seen)
+            if len(self._marks) < MAX_MARKS and self._seen >= MARK_BYTES * (len(self._marks) + 1):
+                self._marks.append((self._seen, now))
             return
         if self._started_at is not None:  # the frame that began in an earlier piece
             size = completed[0]
             ramp = self._ramp_end
+            whole = (size - self._first_piece, now - self._started_at)
             if ramp is not None and size - ramp[1] >= self.ramp_bytes:
-                tail_s, whole_s = now - ramp[0], now - self._started_at
-                whole_bytes = size - self._first_piece
-                if tail_s * whole_bytes * MAX_RATE_FOLD >= whole_s * (size - ramp[1]):
-                    self._sample(size - ramp[1], tail_s)
-                else:
-                    self.bursts_left_out += 1
+                tail = (size - ramp[1], now - ramp[0])
+                self._sample_unless_burst(tail, whole, tail)
             elif size >= self.min_sample_bytes:
-                self._sample(size - self._first_piece, now - self._started_at)
+                # Its last quarter (from the last mark at or under three quarters of
+                # it) must not outrun the whole either.
+                head = [m for m in self._marks if m[0] <= 3 * size // 4]
+                tail = (size - head[-1][0], now - head[-1][1]) if head else whole
+                self._sample_unless_burst(tail, whole, whole)
         # Any other frame ended in this same piece (no time to measure); what is left
         # over is the first piece of the next.
         if left_over > 0:
@@ -104,6 +115,18 @@ class ReceiveRate:
     def _begin(self, first_piece: int, now: float) -> None:
         self._started_at, self._first_piece = now, first_piece
         self._seen, self._ramp_end = first_piece, None
+        self._marks.clear()
+
+    def _sample_unless_burst(
+        self, tail: tuple[int, float], whole: tuple[int, float], sample: tuple[int, float]
+    ) -> None:
+        """``sample`` (bytes, seconds), unless the frame's ``tail`` read more than
+        ``MAX_RATE_FOLD`` times the pace of the ``whole``."""
+        (tail_bytes, tail_s), (whole_bytes, whole_s) = tail, whole
+        if tail_s * whole_bytes * MAX_RATE_FOLD < whole_s * tail_bytes:
+            self.bursts_left_out += 1
+            return
+        self._sample(*sample)
 
     def _sample(self, nbytes: int, span_s: float) -> None:
         if nbytes <= 0 or span_s < MIN_SPAN_S:
