@@ -7,9 +7,9 @@ A round: every node broadcasts a payload of ``--payloads`` bytes at once (in pie
 at most 1 MiB, as a trainer's chunks go, named as one round); it ends when every node
 has every other node's whole payload. Round time: from the round's start until then.
 Each (scenario, strategy, payload) runs in a fresh mesh with the same seed: formed,
-``--settle`` seconds for every link to be measured (``--rate-probe-bytes`` of filler
-down each, core.link.rateprobe) and published, ``--warmup-rounds``
-rounds (2) whose bulk frames measure the links' rates, which are then published and
+``--settle`` seconds for every link to be measured and published (with
+``--rate-probe-bytes``, filler down each, core.link.rateprobe; none by default),
+``--warmup-rounds`` rounds (2) whose bulk frames measure the links' rates, which are then published and
 pace the links (their times are reported as ``warmup_s``, not counted), then
 ``--rounds`` measured rounds. A training run repeats its round hundreds of times: the
 measured rounds are what it spends on most of them; the warm-up rounds are what its
@@ -70,12 +70,6 @@ measured 2,242 bytes per node and step of UDP payload at H=30 with control; one 
 chunks are about 2.4 kB)."""
 UPDATE_BYTES = 2_100_000
 """One send of a 100M-parameter model's update at 1% density (bench/datapath.py)."""
-RATE_PROBE_BYTES = 1 << 20
-"""Filler per probe (``mesh.rate_probe_bytes``; the config's default is none): without
-it, the links the strategy in force leaves idle keep whatever they read in the warm-up,
-and on the multi-cloud matrix the model put the ring level with the tree there (the
-ring's own runs were 1.3-1.6x faster). 1 MiB: the two back-to-back halves of it past
-QUIC's slow start at these rates (10 Mbit/s, up to 230 ms)."""
 SMALL_BYTES = 64 * 1024
 """Payloads under this get ``--small-rounds`` measured rounds."""
 
@@ -428,9 +422,9 @@ def main() -> int:
     ap.add_argument(
         "--rate-probe-bytes",
         type=int,
-        default=RATE_PROBE_BYTES,
+        default=Config.wan().mesh.rate_probe_bytes,
         help="mesh.rate_probe_bytes: filler that measures links the traffic leaves "
-        "unmeasured or reading low (core.link.rateprobe; 0: none, the config's default)",
+        "unmeasured or reading low (core.link.rateprobe; the config's default: none)",
     )
     ap.add_argument("--skip-dissemination", action="store_true", help="no 1 MB tree row")
     ap.add_argument("--json", action="store_true")
