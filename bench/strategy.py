@@ -9,8 +9,8 @@ has every other node's whole payload. Round time: from the round's start until t
 Each (scenario, strategy, payload) runs in a fresh mesh with the same seed: formed,
 ``--settle`` seconds for every link to be measured and published (with
 ``--rate-probe-bytes``, filler down each, core.link.rateprobe; none by default),
-``--warmup-rounds`` rounds (2) whose bulk frames measure the links' rates, which are then published and
-pace the links (their times are reported as ``warmup_s``, not counted), then
+``--warmup-rounds`` rounds (2) whose bulk frames measure the links' rates, which are
+then published and pace the links (their times are reported as ``warmup_s``, not counted), then
 ``--rounds`` measured rounds. A training run repeats its round hundreds of times: the
 measured rounds are what it spends on most of them; the warm-up rounds are what its
 first ones cost. A link's rate is measured only from the traffic it carries, and a
@@ -275,7 +275,7 @@ async def run_rounds(
         out["in_flight_refused"] = sum(mesh.daemons[n].counters["chunks_in_flight"] for n in names)
         # Filler sent to measure links (core.link.rateprobe), by why.
         out["rate_probes"] = {
-            why: sum(mesh.daemons[n].rate_probes.sent[why] for n in names)
+            why: sum(mesh.daemons[n].link_rates.probes.sent[why] for n in names)
             for why in ("unmeasured", "low")
         }
     return out

@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import math
 import time
 import zlib
 from collections.abc import Callable
@@ -43,8 +42,7 @@ from typing import Any, Literal, Protocol
 
 from ciuic_p2p.addresses import format_address, parse_address
 from ciuic_p2p.config import Config
-from ciuic_p2p.core.link.frames import BULK_TYPES, MAX_RATE_PROBE_BYTES, FrameType
-from ciuic_p2p.core.link.rateprobe import RateProbes
+from ciuic_p2p.core.link.frames import BULK_TYPES, FrameType
 from ciuic_p2p.core.mesh.broadcast import Delivery
 from ciuic_p2p.core.mesh.identities import Identities
 from ciuic_p2p.core.mesh.members import MemberEvent, State
@@ -67,6 +65,7 @@ from ciuic_p2p.core.mesh.node import (
 from ciuic_p2p.daemon import nodestatus
 from ciuic_p2p.daemon.addressbook import AddressBook
 from ciuic_p2p.daemon.incarnation import next_incarnation, save_incarnation
+from ciuic_p2p.daemon.linkrates import LinkRates
 from ciuic_p2p.daemon.outbox import ChunkKey, Outbox
 from ciuic_p2p.guard import Guard
 from ciuic_p2p.identity import NodeKey, peer_id_of
@@ -85,12 +84,6 @@ MAX_STORE_CONTROL_BYTES = 60 * 1024
 answered behind the bulk backlog)."""
 MAX_DIALS = 64
 """Outgoing connections being set up at once."""
-RATE_FEED_INTERVAL_S = 1.0
-"""How often the links' measured rates are handed to the mesh (they change per large
-frame; the mesh republishes only a move of ``link_rate_change_ratio``)."""
-IDLE_UNACKED_BYTES = 64 * 1024
-"""Unacknowledged stream bytes under which a node counts as sending nothing else (its
-control traffic: probes, acks, gossip) when it picks a moment for a rate probe."""
 REPAIR_QUEUE_BYTES = 8 * 1024 * 1024
 """Chunks queued for one destination past which a repair answer (a WANT's) is not
 queued: a member that asks for everything and reads nothing gets this much."""
@@ -217,16 +210,6 @@ class MeshDaemon:
         # the mesh's own upkeep costs beside the chunks it carries.
         self.mesh_bytes_sent: collections.Counter[str] = collections.Counter()
         self.mesh_messages_sent: collections.Counter[str] = collections.Counter()
-        self._next_rate_feed = 0.0
-        m = config.mesh
-        uplink = m.node_uplink_bps if 0 < m.node_uplink_bps < math.inf else math.inf
-        self.rate_probes = RateProbes(
-            m.rate_probe_bytes,
-            m.rate_probe_interval_s,
-            m.rate_probe_below,
-            min(m.default_rate_bps, uplink),
-        )
-        """Which link gets filler to measure it, and when (core.link.rateprobe)."""
         self.traffic: collections.defaultdict[str, PeerTraffic] = collections.defaultdict(
             PeerTraffic
         )
@@ -238,6 +221,19 @@ class MeshDaemon:
         self.closed = asyncio.Event()
         self._joined = asyncio.Event()
         self._left = asyncio.Event()
+        self.link_rates = LinkRates(
+            config.mesh,
+            self.peer_id,
+            transport,
+            self.guard,
+            self.counters,
+            peer_at=self._peer_at,
+            bulk_queued=self._bulk_queued,
+            backlog_bytes=self.backlog_bytes,
+            enqueue=self._enqueue,
+            receive_rates=lambda: nodestatus.receive_rates(self),
+        )
+        """Feeds the links' measured rates to the mesh, paces and probes the links."""
 
     # -- life cycle -------------------------------------------------------------------------
 
@@ -452,77 +448,10 @@ class MeshDaemon:
     def _timer_fired(self, node: MeshNode) -> None:
         try:
             now = self.clock()
-            if now >= self._next_rate_feed:
-                self._next_rate_feed = now + RATE_FEED_INTERVAL_S
-                self._feed_rates(node)
+            self.link_rates.tick(node, now)
             node.handle_timer(now)
         finally:
             self._pump()  # re-arms the timer whatever happened
-
-    def _feed_rates(self, node: MeshNode) -> None:
-        """Hand the links' measured receive rates to the mesh (it publishes them), pace
-        each link at what its peer published for it, and probe a link its peer has not
-        measured yet."""
-        for peer, rate_bps in nodestatus.receive_rates(self).items():
-            node.observe_rate(peer, rate_bps)
-        self._pace_links(node)
-        self._probe_rates(node, self.clock())
-
-    def _pace_links(self, node: MeshNode) -> None:
-        """Each link's bulk bytes at ``mesh.pace_gain`` times the rate its peer
-        measured receiving from this node (core.link.pacer); unpaced while none."""
-        gain = self.config.mesh.pace_gain
-        if gain <= 0:
-            return
-        # By the link's proven key, not by a member's signed address: a member that
-        # signed another's address must not set that one's pace.
-        now = self.clock()
-        for key in self.transport.peers():
-            peer = peer_id_of(key)
-            rate_bps = node.rate_bps(self.peer_id, peer)
-            if self.rate_probes.unpaced(peer, now):  # a probe reads above the pace
-                rate_bps = None
-            pace_bps = None if rate_bps is None else gain * rate_bps
-            self.guard.call("pace", self.transport.pace, key, pace_bps)
-
-    def _probe_rates(self, node: MeshNode, now: float) -> None:
-        """Filler down one link a turn that no one has measured, or that reads well
-        below this node's best (core.link.rateprobe says when); the peer times it as
-        any bulk frame and drops it. The link goes unpaced while it carries it."""
-        if self.rate_probes.probe_bytes <= 0:
-            return
-        members = node.members()
-        published: dict[str, float | None] = {}
-        ready: list[str] = []
-        for peer in node.view():
-            member = members.get(peer)
-            if peer == self.peer_id or member is None:
-                continue
-            published[peer] = node.rate_bps(self.peer_id, peer)
-            # By the link's proven key: a member that signed another's address must
-            # not draw probes, or a lifted pace, onto that one's link.
-            key = self._peer_at.get(member.address)
-            if (
-                key is not None
-                and peer_id_of(key) == peer
-                and key in self.transport.peers()
-                and not self._bulk_queued(member.address)
-            ):
-                ready.append(peer)
-        idle = self.backlog_bytes() == 0 and self.transport.unacked_bytes() < IDLE_UNACKED_BYTES
-        probe = self.rate_probes.choose(now, published, ready, idle)
-        if probe is None:
-            return
-        address = members[probe.peer].address
-        key = self._peer_at[address]
-        self.guard.call("pace", self.transport.pace, key, None)
-        left = probe.nbytes
-        while left > 0:
-            piece = min(left, MAX_RATE_PROBE_BYTES)
-            self._enqueue(address, FrameType.RATE_PROBE, bytes(piece))
-            left -= piece
-        self.counters["rate_probes_sent"] += 1
-        self.counters[f"rate_probes_{probe.reason}"] += 1
 
     def _member_changed(self, event: MemberEvent) -> None:
         self.member_events[event.state.name.lower()] += 1
