@@ -10,10 +10,8 @@ import pytest
 
 from ciuic_p2p.config import MeshSection
 from ciuic_p2p.core.mesh.broadcast import (
-    CLAIM_AHEAD,
     GIVE_UP_ASKS,
     MAX_ABOVE,
-    MAX_GAP,
     MAX_ORIGINS,
     Disseminator,
 )
@@ -27,6 +25,7 @@ from ciuic_p2p.core.mesh.messages import (
     Want,
     encode_message,
 )
+from ciuic_p2p.core.mesh.originlog import CLAIM_AHEAD, MAX_GAP
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
 from ciuic_p2p.emulator.scenarios import load_scenario

@@ -73,12 +73,11 @@ repairs of the origins it relays, below it, to ``repair_after_max_s``.
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import random
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from ciuic_p2p.config.sections import MeshSection
 from ciuic_p2p.core.mesh.carriedplan import plan_children
@@ -95,20 +94,15 @@ from ciuic_p2p.core.mesh.messages import (
     Plan,
     Want,
 )
+from ciuic_p2p.core.mesh.originlog import (
+    MAX_GAP,
+    REORDER_WINDOW,
+    Holders,
+    OriginLog,
+)
 
-REORDER_WINDOW = 64
-"""On first hearing of an origin at sequence s, chunks from s - 64 on are expected."""
 SESSION_SHIFT = 40
 """A session numbers up to 2^40 chunks (35 years at 1,000 a second)."""
-CLAIM_AHEAD = REORDER_WINDOW
-"""Numbers past the highest chunk held here that are tracked as missing on an
-announcer's word: a claim far ahead (a member's HEADS of 2^40 - 1, true or not) costs
-this many entries, and the window moves up as signed chunks arrive."""
-MAX_GAP = 4096
-"""Missing sequence numbers tracked per origin at a time: an announcement (or a chunk)
-far ahead is tracked this far past the contiguous prefix and further as the gap
-fills, so that one message (a faulty member's HEADS of 2^40, say) costs bounded work
-and memory, and a node far behind repairs in windows."""
 MAX_ABOVE = 4 * MAX_GAP
 """Chunks held per origin above a gap that does not fill; past it the oldest gap is
 given up (``lost``), as it would be after ``chunk_retain_s``."""
@@ -134,123 +128,6 @@ oldest forgotten first)."""
 MAX_SESSION = (1 << 24) - 1
 """Sessions past this share it (a node restarted 16 million times): a restart then
 goes unnoticed until its count passes the previous life's, as before sessions."""
-
-
-class Holders:
-    """The last few members that announced an origin's chunks, asked in turn: a member
-    that re-announces every head right after the honest ones cannot draw every repair
-    request to itself and answer none."""
-
-    def __init__(self, size: int = 4) -> None:
-        self._recent: collections.deque[str] = collections.deque(maxlen=size)
-        self._turn = 0
-
-    def note(self, node: str) -> None:
-        if node not in self._recent:
-            self._recent.append(node)
-
-    def merge(self, other: Holders) -> None:
-        for node in other._recent:
-            self.note(node)
-
-    def next(self) -> str | None:
-        if not self._recent:
-            return None
-        self._turn += 1
-        return self._recent[self._turn % len(self._recent)]
-
-
-@dataclass(slots=True)
-class _OriginLog:
-    contiguous: int
-    """Every chunk up to and including this one was delivered (or given up)."""
-    session: int = 0
-    above: set[int] = field(default_factory=set)
-    high: int = 0
-    """Highest sequence number announced (a claim until a signed chunk shows it)."""
-    held_high: int = 0
-    """Highest sequence number held here (every number below it exists: the origin
-    numbers its chunks one by one)."""
-    tracked: int = 0
-    """Highest sequence number entered in ``missing_since`` (or known held)."""
-    high_by: str = ""
-    """The announcer whose claim set ``high``."""
-    missing_since: dict[int, float] = field(default_factory=dict)
-    requested_at: dict[int, float] = field(default_factory=dict)
-    asks: dict[int, int] = field(default_factory=dict)
-    """WANTs sent for each missing number so far."""
-    asked_of: dict[int, str] = field(default_factory=dict)
-    """The holder each missing number was last asked of."""
-    known_at: dict[int, float] = field(default_factory=dict)
-    """When each missing number was known to exist on more than one member's word (a
-    signed chunk of it or above, or a second announcer): where a lag sample starts.
-    One member's claim alone would let it start every sample early (claim numbers
-    ahead of the origin, and every honest copy of them seems late)."""
-    claimed_by: dict[int, str] = field(default_factory=dict)
-    """Missing numbers known on one announcer's word only: that announcer."""
-    tree_sender: str = ""
-    """The sender of this origin's last first-arriving tree copy: only its late
-    copies of a repaired chunk are samples (anyone holding a chunk could replay it)."""
-    holders: Holders = field(default_factory=Holders)
-    tree_lag: LagEstimator = field(default_factory=LagEstimator)
-    """How late this origin's tree copies come after they are known missing."""
-
-    def has(self, seq: int) -> bool:
-        return seq <= self.contiguous or seq in self.above
-
-    def add(self, seq: int) -> None:
-        self.above.add(seq)
-        while self.contiguous + 1 in self.above:
-            self.contiguous += 1
-            self.above.discard(self.contiguous)
-        self.forget_missing(seq)
-        self.high = max(self.high, seq)
-        self.held_high = max(self.held_high, seq)
-
-    def forget_missing(self, seq: int) -> None:
-        for table in (
-            self.missing_since,
-            self.requested_at,
-            self.asks,
-            self.asked_of,
-            self.known_at,
-            self.claimed_by,
-        ):
-            table.pop(seq, None)
-
-    def confirm(self, upto: int, by: str | None, now: float) -> None:
-        """Missing numbers up to ``upto`` are known to exist: on a signed chunk's word
-        (``by`` None) or on announcer ``by``'s, which counts for the numbers another
-        announcer claimed first."""
-        for seq in [q for q, c in self.claimed_by.items() if q <= upto and c != by]:
-            del self.claimed_by[seq]
-            self.known_at.setdefault(seq, now)
-
-    def give_up_oldest_gap(self) -> int:
-        """Skip to the lowest chunk held above the gap; how many were given up."""
-        first = min(self.above)
-        skipped = first - 1 - self.contiguous
-        self.contiguous = first - 1
-        for q in [q for q in self.missing_since if q <= first]:
-            self.forget_missing(q)
-        self.add(first)
-        return skipped
-
-    def track(self, now: float) -> bool:
-        """Enter the unknown sequence numbers up to ``high`` as missing, at most
-        ``CLAIM_AHEAD`` past the highest held and ``MAX_GAP`` past the contiguous
-        prefix; True if any is missing."""
-        held = max(self.held_high, self.contiguous)
-        end = min(self.high, held + CLAIM_AHEAD, self.contiguous + MAX_GAP)
-        for seq in range(max(self.contiguous, self.tracked) + 1, end + 1):
-            if seq not in self.above and seq not in self.missing_since:
-                self.missing_since[seq] = now
-                if seq < self.held_high:  # a signed chunk above it is held
-                    self.known_at[seq] = now
-                else:
-                    self.claimed_by[seq] = self.high_by
-        self.tracked = max(self.tracked, end)
-        return bool(self.missing_since)
 
 
 @dataclass(slots=True)
@@ -292,7 +169,7 @@ class Disseminator:
         self.live = live
         self.identities = identities
         self.rng = random.Random(seed ^ 0x5EED)
-        self.logs: dict[str, _OriginLog] = {}
+        self.logs: dict[str, OriginLog] = {}
         self._base = min(max(0, session), MAX_SESSION) << SESSION_SHIFT
         self.next_seq = self._base + 1
         self.chunks = ChunkStore(node, settings)
@@ -408,7 +285,7 @@ class Disseminator:
             claim.holders.note(holder)
             self._arm_heads(now)
 
-    def _log(self, origin: str, seq: int) -> _OriginLog | None:
+    def _log(self, origin: str, seq: int) -> OriginLog | None:
         """The origin's log for the session of ``seq``, a signed chunk's number (a new
         log for a newer session); None for a session older than the one known."""
         session = seq >> SESSION_SHIFT
@@ -424,13 +301,13 @@ class Disseminator:
                 self.restarts_seen += 1
                 self.lost += sum(1 for q in log.missing_since if not log.has(q))
             base = session << SESSION_SHIFT
-            log = _OriginLog(contiguous=max(base, seq - 1 - REORDER_WINDOW), session=session)
+            log = OriginLog(contiguous=max(base, seq - 1 - REORDER_WINDOW), session=session)
             self._forget_repaired(origin)
             self.logs[origin] = log
         return log
 
     def _learn(
-        self, log: _OriginLog, high: int, holder: str, now: float, signed: bool = False
+        self, log: OriginLog, high: int, holder: str, now: float, signed: bool = False
     ) -> None:
         if high > log.high:
             log.high, log.high_by = high, holder
@@ -518,7 +395,7 @@ class Disseminator:
         s = self.settings
         return max(s.repair_after_s, s.repair_after_max_s)
 
-    def _note_arrival(self, log: _OriginLog, sender: str, chunk: Chunk, now: float) -> None:
+    def _note_arrival(self, log: OriginLog, sender: str, chunk: Chunk, now: float) -> None:
         """A new chunk's lags: the tree's (since it was known to exist), or a
         repair's (since it was asked for, of this sender, once), and what its tree
         copy will teach."""
@@ -540,7 +417,7 @@ class Disseminator:
             if since is not None:
                 self._sample_tree_lag(log, now - since)
 
-    def _note_late_copy(self, log: _OriginLog, sender: str, chunk: Chunk, now: float) -> None:
+    def _note_late_copy(self, log: OriginLog, sender: str, chunk: Chunk, now: float) -> None:
         """A second copy: if it is the tree's copy of a chunk repaired here, from the
         member that sends this origin's tree copies and as its origin signed it, how
         late the tree was (a wait set too short learns from nothing else)."""
@@ -564,7 +441,7 @@ class Disseminator:
             self.answer_lags.move_to_end(holder)
         return lag
 
-    def _sample_tree_lag(self, log: _OriginLog, lag_s: float) -> None:
+    def _sample_tree_lag(self, log: OriginLog, lag_s: float) -> None:
         lag_s = min(lag_s, self._max_wait_s())
         log.tree_lag.add(lag_s)
         self.tree_lag.add(lag_s)
@@ -641,7 +518,7 @@ class Disseminator:
                 self._ask(origin, log, wanted)
         self.chunks.evict(now)
 
-    def _ask(self, origin: str, log: _OriginLog, wanted: list[int]) -> None:
+    def _ask(self, origin: str, log: OriginLog, wanted: list[int]) -> None:
         """WANTs for ``wanted``: of the next announcer, and every second ask of a
         number of its origin, while it lives: the announcers may all lack it (each
         announces the highest it holds, gaps below it or not), and the origin holds
