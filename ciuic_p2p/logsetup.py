@@ -131,6 +131,15 @@ class RateLimiter:
         return event
 
 
+class PeerCloseFilter(logging.Filter):
+    """qh3 warns "Native peer close: ..." whenever a peer closes its connection, a
+    clean leave included, and with no name a reader can place; the transport logs
+    every link it loses, with the peer and the reason. Its protocol errors pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Native peer close")
+
+
 class StdlibRateFilter(logging.Filter):
     """The same limit for standard-library records (aioquic, asyncio), as a filter:
     it answers False instead of raising (see the module docstring). Records that
@@ -217,7 +226,10 @@ def configure_logging(
         scoped.setLevel(logging.NOTSET)
     # aioquic logs every connection's handshake steps at INFO under "quic": at info
     # level that would drown the node's own events.
-    logging.getLogger("quic").setLevel(max(level, logging.WARNING))
+    quic = logging.getLogger("quic")
+    quic.setLevel(max(level, logging.WARNING))
+    if not any(isinstance(f, PeerCloseFilter) for f in quic.filters):
+        quic.addFilter(PeerCloseFilter())
 
     structlog.configure(
         processors=[

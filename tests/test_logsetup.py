@@ -101,3 +101,14 @@ def test_context_bound_in_a_task_names_its_events_and_no_others() -> None:
     lines = [json.loads(line) for line in out.getvalue().splitlines()]
     assert sorted(e["trainer_session"] for e in lines if e["event"] == "frame") == [1, 2]
     assert "trainer_session" not in next(e for e in lines if e["event"] == "outside")
+
+
+def test_a_peers_clean_close_is_not_a_warning_but_a_protocol_error_is() -> None:
+    out = io.StringIO()
+    configure_logging(LogSection(format="json"), stream=out)
+    quic = logging.getLogger("quic")
+    quic.warning("Native peer close: %r", ("peer_closed", True, 0, None, b"node shutting down"))
+    quic.warning("Native protocol error: %r", ("protocol_error", 10))
+    text = out.getvalue()
+    assert "Native peer close" not in text
+    assert "Native protocol error" in text

@@ -336,7 +336,9 @@ class MeshDaemon:
         # while the connection lives, so close once the peers acknowledged everything.
         while self.transport.unacked_bytes() and self.clock() < deadline:
             await asyncio.sleep(0.01)
+        spread = alone or self._left.is_set()  # the departure reached the others in time
         await self.close()
+        log.info("mesh_left", peer=self.peer_id, announced=spread, alone=alone)
 
     async def _drain(self, timeout_s: float) -> None:
         end = self.clock() + max(0.0, timeout_s)
