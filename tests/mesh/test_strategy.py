@@ -93,6 +93,32 @@ def test_the_ring_follows_the_cheap_links_and_each_origin_goes_once_around() -> 
     assert len(hops) == len(order) - 1 and "b1" not in hops
 
 
+def test_the_ring_avoids_one_very_slow_link_that_would_hold_every_round() -> None:
+    """Five nodes; the ring a-b-c-d-e has the least total (four 10 Mbit/s hops and
+    one of 2), every ring around the 2 Mbit/s hop crosses two or more of 3 Mbit/s.
+    Each link of a ring carries four payloads: the slow hop holds the round."""
+    nodes = ("a", "b", "c", "d", "e")
+    fast = {frozenset(p) for p in ("ab", "bc", "cd", "de", "ea")}
+    delay, rate = {}, {}
+    for u, v in itertools.permutations(nodes, 2):
+        delay[(u, v)] = 0.01
+        pair = frozenset((u, v))
+        rate[(u, v)] = (2e6 if pair == frozenset("ab") else 10e6) if pair in fast else 3e6
+    costs = LinkCosts.from_tables(nodes, delay, rate, 1e12, 0.0, 0.0)
+    order = ring_order(costs, 1 << 20)
+    hops = {frozenset((order[i], order[(i + 1) % 5])) for i in range(5)}
+    assert frozenset("ab") not in hops
+    # The cost model agrees: the ring chosen is the faster for a 2.1 MB round.
+    least_total = ("a", "b", "c", "d", "e")
+    times = [
+        predict_round_s(
+            Plan("ring", {o: ring_tree(o, ring) for o in nodes}), costs, 2_100_000, 1 << 20
+        )
+        for ring in (order, least_total)
+    ]
+    assert times[0] < 0.8 * times[1]
+
+
 def test_clusters_are_joined_by_short_links_and_leaders_relay_between_them() -> None:
     costs = _two_regions()
     groups = clusters(costs, 0.02)
