@@ -51,8 +51,11 @@ def test_daemons_carry_chunks_over_their_lanes_and_leave_none_behind(tmp_path: P
             time.sleep(0.05)
         lanes = status("n1")["lanes"]
         assert lanes["lanes"] == 3 and len(lanes["pids"]) == 2
-        # The chunks came over the lane processes and the link, each verified once.
-        assert all(lanes["frames_by_lane"])
+        # The chunks came over the lane processes and the link, each verified once. A
+        # chunk takes the lane with the fewest bytes queued, the first of equals
+        # (tests/core/test_lanewire.py): sent one request at a time, each may drain
+        # before the next comes, and the first lanes take them all (CI saw [9, 0]).
+        assert sum(lanes["frames_by_lane"]) > 0
         assert sum(lanes["frames_by_lane"]) + lanes["counters"]["link_frames_received"] >= 24
         pids = lanes["pids"] + status("n0")["lanes"]["pids"]
         cluster.stop()
