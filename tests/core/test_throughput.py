@@ -39,6 +39,21 @@ def deliver(
     return now
 
 
+def deliver_in_two_paces(
+    est: ReceiveRate, size: int, first_bytes: int, first_bps: float, then_bps: float
+) -> float:
+    """One frame of ``size`` from time 0: its first ``first_bytes`` at ``first_bps``
+    (slow start, or a link's own pace), the rest at ``then_bps`` (the link's rate, or
+    a burst a busy loop delivered at once); the time the last byte arrived."""
+    now, sent = 0.0, 0
+    while sent < size:
+        n = min(PIECE, size - sent)
+        sent += n
+        now += n * 8 / (first_bps if sent <= first_bytes else then_bps)
+        est.arrived(n, [size] if sent == size else [], 0, now)
+    return now
+
+
 def test_the_pace_of_large_frames_is_the_estimate_and_idle_gaps_do_not_count() -> None:
     est = ReceiveRate(min_sample_bytes=64 * 1024)
     deliver(est, [256 * 1024] * 5, 10e6, start=0.0, gap_s=3.0)  # seconds of silence between
@@ -79,12 +94,8 @@ def test_a_frame_that_arrives_in_slow_start_reads_at_the_rate_it_reached() -> No
     slow start): the estimate is the rate reached, not the frame's average (a pacer
     at a multiple of the average would hold the link below what it just carried)."""
     est = ReceiveRate(min_sample_bytes=64 * 1024)
-    size, slow, now, sent = 1 << 20, 200_000, 0.0, 0
-    while sent < size:
-        n = min(PIECE, size - sent)
-        sent += n
-        now += n * 8 / (2e6 if sent <= slow else 20e6)
-        est.arrived(n, [size] if sent == size else [], 0, now)
+    size = 1 << 20
+    now = deliver_in_two_paces(est, size, 200_000, 2e6, 20e6)
     average = (size - PIECE) * 8 / now
     assert average < 8e6
     assert est.rate_bps is not None and abs(est.rate_bps - 20e6) / 20e6 < 0.01
@@ -126,12 +137,7 @@ def test_a_frame_whose_tail_came_in_one_burst_gives_no_sample() -> None:
     """A busy loop delays an emulated link's deliveries, then makes them at once: the
     tail of a 1 MiB frame read 14x the pace of the whole. Such a tail is no rate."""
     est = ReceiveRate(min_sample_bytes=64 * 1024)
-    size, now, sent = 1 << 20, 0.0, 0
-    while sent < size:
-        n = min(PIECE, size - sent)
-        sent += n
-        now += n * 8 / (3.7e6 if sent <= 300 * 1024 else 1e9)
-        est.arrived(n, [size] if sent == size else [], 0, now)
+    deliver_in_two_paces(est, 1 << 20, 300 * 1024, 3.7e6, 1e9)
     assert est.rate_bps is None and est.samples_taken == 0
     assert est.bursts_left_out == 1
 
@@ -141,14 +147,9 @@ def test_a_frame_timed_whole_whose_last_part_came_in_one_burst_gives_no_sample()
     busy loop delivered at once (it read 2.6x the link) reads no rate; one that came
     steadily does."""
     est = ReceiveRate(min_sample_bytes=64 * 1024)
-    size, now, sent = 256 * 1024, 0.0, 0
-    while sent < size:
-        n = min(PIECE, size - sent)
-        sent += n
-        now += n * 8 / (3.6e6 if sent <= 100 * 1024 else 1e9)
-        est.arrived(n, [size] if sent == size else [], 0, now)
+    now = deliver_in_two_paces(est, 256 * 1024, 100 * 1024, 3.6e6, 1e9)
     assert est.rate_bps is None and est.bursts_left_out == 1
-    deliver(est, [size], 3.6e6, start=now + 1.0)
+    deliver(est, [256 * 1024], 3.6e6, start=now + 1.0)
     assert est.rate_bps is not None and abs(est.rate_bps - 3.6e6) / 3.6e6 < 0.01
 
 
@@ -156,10 +157,5 @@ def test_a_small_frame_in_slow_start_still_gives_a_sample() -> None:
     """The guard leaves honest slow start alone: a 256 KiB frame whose first quarter
     came at a fifth of the rate the rest came at is a sample (of its whole pace)."""
     est = ReceiveRate(min_sample_bytes=64 * 1024)
-    size, now, sent = 256 * 1024, 0.0, 0
-    while sent < size:
-        n = min(PIECE, size - sent)
-        sent += n
-        now += n * 8 / (2e6 if sent <= 64 * 1024 else 10e6)
-        est.arrived(n, [size] if sent == size else [], 0, now)
+    deliver_in_two_paces(est, 256 * 1024, 64 * 1024, 2e6, 10e6)
     assert est.samples_taken == 1 and est.bursts_left_out == 0

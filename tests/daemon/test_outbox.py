@@ -84,14 +84,11 @@ def test_the_chunks_remembered_as_handed_are_bounded_and_forgotten_when_due() ->
     assert not none.handed and none.push(FrameType.MESH_CHUNK, b"a", ("o", 1), now=0.0)
 
 
-def test_the_daemon_forgets_what_a_lost_or_replaced_link_carried(tmp_path: Path) -> None:
-    """The outboxes are keyed by address and a peer may be known at two (the one it
-    advertises, the one it dialled from); a link may also be replaced by a newer one
-    with no PeerDisconnected (a restarted peer re-dialling). Either way every outbox
-    that sends to that peer stops counting its handed chunks as on their way."""
+def _daemon(tmp_path: Path, transport_type: type[MemoryTransport]) -> MeshDaemon:
+    """A daemon over an in-memory transport of ``transport_type``, not started."""
     ca = ClusterCA.create("outbox", UTC)
     key = NodeKey.generate()
-    transport = MemoryTransport(
+    transport = transport_type(
         MemoryNetwork(),
         key,
         ca.issue(key.public_key, UTC),
@@ -99,7 +96,15 @@ def test_the_daemon_forgets_what_a_lost_or_replaced_link_carried(tmp_path: Path)
         Config().transport,
         wallclock=lambda: UTC,
     )
-    daemon = MeshDaemon(Config(), key, transport, state_dir=tmp_path)
+    return MeshDaemon(Config(), key, transport, state_dir=tmp_path)
+
+
+def test_the_daemon_forgets_what_a_lost_or_replaced_link_carried(tmp_path: Path) -> None:
+    """The outboxes are keyed by address and a peer may be known at two (the one it
+    advertises, the one it dialled from); a link may also be replaced by a newer one
+    with no PeerDisconnected (a restarted peer re-dialling). Either way every outbox
+    that sends to that peer stops counting its handed chunks as on their way."""
+    daemon = _daemon(tmp_path, MemoryTransport)
     peer = NodeKey.generate().public_key
     advertised, dialled_from = "peer.example:7946", "10.0.0.7:50000"
     boxes = []
@@ -136,17 +141,7 @@ async def test_closing_the_daemon_ends_the_dials_its_senders_were_waiting_on(
     """A dial is shared by every sender waiting for its address and shielded from
     their cancellation: a close that ended only the senders left it pending, and the
     loop's end destroyed it ("Task was destroyed but it is pending!" at `leave`)."""
-    ca = ClusterCA.create("outbox", UTC)
-    key = NodeKey.generate()
-    transport = _HangingDials(
-        MemoryNetwork(),
-        key,
-        ca.issue(key.public_key, UTC),
-        Trust(ca.certificate),
-        Config().transport,
-        wallclock=lambda: UTC,
-    )
-    daemon = MeshDaemon(Config(), key, transport, state_dir=tmp_path)
+    daemon = _daemon(tmp_path, _HangingDials)
     daemon._enqueue("127.0.0.1:9", FrameType.GOSSIP, b"x")
     for _ in range(100):  # the sender task starts and dials
         if daemon._dialing:
