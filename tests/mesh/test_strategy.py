@@ -28,6 +28,7 @@ from ciuic_p2p.core.mesh.strategy import (
     ring_tree,
     same_plan,
     slow_start_s,
+    tree_for,
 )
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
@@ -243,7 +244,10 @@ def test_a_large_round_never_switches_to_a_strategy_on_unmeasured_links() -> Non
     with them measured the choice is the model's; small rounds are not held back."""
     size = 2_100_000
     guessed = Chooser(MESH, piece_bytes=1 << 20).decide(_star(False), size)
-    assert guessed.predicted_s["ring"] < guessed.predicted_s["tree"]  # what went wrong
+    # What went wrong: the ring looked faster than the trees (planned alone then).
+    alone = {o: tree_for(o, _star(False), 1 << 20, MESH) for o in _star(False).nodes}
+    alone_s = predict_round_s(Plan("tree", alone), _star(False), size, 1 << 20)
+    assert guessed.predicted_s["ring"] < alone_s
     assert guessed.strategy == "tree" and "ring" in guessed.unmeasured
     measured = Chooser(MESH, piece_bytes=1 << 20).decide(_star(True), size)
     assert not measured.unmeasured
@@ -456,3 +460,38 @@ def test_strategies_that_send_by_the_same_trees_are_told_apart_from_those_that_d
         ("tree", "ring"),
         ("hierarchical",),
     )
+
+
+def _copies_sent(trees: dict[str, dict[str, list[str]]]) -> dict[str, int]:
+    sent: collections.Counter[str] = collections.Counter()
+    for tree in trees.values():
+        for u, kids in tree.items():
+            sent[u] += len(kids)
+    return dict(sent)
+
+
+def test_a_rounds_large_trees_are_planned_together_so_no_node_relays_for_all() -> None:
+    """Every origin sends at once, so a node's uplink carries its copies in every
+    origin's tree. Planned alone, each leaf's tree goes through the hub, which then
+    sends most of the round's 30 copies through one 10 Mbit/s uplink; planned
+    together (large pieces, known uplinks), each node sends about as many copies as
+    it receives, and the model's round takes about half as long."""
+    piece, payload = 1 << 20, 2_100_000
+    costs = _star(True)
+    alone = {o: tree_for(o, costs, piece, MESH) for o in costs.nodes}
+    together = plan("tree", costs, piece, MESH)
+    _reaches_everyone_once(together, costs.nodes)
+    assert _copies_sent(alone)["hub"] >= 15
+    assert max(_copies_sent(dict(together.trees)).values()) <= len(costs.nodes)
+    before = predict_round_s(Plan("tree", alone), costs, payload, piece)
+    after = predict_round_s(together, costs, payload, piece)
+    assert after < 0.6 * before
+    # What a node forwards by is what the chooser played out; small pieces, and
+    # links whose shared uplink is not known, keep the trees planned alone.
+    plans = Plans(MESH, piece_bytes=piece)
+    plans.update(1, costs)
+    assert {o: plans.tree("tree", o, payload) for o in costs.nodes} == together.trees
+    for small, c in ((4096, costs), (piece, dataclasses.replace(costs, uplink_bps=0.0))):
+        assert plan("tree", c, small, MESH).trees == {
+            o: tree_for(o, c, small, MESH) for o in c.nodes
+        }

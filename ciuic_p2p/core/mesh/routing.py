@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 from ciuic_p2p.config.sections import MeshSection
 
@@ -79,6 +79,8 @@ def build_tree(
     chunk_bytes: int | None = None,
     rate: RateFn | None = None,
     uplink_bps: float | None = None,
+    load_s: Mapping[str, float] | None = None,
+    max_children: int | None = None,
 ) -> dict[str, list[str]]:
     """Children of every node in ``origin``'s dissemination tree (see module doc).
     ``rate(u, v)``: the published rate from u to v in bits/s (None: not measured, and
@@ -88,14 +90,18 @@ def build_tree(
     links share (core.mesh.strategy): None counts its copies one after another at
     their links' rates, as the module docstring says; infinity counts its links as
     independent (and takes no fan-out limit); a rate counts the copies one after
-    another at that rate."""
+    another at that rate. ``load_s``: how long each node's uplink is already busy
+    with other origins' copies in the same round (core.mesh.strategy's balanced
+    trees): a node's children wait for that too. ``max_children``: the fan-out limit
+    instead of ``tree_max_fanout``."""
     size = settings.tree_chunk_bytes if chunk_bytes is None else chunk_bytes
     copies = _Copies(size, settings.default_rate_bps, rate, uplink_bps)
     serialize_s, occupies_s = copies.serialize_s, copies.occupies_s
 
-    busy: dict[str, float] = {origin: 0.0}
+    load = load_s or {}
+    busy: dict[str, float] = {origin: load.get(origin, 0.0)}
     """Per node, the serialization of the copies to the children it has so far."""
-    fanout = max(1, settings.tree_max_fanout)
+    fanout = max(1, settings.tree_max_fanout if max_children is None else max_children)
     if uplink_bps == math.inf:  # independent links: nothing shared to limit
         fanout = max(fanout, len(nodes))
     arrival = {origin: 0.0}
@@ -132,7 +138,7 @@ def build_tree(
         t, v, u = pick
         arrival[v] = t
         busy[u] += occupies_s(u, v)
-        busy[v] = 0.0
+        busy[v] = load.get(v, 0.0)
         children[u].append(v)
         children[v] = []
         remaining.remove(v)

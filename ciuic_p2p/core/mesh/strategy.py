@@ -6,7 +6,11 @@ origin, the tree its payload travels down (children per node), from the publishe
 link state (one-way delays, link rates) and the payload's size:
 
 - ``tree``: the latency-optimal, fan-out-limited tree of core.mesh.routing, shaped for
-  the payload's piece size (a large piece counts its serialization at each hop).
+  the payload's piece size (a large piece counts its serialization at each hop). A
+  round's large pieces through uplinks of a known rate get trees planned together
+  (:func:`tree_plan`): every origin sends at once, so a node's uplink carries its
+  copies in every origin's tree, and a tree planned alone piles the relaying on the
+  nodes nearest the rest.
 - ``ring``: the nodes in one ring, ordered by measured cost as PCCL orders its ring
   (nearest neighbour from every start, then 2-opt, on delay plus serialization); each
   origin's payload goes once around it. Every node forwards N - 2 payloads to one
@@ -148,7 +152,7 @@ class Plan:
 def plan(strategy: Strategy, costs: LinkCosts, piece_bytes: int, settings: MeshSection) -> Plan:
     """Every origin's tree under ``strategy``."""
     if strategy == "tree":
-        return Plan("tree", {o: tree_for(o, costs, piece_bytes, settings) for o in costs.nodes})
+        return Plan("tree", tree_plan(costs, piece_bytes, settings))
     if strategy == "ring":
         order = ring_order(costs, piece_bytes)
         return Plan("ring", {o: ring_tree(o, order) for o in costs.nodes})
@@ -163,8 +167,59 @@ def plan(strategy: Strategy, costs: LinkCosts, piece_bytes: int, settings: MeshS
     )
 
 
-def tree_for(origin: str, costs: LinkCosts, piece_bytes: int, settings: MeshSection) -> Tree:
-    """core.mesh.routing's tree, shaped for pieces of ``piece_bytes``."""
+def plans_trees_together(costs: LinkCosts, piece_bytes: int) -> bool:
+    """Whether :func:`tree_plan` plans a round's trees together: large pieces, through
+    uplinks whose rate the nodes know, in a mesh small enough to plan rounds for."""
+    return (
+        piece_bytes > LARGE_PIECE_BYTES
+        and 0 < costs.uplink_bps < math.inf
+        and 2 <= len(costs.nodes) <= AUTO_MAX_NODES
+    )
+
+
+def tree_plan(costs: LinkCosts, piece_bytes: int, settings: MeshSection) -> dict[str, Tree]:
+    """Every origin's ``tree``. Planned alone, each origin's tree sends through the
+    nodes that reach the rest soonest, and a round, in which every origin sends at
+    once, piles its relaying on them: on the 11-city matrix (six nodes, 10 Mbit/s
+    uplinks, 1 MiB pieces) Paris would send 13 of the round's 30 copies, and the
+    star's hub 19. So where :func:`plans_trees_together` says so, each origin's tree
+    is planned again with every node's uplink already busy with the copies it sends
+    in the other origins' trees (as first planned), and with no fan-out limit (the
+    uplink's time, which the limit stands in for, is counted): the relaying goes to
+    the nodes that have least to send (five copies each there, where the ring sends
+    five too). Every node plans from the same published state, so every node gets
+    the same trees."""
+    nodes = costs.nodes
+    if not plans_trees_together(costs, piece_bytes):
+        return {o: tree_for(o, costs, piece_bytes, settings) for o in nodes}
+    every = len(nodes)
+    alone = {o: tree_for(o, costs, piece_bytes, settings, max_children=every) for o in nodes}
+    copy_s = piece_bytes * 8 / costs.uplink_bps
+    copies = {o: {u: len(kids) for u, kids in t.items()} for o, t in alone.items()}
+    total = {u: sum(c.get(u, 0) for c in copies.values()) for u in nodes}
+    return {
+        o: tree_for(
+            o,
+            costs,
+            piece_bytes,
+            settings,
+            load_s={u: (total[u] - copies[o].get(u, 0)) * copy_s for u in nodes},
+            max_children=every,
+        )
+        for o in nodes
+    }
+
+
+def tree_for(
+    origin: str,
+    costs: LinkCosts,
+    piece_bytes: int,
+    settings: MeshSection,
+    load_s: Mapping[str, float] | None = None,
+    max_children: int | None = None,
+) -> Tree:
+    """core.mesh.routing's tree, shaped for pieces of ``piece_bytes`` (``load_s`` and
+    ``max_children``: as core.mesh.routing.build_tree takes them)."""
 
     def rtt(u: str, v: str) -> float | None:
         d = costs.delay(u, v)
@@ -178,6 +233,8 @@ def tree_for(origin: str, costs: LinkCosts, piece_bytes: int, settings: MeshSect
         chunk_bytes=piece_bytes,
         rate=costs.rate_of,
         uplink_bps=costs.uplink_bps or None,
+        load_s=load_s,
+        max_children=max_children,
     )
 
 
@@ -611,6 +668,11 @@ class Plans:
         key = (strategy, piece, origin)
         tree = self._trees.get(key)
         if tree is None:
+            if strategy == "tree" and costs is self.costs and plans_trees_together(costs, piece):
+                # Planned together: one origin's tree depends on every other's.
+                for o, t in tree_plan(costs, piece, self.settings).items():
+                    self._trees[("tree", piece, o)] = t
+                return self._trees[key]
             tree = self._trees[key] = self._plan(strategy, origin, piece, costs)
         return tree
 
