@@ -9,6 +9,7 @@ import collections
 import dataclasses
 import itertools
 import math
+import random
 
 import pytest
 
@@ -495,3 +496,47 @@ def test_a_rounds_large_trees_are_planned_together_so_no_node_relays_for_all() -
         assert plan("tree", c, small, MESH).trees == {
             o: tree_for(o, c, small, MESH) for o in c.nodes
         }
+
+
+def _random_mesh(n: int, seed: int, uplink_bps: float) -> LinkCosts:
+    """Nodes on a unit square: delay grows with distance, rates 2-50 Mbit/s."""
+    rng = random.Random(seed)
+    nodes = tuple(f"n{i:02d}" for i in range(n))
+    at = {v: (rng.random(), rng.random()) for v in nodes}
+    delay, rate = {}, {}
+    for u, v in itertools.permutations(nodes, 2):
+        delay[(u, v)] = 0.005 + 0.15 * math.dist(at[u], at[v])
+        rate[(u, v)] = rng.uniform(2e6, 50e6)
+    return LinkCosts.from_tables(nodes, delay, rate, 1e9, uplink_bps, 0.002)
+
+
+def test_trees_planned_together_never_make_the_models_round_longer() -> None:
+    """One pass of planning together can move relaying onto slow links (every origin
+    answers the same loads at once); where the model plays the round out slower
+    that way, the trees planned alone stay."""
+    piece = 1 << 20
+    for seed in range(40):
+        costs = _random_mesh(3 + seed % 8, seed, (5e6, 20e6, 100e6)[seed % 3])
+        alone = Plan("tree", {o: tree_for(o, costs, piece, MESH) for o in costs.nodes})
+        chosen = plan("tree", costs, piece, MESH)
+        _reaches_everyone_once(chosen, costs.nodes)
+        assert predict_round_s(chosen, costs, 2 * piece, piece) <= predict_round_s(
+            alone, costs, 2 * piece, piece
+        ), seed
+
+
+def test_a_node_that_does_not_see_the_origin_yet_plans_its_tree_as_those_that_do() -> None:
+    """A joiner's first chunks reach nodes whose view lacks it: planned together, its
+    tree depends on every other origin's, so such a node plans the round its view
+    would with the joiner in it, and forwards as the nodes that see the joiner do."""
+    piece = 1 << 20
+    costs = _random_mesh(8, 3, 20e6)
+    joiner = costs.nodes[3]
+    seen = Plans(MESH, piece_bytes=piece)
+    seen.update(1, costs)
+    unseen = Plans(MESH, piece_bytes=piece)
+    unseen.update(1, dataclasses.replace(costs, nodes=tuple(n for n in costs.nodes if n != joiner)))
+    assert unseen.tree("tree", joiner, 2_100_000) == seen.tree("tree", joiner, 2_100_000)
+    # The view's own trees are not replanned around the joiner.
+    before = unseen.tree("tree", costs.nodes[0], 2_100_000)
+    assert joiner not in {k for kids in before.values() for k in kids}
