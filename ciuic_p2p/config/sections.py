@@ -278,7 +278,9 @@ class MeshSection:
     default_rate_bps: float = 1e9
     """Link rate assumed where none is known (trees count serialization time)."""
     tree_max_fanout: int = 4
-    """Children per node in a dissemination tree: the uplink is shared by them."""
+    """Children per node in a dissemination tree: the uplink is shared by them. A
+    round's large trees planned together (``node_uplink_bps`` set, up to 12 nodes)
+    take no limit: the uplink's time is counted there."""
     tree_relay_margin: float = 0.1
     """A node takes a chunk through a relay only when that arrives sooner by this
     fraction (each relay hop's arrival counts ``1 + margin`` times). Near-ties go
@@ -347,7 +349,9 @@ class MeshSection:
     (not known): a node sends one copy at a time at its links' rates, and a tree node
     takes at most ``tree_max_fanout`` children; ``inf``: a node's links do not share a
     bottleneck (as the WAN emulator's links without an uplink), so an origin may send
-    to every node at once."""
+    to every node at once. With a rate set, a round's large pieces get their trees
+    planned together (core.mesh.strategy.tree_plan): each node's uplink carries its
+    copies in every origin's tree, and the relaying is spread by what each sends."""
     heads_interval_s: float = 0.25
     """How soon after what it holds changed a node tells ``heads_fanout`` members (its
     highest chunk per origin), and how often it checks for chunks to ask again for."""
