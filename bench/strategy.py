@@ -344,6 +344,14 @@ def summarize(row: dict[str, Any], strategies: list[str]) -> None:
         row["auto_over_best_unpooled"] = measured / min(own.values())
         row["model_error"] = abs(row["auto"]["predicted_s"] - measured) / measured
         row["auto_chose"] = row["auto"]["chosen"][-1]
+        # Whether auto sent every measured round by the best strategy's plan (its own
+        # name, or one its first node saw sending by the same trees): then its lead or
+        # lag over the best is two runs of one plan, the spread of the harness.
+        seen_by_best = row[best].get("same_plan") or [[]]
+        row["auto_chose_best"] = all(
+            c == best or all(any(c in g and best in g for g in seen) for seen in seen_by_best)
+            for c in row["auto"]["chosen"]
+        )
 
 
 def tree_large_ratio() -> dict[str, float | None]:
@@ -512,6 +520,8 @@ def main() -> int:
         ),
         "best_over_worst_max": max((r.get("best_over_worst", 0.0) for r in table), default=None),
         "model_error_max": max((r.get("model_error", 0.0) for r in table), default=None),
+        "auto_chose_best_rows": sum(1 for r in table if r.get("auto_chose_best")),
+        "auto_rows": sum(1 for r in table if "auto_chose_best" in r),
         "tree_large_p50_ratio_multicloud": tree_large["warm"],
         "tree_large_p50_ratio_multicloud_cold": tree_large["cold"],
     }
