@@ -400,9 +400,9 @@ def main() -> int:
     ap.add_argument(
         "--rounds",
         type=int,
-        default=5,
-        help="measured rounds per run (5: one run of one strategy spread 1.7x between its "
-        "rounds at 3)",
+        default=9,
+        help="measured rounds per run (9: the multi-cloud tree's 2.1 MB rounds land near "
+        "11 s or near 15 s, and two 5-round runs of the same trees had medians 1.21x apart)",
     )
     ap.add_argument(
         "--warmup-rounds",
