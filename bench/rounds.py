@@ -13,11 +13,13 @@ daemon benchmark's to rounding (DDP's to the last digit; the outer mode's differ
 the delays the emulated WAN adds). Bytes per step here are the origin's payload only
 (no relays, framing or control): a ratio between configurations, not a wire figure.
 
-Each configuration is ``H:density:values:outer_lr:delay[:nesterov]`` (``values`` one of
-int2, int4, int8, fp16; density 1 is dense; ``nesterov``: DiLoCo's outer step, momentum
-0.9, else averaging); ``--lr-scales`` multiplies the task's learning
+Each configuration is ``H:density:values:outer_lr:delay[:nesterov][@inner]`` (``values``
+one of int2, int4, int8, fp16; density 1 is dense; ``nesterov``: DiLoCo's outer step,
+momentum 0.9, else averaging; ``@inner`` multiplies the inner steps' learning rate
+only, DDP's staying put); ``--lr-scales`` multiplies the task's learning
 rate (inner steps and DDP alike), so a configuration is compared with DDP at the same
-rate and DDP's own best rate shows beside it. ``--split quarters`` gives each
+rate and DDP's own best rate shows beside it. ``--batch-size`` changes the task's batch
+per replica (DDP's is N times it). ``--split quarters`` gives each
 Shakespeare replica its own contiguous quarter of the text instead of windows from the
 whole of it (the task's default, ``DistributedSampler``'s rank::world over positions).
 
@@ -64,19 +66,26 @@ class Round:
     outer_lr: float
     delay_steps: int
     optimizer: OuterOptimizer = "average"
+    inner_lr_scale: float = 1.0
+    """The inner steps' learning rate over the row's (DDP keeps the row's)."""
 
     @classmethod
     def parse(cls, text: str) -> Round:
-        h, density, values, lr, delay, *rest = text.split(":")
+        fields, _, inner = text.partition("@")
+        h, density, values, lr, delay, *rest = fields.split(":")
         optimizer: OuterOptimizer = "nesterov" if rest == ["nesterov"] else "average"
         if rest not in ([], ["average"], ["nesterov"]):
             raise ValueError(f"{text}: the sixth field is average or nesterov")
-        return cls(int(h), float(density), VALUES[values], float(lr), int(delay), optimizer)
+        scale = float(inner) if inner else 1.0
+        if not scale > 0:
+            raise ValueError(f"{text}: the inner learning rate's scale must be positive")
+        return cls(int(h), float(density), VALUES[values], float(lr), int(delay), optimizer, scale)
 
     def __str__(self) -> str:
         h, d, v = self.inner_steps, self.density, self.values
         tail = ":nesterov" if self.optimizer == "nesterov" else ""
-        return f"{h}:{d:g}:{v}:{self.outer_lr:g}:{self.delay_steps}{tail}"
+        inner = f"@{self.inner_lr_scale:g}" if self.inner_lr_scale != 1.0 else ""
+        return f"{h}:{d:g}:{v}:{self.outer_lr:g}:{self.delay_steps}{tail}{inner}"
 
 
 def _scale(step: int, steps: int) -> float:
@@ -130,7 +139,7 @@ def outer(task: Task, cfg: Round, lr: float, seed: int, nodes: int, steps: int) 
     for step in range(1, steps + 1):
         for i, node in enumerate(reps):
             for g in node.optimizer.param_groups:
-                g["lr"] = lr * _scale(step, steps)
+                g["lr"] = lr * cfg.inner_lr_scale * _scale(step, steps)
             loss = task.loss(node.model, task.batch(i, nodes, node.stream))
             node.optimizer.zero_grad()
             loss.backward()  # type: ignore[no-untyped-call]
@@ -188,6 +197,7 @@ def _arguments() -> argparse.Namespace:
     ap.add_argument("--steps", type=int, help="steps per node (digits 150, shakespeare 300)")
     ap.add_argument("--nodes", type=int, default=4)
     ap.add_argument("--seeds", type=int, default=3)
+    ap.add_argument("--batch-size", type=int, help="per replica (the task's default if unset)")
     ap.add_argument("--seed0", type=int, default=0, help="first seed (held-out: 10)")
     ap.add_argument("--lr-scales", type=float, nargs="+", default=[1.0])
     ap.add_argument("--split", choices=["quarters", "interleaved"], default="interleaved")
@@ -206,6 +216,10 @@ def main() -> int:
         if not isinstance(task, ShakespeareTask):
             raise SystemExit("--split quarters: shakespeare only (digits is interleaved)")
         task.split = "quarters"
+    if args.batch_size is not None:
+        if args.batch_size < 1:
+            raise SystemExit("--batch-size: at least 1")
+        task.batch_size = args.batch_size
     steps = args.steps or (150 if args.task == "digits" else 300)
     seeds = list(range(args.seed0, args.seed0 + args.seeds))
     configs = [Round.parse(c) for c in args.configs]
@@ -251,6 +265,7 @@ def main() -> int:
         "steps": steps,
         "seeds": seeds,
         "task_lr": task.lr,
+        "batch_size": task.batch_size,
         "ddp_eval_loss_by_lr_scale": ddp_by_scale,
         "ddp_best_lr_scale": float(best[0]),
         "rows": rows,
