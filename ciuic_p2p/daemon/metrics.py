@@ -511,6 +511,13 @@ class DaemonCollector(Collector):
         answered.add_metric(["probe"], node.membership.probes_answered_by_traffic)
         answered.add_metric(["death"], node.membership.deaths_withheld)
         yield answered
+        yield CounterMetricFamily(
+            "ciuic_link_state_held",
+            "Members' link-state versions that came sooner than mesh.link_publish_min_s "
+            "after the last one taken from them: held, and taken when due (only a member "
+            "publishing faster than an honest node makes this grow).",
+            node.rttmap.links_held,
+        )
         rtt = GaugeMetricFamily(
             "ciuic_peer_rtt_seconds",
             "RTT to each member as routing uses it, by source (measured, vivaldi).",

@@ -6,6 +6,7 @@ still works after the attack."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import struct
 from pathlib import Path
 
@@ -335,6 +336,46 @@ async def test_link_state_larger_than_any_node_publishes_is_refused(tmp_path: Pa
         a = mesh.daemons["a"]
         await until(lambda: a.mesh.membership.refused["links_too_many"] == 1, 5, "refused")
         assert liar.peer_id not in a.mesh.rttmap.signed
+    finally:
+        await liar.close()
+        await mesh.close()
+
+
+async def test_a_member_republishing_its_links_at_will_moves_the_map_twice_a_second(
+    tmp_path: Path,
+) -> None:
+    """Review: a member could republish its link state as often as it liked, and every
+    version taken changed the map every route and tree is computed from (every node
+    replanned for every chunk it forwarded, and the mesh's digests kept its syncs
+    busy). Now a node takes one version of a member's links per link_publish_min_s;
+    the newest is taken in the end, as on every other node."""
+    mesh, liar = await formed_with_liar(tmp_path)
+    try:
+        a = mesh.daemons["a"]
+        rttmap = a.mesh.rttmap
+        interval_s = mesh.config.mesh.link_publish_min_s
+        entries = (LinkEntry(mesh.peer("a"), 1000),)
+        flood = [Links(liar.peer_id, 100 + v, entries) for v in range(300)]
+        changes, t0 = rttmap.changes, asyncio.get_running_loop().time()
+        for links in flood:
+            await liar.gossip(
+                "a", dataclasses.replace(links, signature=liar.identities.sign(links))
+            )
+        newest = flood[-1].version
+        await until(lambda: rttmap.versions.get(liar.peer_id) == newest, 10, "the newest taken")
+        elapsed_s = asyncio.get_running_loop().time() - t0
+        # Every origin's versions taken meanwhile: the liar's and three honest nodes'
+        # (a's own included), each at most once per interval.
+        assert rttmap.changes - changes <= 4 * (elapsed_s / interval_s + 2)
+        assert rttmap.links_held >= 300 - (elapsed_s / interval_s + 2)
+        # The honest mesh still forms its views and delivers.
+        assert mesh.agree([liar.peer_id])
+        seq = a.broadcast(b"after the flood")
+        await until(
+            lambda: all((a.peer_id, seq) in mesh.origins_delivered(n) for n in ("b", "c")),
+            10,
+            "delivered",
+        )
     finally:
         await liar.close()
         await mesh.close()

@@ -6,7 +6,7 @@ import itertools
 from collections.abc import Callable
 
 from ciuic_p2p.config import MeshSection
-from ciuic_p2p.core.mesh.messages import Coordinate
+from ciuic_p2p.core.mesh.messages import Coordinate, LinkEntry, Links
 from ciuic_p2p.core.mesh.routing import Router, build_tree, shortest_paths
 from ciuic_p2p.core.mesh.rttmap import RttMap
 from ciuic_p2p.data import scenario_path
@@ -163,7 +163,7 @@ def test_a_measured_rate_is_published_with_the_link_and_only_a_real_move_republi
     a.observe_rate("b", 19.4e6)  # b's bulk frames reach a at 19.4 Mbit/s
     rated = a.publish(now=2.0)
     assert rated is not None and rated.entries[0].rate_kbps == 19_400
-    assert b.apply_links(rated)
+    assert b.apply_links(rated, now=2.0)
     # b learns the rate of its own uplink to a from a's word, and a holds it too.
     assert b.rate_bps("b", "a") == a.rate_bps("b", "a") == 19.4e6
     # The other way only b's word would count (a sender's claim about its own uplink
@@ -177,6 +177,41 @@ def test_a_measured_rate_is_published_with_the_link_and_only_a_real_move_republi
     for bogus in (0.0, -5.0, float("inf"), 2e12):  # what a broken estimate could say
         a.observe_rate("b", bogus)
     assert a.rates["b"] == 30e6
+
+
+def test_a_members_link_state_is_taken_at_most_once_per_publish_interval() -> None:
+    """Review: a member could republish its links at will, and every version taken
+    changed the map every route and tree is computed from, so every node replanned for
+    every chunk it forwarded. Now a node takes one version of a member's links per
+    link_publish_min_s (no honest node publishes more often); a sooner one is held,
+    the newest replacing an older held one, and taken when its time comes."""
+    settings = MeshSection(link_publish_min_s=0.5)
+    a = RttMap("a", settings)
+
+    def version(v: int) -> Links:
+        return Links("m", v, (LinkEntry("a", 40_000 + v),))
+
+    assert a.apply_links(version(1), now=10.0) and a.versions["m"] == 1
+    changes = a.changes
+    for i in range(200):  # a flood: a new version every millisecond
+        assert a.apply_links(version(2 + i), now=10.001 + i * 0.001)
+        a.release(now=10.001 + i * 0.001)
+    assert a.versions["m"] == 1 and a.changes == changes  # none taken yet...
+    assert a.links_held == 200 and a.held["m"].version == 201  # ...the newest held
+    assert not a.apply_links(version(150), now=10.3)  # older than the held one
+    assert a.get_timer() == 10.5
+    a.release(now=10.499)
+    assert a.versions["m"] == 1
+    a.release(now=10.5)
+    assert a.versions["m"] == 201 and a.changes == changes + 1 and not a.held
+    assert a.measured_s("m", "a") == 0.040201
+    assert a.get_timer() is None
+    # An honest node's versions, half a second apart or more, are taken on arrival.
+    assert a.apply_links(version(202), now=11.0) and a.versions["m"] == 202
+    # A departed member's held version goes with it.
+    a.apply_links(version(203), now=11.1)
+    a.forget("m")
+    assert not a.held and a.get_timer() is None and "m" not in a.published
 
 
 def test_a_members_rate_claims_cannot_make_it_everyones_relay() -> None:
@@ -203,7 +238,7 @@ def test_a_members_rate_claims_cannot_make_it_everyones_relay() -> None:
         published[n] = links
     view = maps["o"]
     for n in nodes:
-        view.apply_links(published[n])
+        view.apply_links(published[n], now=1.0)
     for size in (4096, 1_000_000):
         tree = build_tree("o", nodes, view.rtt_s, settings, chunk_bytes=size, rate=view.rate_bps)
         fair = build_tree("o", nodes, view.rtt_s, settings, chunk_bytes=size)

@@ -188,7 +188,12 @@ class MeshNode:
         return out
 
     def get_timer(self) -> float | None:
-        times = [t for t in (self.membership.get_timer(), self.dissemination.get_timer()) if t]
+        timers = (
+            self.membership.get_timer(),
+            self.dissemination.get_timer(),
+            self.rttmap.get_timer(),
+        )
+        times = [t for t in timers if t]
         return min(times) if times else None
 
     def handle_timer(self, now: float) -> None:
@@ -346,8 +351,9 @@ class MeshNode:
                 self.rttmap.observe_loss(peer, member.probes, member.acks)
         m.rtt_samples.clear()
         for links in m.links_received:
-            self.rttmap.apply_links(links)
+            self.rttmap.apply_links(links, now)
         m.links_received.clear()
+        self.rttmap.release(now)
         if m.events:
             for event in m.events:
                 if event.state >= State.DEAD:

@@ -19,6 +19,14 @@ of what its two ends published (one end's value if only one did).
 Link state is signed by the node it describes (core.mesh.messages; checked by
 core.mesh.membership before it gets here): the map keeps each node's newest ``Links`` as
 signed, to pass on unchanged in syncs, and signs its own with ``sign``.
+
+A node takes at most one version of a member's links per ``link_publish_min_s``, the
+most often an honest node publishes: every version taken changes the map every route
+and tree is computed from, so a member republishing at will would make every node
+replan for every chunk it forwards, and would keep the mesh's digests apart and its
+syncs busy. A version that comes sooner is held (the newest replaces an older one held)
+and taken when its time comes: the map ends with the newest version, as every other
+node's does, a little later.
 """
 
 from __future__ import annotations
@@ -62,6 +70,12 @@ class RttMap:
         """The receive rate measured from each peer (its link's bulk frames), bits/s."""
         self.published: dict[str, Measured] = {}
         self.versions: dict[str, int] = {}
+        self.taken_at: dict[str, float] = {}
+        """When each origin's version in ``published`` was taken."""
+        self.held: dict[str, Links] = {}
+        """Each origin's newest version that came before its time (module docstring)."""
+        self.links_held = 0
+        """Versions held on arrival (a member publishing faster than any honest node)."""
         self._version = 0
         self._last_publish = float("-inf")
         self.changes = 0
@@ -84,10 +98,40 @@ class RttMap:
         if 0 < rate_bps <= MAX_RATE_KBPS * 1e3:
             self.rates[peer] = rate_bps
 
-    def apply_links(self, links: Links) -> bool:
-        """Take a node's published links; False if not newer than what we hold."""
-        if links.origin == self.node or links.version <= self.versions.get(links.origin, -1):
+    def apply_links(self, links: Links, now: float) -> bool:
+        """Take a node's published links, or hold them until ``link_publish_min_s``
+        after its last version was taken; False if not newer than what we hold."""
+        origin = links.origin
+        held = self.held.get(origin)
+        newest = self.versions.get(origin, -1) if held is None else held.version
+        if origin == self.node or links.version <= newest:
             return False
+        if now < self._due_at(origin):
+            self.held[origin] = links
+            self.links_held += 1
+            return True
+        self.held.pop(origin, None)
+        self._take(links, now)
+        return True
+
+    def release(self, now: float) -> None:
+        """Take every held version whose time has come."""
+        if not self.held:
+            return
+        for origin in [o for o in self.held if self._due_at(o) <= now]:
+            self._take(self.held.pop(origin), now)
+
+    def get_timer(self) -> float | None:
+        """When the next held version may be taken (None: none held)."""
+        return min(map(self._due_at, self.held)) if self.held else None
+
+    def _due_at(self, origin: str) -> float:
+        # One expression for the timer and the test against it: a timer that fires
+        # at a time the test rounds the other way would fire again at once, for ever.
+        return self.taken_at.get(origin, float("-inf")) + self.settings.link_publish_min_s
+
+    def _take(self, links: Links, now: float) -> None:
+        self.taken_at[links.origin] = now
         self.versions[links.origin] = links.version
         self.signed[links.origin] = links
         self.published[links.origin] = {
@@ -96,7 +140,6 @@ class RttMap:
         }
         self.changes += 1
         self._digest = None
-        return True
 
     def forget(self, node: str) -> None:
         self.recent.pop(node, None)
@@ -104,6 +147,8 @@ class RttMap:
         self.coords.pop(node, None)
         self.vivaldi.forget(node)
         self.signed.pop(node, None)
+        self.held.pop(node, None)
+        self.taken_at.pop(node, None)
         if self.published.pop(node, None) is not None:
             self.changes += 1
             self._digest = None
