@@ -251,7 +251,9 @@ class MeshSection:
     leave_propagate_s: float = 2.0
     """``leave`` waits at most this long for its departure to spread."""
     link_publish_min_s: float = 0.5
-    """A node republishes its measured links at most this often..."""
+    """A node republishes its measured links at most this often, and takes a member's
+    at most this often (a sooner version is held until due: a member republishing at
+    will would make every node replan its trees for every chunk)..."""
     link_refresh_s: float = 30.0
     """...and at least this often."""
     link_change_ratio: float = 0.1
