@@ -19,7 +19,7 @@ over the first rounds: on the star, one 2.1 MB tree run took 51.7 s for the firs
 round after one warm-up, then 27.8, 25.4, 24.2 and 24.7 s. ``auto`` decides from the
 published state alone, in its own run (it does not try the others). The model's
 prediction for each strategy comes from the first node's published state at each
-round's start (core.mesh.strategy.predict_round_s).
+round's start (core.mesh.roundcost.predict_round_s).
 
 Scenarios (``--rtt FILE`` adds any RTT matrix, the first ``--nodes`` regions):
 
@@ -54,7 +54,7 @@ from typing import Any
 
 from ciuic_p2p.config import Config, LogSection
 from ciuic_p2p.core.mesh.broadcast import REPAIRED_HOPS, Delivery
-from ciuic_p2p.core.mesh.strategy import STRATEGIES
+from ciuic_p2p.core.mesh.linkcosts import STRATEGIES
 from ciuic_p2p.daemon.node import ChunkRecorder
 from ciuic_p2p.data import WAN_DIR
 from ciuic_p2p.emulator.model.scenario import Scenario, scenario_from_mapping, scenario_from_matrix

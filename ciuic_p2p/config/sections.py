@@ -352,7 +352,7 @@ class MeshSection:
     takes at most ``tree_max_fanout`` children; ``inf``: a node's links do not share a
     bottleneck (as the WAN emulator's links without an uplink), so an origin may send
     to every node at once. With a rate set, a round's large pieces get their trees
-    planned together (core.mesh.strategy.tree_plan): each node's uplink carries its
+    planned together (core.mesh.planners.tree_plan): each node's uplink carries its
     copies in every origin's tree, and the relaying is spread by what each sends."""
     heads_interval_s: float = 0.25
     """How soon after what it holds changed a node tells ``heads_fanout`` members (its

@@ -15,7 +15,7 @@ import pytest
 
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.mesh.members import State
-from ciuic_p2p.core.mesh.strategy import LARGE_PIECE_BYTES
+from ciuic_p2p.core.mesh.planners import LARGE_PIECE_BYTES
 from ciuic_p2p.core.replica.messages import PayloadKind
 from tests.daemon.memorymesh import MemoryMesh, until
 from tests.daemon.standin import StandInTrainer

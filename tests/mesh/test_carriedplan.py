@@ -23,7 +23,7 @@ from ciuic_p2p.core.mesh.messages import (
     decode_message,
     encode_message,
 )
-from ciuic_p2p.core.mesh.strategy import LARGE_PIECE_BYTES
+from ciuic_p2p.core.mesh.planners import LARGE_PIECE_BYTES
 from tests.mesh.signing import identities, signed
 
 PIECE = bytes(LARGE_PIECE_BYTES + 1)

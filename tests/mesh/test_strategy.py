@@ -1,7 +1,7 @@
-"""The three sync strategies as pure planners, the cost model and the choice
-(core.mesh.strategy): each plan reaches every node once per origin, the model plays a
-round out as the emulator would carry it, and the choice is the least predicted time,
-kept against noise."""
+"""The three sync strategies as pure planners (core.mesh.planners), the cost model
+(core.mesh.roundcost) and the choice (core.mesh.strategy): each plan reaches every node
+once per origin, the model plays a round out as the emulator would carry it, and the
+choice is the least predicted time, kept against noise."""
 
 from __future__ import annotations
 
@@ -14,23 +14,18 @@ import random
 import pytest
 
 from ciuic_p2p.config import Config, MeshSection
+from ciuic_p2p.core.mesh.linkcosts import STRATEGIES, LinkCosts, Plan
 from ciuic_p2p.core.mesh.messages import MAX_ROUTE
-from ciuic_p2p.core.mesh.strategy import (
-    STRATEGIES,
-    Chooser,
-    LinkCosts,
-    Plan,
-    Plans,
+from ciuic_p2p.core.mesh.planners import (
     cluster_leaders,
     clusters,
     plan,
-    predict_round_s,
     ring_order,
     ring_tree,
-    same_plan,
-    slow_start_s,
     tree_for,
 )
+from ciuic_p2p.core.mesh.roundcost import predict_round_s, slow_start_s
+from ciuic_p2p.core.mesh.strategy import Chooser, Plans, same_plan
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
 from ciuic_p2p.emulator.model.scenario import EmulatedNetwork, scenario_from_mapping

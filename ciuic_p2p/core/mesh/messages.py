@@ -18,7 +18,7 @@ bytes; ``sig`` 64 bytes (Ed25519); all integers little-endian. Bodies by kind:
 - ``CHUNK``: origin str8, seq u64, hops u8, payload bytes32, sig
 - ``ROUTED_CHUNK``: origin str8, seq u64, hops u8, route u8, payload bytes32, sig: a
   chunk that names how it spreads (``route``, 1 to ``MAX_ROUTE``: the strategy of
-  core.mesh.strategy by its code; a ``CHUNK`` is route 0, ``tree``)
+  core.mesh.linkcosts.STRATEGIES by its code; a ``CHUNK`` is route 0, ``tree``)
 - ``PLANNED_CHUNK``: origin str8, seq u64, hops u8, route u8 (0 to ``MAX_ROUTE``), plan
   count u8 (1 to ``MAX_PLAN_NODES``), then per planned node: node str8, parent u8 (0:
   the origin; i: the i-th planned node, which comes before it), payload bytes32 (at least
@@ -80,12 +80,12 @@ MAX_PLAN_NODES = 64
 MAX_PLAN_BYTES = 4096
 """A carried plan's bytes on the wire, at most: 64 names of up to 61 bytes."""
 MIN_PLANNED_PAYLOAD_BYTES = 64 * 1024 + 1
-"""Only a large piece carries a plan (core.mesh.strategy's ``LARGE_PIECE_BYTES``; a test
+"""Only a large piece carries a plan (core.mesh.planners' ``LARGE_PIECE_BYTES``; a test
 holds the two together): a plan on a small chunk would cost more than its payload and
 is refused."""
 MAX_CHUNK_MESSAGE_BYTES = MAX_CHUNK_BYTES + 512 + MAX_PLAN_BYTES
 MAX_ROUTE = 2
-"""The highest route code a ROUTED_CHUNK may name: core.mesh.strategy's last (a test
+"""The highest route code a ROUTED_CHUNK may name: core.mesh.linkcosts' last (a test
 holds the two together)."""
 MAX_ID_BYTES = 128
 MAX_UPDATES = 4096

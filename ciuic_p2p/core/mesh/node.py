@@ -36,6 +36,7 @@ from ciuic_p2p.config.sections import MeshSection
 from ciuic_p2p.core.mesh.broadcast import Delivery, Disseminator
 from ciuic_p2p.core.mesh.carriedplan import plan_from_tree
 from ciuic_p2p.core.mesh.identities import Identities
+from ciuic_p2p.core.mesh.linkcosts import STRATEGIES, LinkCosts, Strategy
 from ciuic_p2p.core.mesh.members import Member, MemberEvent, State
 from ciuic_p2p.core.mesh.membership import Membership
 from ciuic_p2p.core.mesh.messages import (
@@ -53,9 +54,10 @@ from ciuic_p2p.core.mesh.messages import (
     decode_message,
     encode_message,
 )
+from ciuic_p2p.core.mesh.planners import LARGE_PIECE_BYTES
 from ciuic_p2p.core.mesh.routing import Router
 from ciuic_p2p.core.mesh.rttmap import RttMap
-from ciuic_p2p.core.mesh.strategy import LARGE_PIECE_BYTES, STRATEGIES, LinkCosts, Plans, Strategy
+from ciuic_p2p.core.mesh.strategy import Plans
 
 DISSEMINATION_KINDS = frozenset({*CHUNK_KINDS, MeshKind.HEADS, MeshKind.WANT})
 

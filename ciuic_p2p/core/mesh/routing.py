@@ -87,11 +87,11 @@ def build_tree(
     ``default_rate_bps`` is counted). A rate counts at most ``default_rate_bps``: a
     measurement may make a link slower than an unmeasured one, never faster, so what
     a member publishes cannot make it everyone's relay. ``uplink_bps``: what a node's
-    links share (core.mesh.strategy): None counts its copies one after another at
+    links share (core.mesh.linkcosts): None counts its copies one after another at
     their links' rates, as the module docstring says; infinity counts its links as
     independent (and takes no fan-out limit); a rate counts the copies one after
     another at that rate. ``load_s``: how long each node's uplink is already busy
-    with other origins' copies in the same round (core.mesh.strategy's balanced
+    with other origins' copies in the same round (core.mesh.planners' balanced
     trees): a node's children wait for that too. ``max_children``: the fan-out limit
     instead of ``tree_max_fanout``."""
     size = settings.tree_chunk_bytes if chunk_bytes is None else chunk_bytes
