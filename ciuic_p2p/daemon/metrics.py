@@ -512,6 +512,12 @@ class DaemonCollector(Collector):
         answered.add_metric(["death"], node.membership.deaths_withheld)
         yield answered
         yield CounterMetricFamily(
+            "ciuic_mesh_replans",
+            "Times this node computed its routes and trees again, for a new view or a new "
+            "link state taken.",
+            node.replans,
+        )
+        yield CounterMetricFamily(
             "ciuic_link_state_held",
             "Members' link-state versions that came sooner than mesh.link_publish_min_s "
             "after the last one taken from them: held, and taken when due (only a member "

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import struct
 from pathlib import Path
 
@@ -376,6 +377,40 @@ async def test_a_member_republishing_its_links_at_will_moves_the_map_twice_a_sec
             10,
             "delivered",
         )
+    finally:
+        await liar.close()
+        await mesh.close()
+
+
+async def test_a_member_accusing_itself_and_refuting_moves_no_routes(tmp_path: Path) -> None:
+    """Review: every membership event made a node compute its routes and trees again,
+    though a suspicion and its refutation move no one in or out of the view: a member
+    accusing itself (or an honest node, which refutes at once) and refuting, in a loop,
+    made every node replan about 300 times a second. Now routes follow the view."""
+    mesh, liar = await formed_with_liar(tmp_path)
+    try:
+        node = mesh.daemons["a"].mesh
+        loop = asyncio.get_running_loop()
+        node.routes()
+        replans, t0 = node.replans, loop.time()
+        incarnation = liar.incarnation
+
+        def holds_incarnation(at: int) -> bool:
+            return node.members()[liar.peer_id].incarnation == at
+
+        for _ in range(100):
+            await liar.gossip("a", Suspect(liar.peer_id, incarnation, liar.peer_id))
+            incarnation += 1
+            await liar.gossip("a", liar.own_alive(incarnation))
+            await until(functools.partial(holds_incarnation, incarnation), 5, "read")
+            node.routes()  # as a chunk forwarded meanwhile would
+        liar.incarnation = incarnation
+        elapsed_s = loop.time() - t0
+        # What moves routes meanwhile is the honest nodes' link state, each origin's at
+        # most once per interval (a's own, b's and c's).
+        interval_s = mesh.config.mesh.link_publish_min_s
+        assert node.replans - replans <= 3 * (elapsed_s / interval_s + 2)
+        assert mesh.agree([liar.peer_id])
     finally:
         await liar.close()
         await mesh.close()

@@ -208,10 +208,14 @@ def test_a_members_link_state_is_taken_at_most_once_per_publish_interval() -> No
     assert a.get_timer() is None
     # An honest node's versions, half a second apart or more, are taken on arrival.
     assert a.apply_links(version(202), now=11.0) and a.versions["m"] == 202
-    # A departed member's held version goes with it.
+    # A departed member's held version goes with it; its time does not: come back at
+    # once, and its links still wait their turn.
     a.apply_links(version(203), now=11.1)
     a.forget("m")
     assert not a.held and a.get_timer() is None and "m" not in a.published
+    assert a.apply_links(version(204), now=11.2) and a.held["m"].version == 204
+    a.release(now=11.5)
+    assert a.versions["m"] == 204
 
 
 def test_a_members_rate_claims_cannot_make_it_everyones_relay() -> None:

@@ -145,6 +145,9 @@ class MeshNode:
         self.messages_sent = 0
         self._routing_key: tuple[int, int] | None = None
         self._view_version = 0
+        self._view: frozenset[str] = frozenset()
+        self.replans = 0
+        """Times the routes and trees were computed again (a new view or link state)."""
 
     # -- the Endpoint interface (emulator.model.simulator) --------------------------------
 
@@ -195,7 +198,7 @@ class MeshNode:
             self.dissemination.get_timer(),
             self.rttmap.get_timer(),
         )
-        times = [t for t in timers if t]
+        times = [t for t in timers if t is not None]
         return min(times) if times else None
 
     def handle_timer(self, now: float) -> None:
@@ -364,7 +367,13 @@ class MeshNode:
                     self.dissemination.forget(event.node)
             self._events.extend(m.events)
             m.events.clear()
-            self._view_version += 1
+            # Routes and plans follow the view, not the events: a member accusing
+            # itself (or an honest node, which refutes at once) moves no one in or out
+            # of the view, and would otherwise make every node replan for every event.
+            view = frozenset(m.alive_view())
+            if view != self._view:
+                self._view = view
+                self._view_version += 1
         published = self.rttmap.publish(now)
         if published is not None:
             m.queue.put(published)
@@ -388,6 +397,7 @@ class MeshNode:
         key = (self._view_version, self.rttmap.changes)
         if key != self._routing_key:
             self._routing_key = key
+            self.replans += 1
             view = self.view()
             self.router.update(view, self.rttmap.rtt_s, self.rttmap.rate_bps)
             self.plans.update(key, self._costs(view))

@@ -147,8 +147,9 @@ class RttMap:
         self.coords.pop(node, None)
         self.vivaldi.forget(node)
         self.signed.pop(node, None)
+        # taken_at stays (one float per member ever signed, as ``versions``): a member
+        # that leaves and comes back is not let past the interval by its departure.
         self.held.pop(node, None)
-        self.taken_at.pop(node, None)
         if self.published.pop(node, None) is not None:
             self.changes += 1
             self._digest = None
