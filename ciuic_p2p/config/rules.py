@@ -181,6 +181,7 @@ def validate(cfg: Sections) -> None:
         (m.suspicion_confirmations >= 0, "mesh.suspicion_confirmations", "must be >= 0"),
         (2 <= m.max_members <= 1 << 20, "mesh.max_members", "must be in [2, 1048576]"),
         (m.address_change_min_s >= 0, "mesh.address_change_min_s", "must be >= 0"),
+        (0 <= m.rejoin_min_s <= 60, "mesh.rejoin_min_s", "must be in [0, 60]"),
         (0 <= m.link_publish_min_s <= min(m.link_refresh_s, 60.0), "mesh.link_publish_min_s",
          "must be in [0, min(link_refresh_s, 60)]"),
         (0 <= m.strategy_hysteresis < 1, "mesh.strategy_hysteresis", "must be in [0, 1)"),

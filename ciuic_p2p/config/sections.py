@@ -243,6 +243,10 @@ class MeshSection:
     """A member's new address (in its signed Alive) is taken at most this often: a
     member can sign any address as its own, and each new one makes every node dial
     it."""
+    rejoin_min_s: float = 1.0
+    """A member that left is taken back at most this long after its departure (an
+    Alive sooner is held until then): one leaving and rejoining in a loop would change
+    every node's view, and with it the routes and trees, each time."""
     max_members: int = 4096
     """Members the table holds at most (each enters only with a credential checked
     here, so this bounds memory, not trust); past it the oldest dead or departed one

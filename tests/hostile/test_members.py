@@ -416,6 +416,54 @@ async def test_a_member_accusing_itself_and_refuting_moves_no_routes(tmp_path: P
         await mesh.close()
 
 
+async def test_a_member_leaving_and_rejoining_in_a_loop_moves_routes_once_a_second(
+    tmp_path: Path,
+) -> None:
+    """Review: a member's signed Left and its Alive at the next incarnation, in a loop,
+    moved every node's view twice a cycle (out, back in), and with it the routes and
+    trees: about 600 times a second over real daemons. Now a member that left is taken
+    back at most mesh.rejoin_min_s after its departure; its newest Alive is held till
+    then, and it is a member again in the end."""
+    mesh, liar = await formed_with_liar(tmp_path)
+    try:
+        a = mesh.daemons["a"]
+        node, membership = a.mesh, a.mesh.membership
+        loop = asyncio.get_running_loop()
+        node.routes()
+        replans, t0 = node.replans, loop.time()
+        incarnation = liar.incarnation
+
+        def read(held_before: int, at: int) -> bool:
+            back = node.members()[liar.peer_id].incarnation == at
+            return back or membership.refused["rejoin_held"] > held_before
+
+        def gone() -> bool:
+            return node.members()[liar.peer_id].state == State.LEFT
+
+        for _ in range(100):
+            left = Left(liar.peer_id, incarnation)
+            await liar.gossip("a", dataclasses.replace(left, signature=liar.identities.sign(left)))
+            await until(gone, 5, "left")
+            node.routes()  # as a chunk forwarded meanwhile would
+            incarnation += 1
+            held = membership.refused["rejoin_held"]
+            await liar.gossip("a", liar.own_alive(incarnation))
+            await until(functools.partial(read, held, incarnation), 5, "read")
+            node.routes()
+        liar.incarnation = incarnation
+        elapsed_s = loop.time() - t0
+        settings = mesh.config.mesh
+        # Out and back in once per rejoin_min_s, and the honest nodes' link state.
+        limit = 2 * (elapsed_s / settings.rejoin_min_s + 1)
+        limit += 3 * (elapsed_s / settings.link_publish_min_s + 2)
+        assert node.replans - replans <= limit
+        assert membership.refused["rejoin_held"] >= 50
+        await until(lambda: mesh.agree([liar.peer_id]), 10, "the member is back everywhere")
+    finally:
+        await liar.close()
+        await mesh.close()
+
+
 async def test_accusations_at_the_current_incarnation_do_not_stretch_the_deadlines(
     tmp_path: Path,
 ) -> None:

@@ -188,6 +188,9 @@ class Membership:
         self._now = now
         self._own_alive: Alive | None = None
         self._waiting: collections.OrderedDict[str, Alive] = collections.OrderedDict()
+        self._returning: dict[str, Alive] = {}
+        """The newest Alive of each member that left, held until ``rejoin_min_s`` after
+        its departure."""
         self.refused: collections.Counter[str] = collections.Counter()
         """Updates not taken, by reason (``alive_signature``, ``no_credential``,
         ``accusation_above_incarnation``, ``table_full``...): each is either a fault or
@@ -284,6 +287,12 @@ class Membership:
             return
         if not self.identities.verify(u.node, u):
             self.refused["alive_signature"] += 1
+            return
+        if m is not None and m.state == State.LEFT and now < self._back_at(m):
+            held = self._returning.get(u.node)
+            if held is None or u.incarnation > held.incarnation:
+                self._returning[u.node] = u
+            self.refused["rejoin_held"] += 1
             return
         if m is None:
             if self.table.add(u, now) is None:
@@ -521,12 +530,27 @@ class Membership:
             suspicion = self.members[node].suspicion
             if suspicion is not None:
                 times.append(suspicion.deadline())
+        times += [self._back_at(self.members[n]) for n in self._returning if n in self.members]
         return min(times)
 
     def handle_timer(self, now: float) -> None:
         self._now = now
         self._expire_probes(now)
         self._run_periodic(now)
+        self._take_back(now)
+
+    def _back_at(self, m: Member) -> float:
+        # One expression for the timer and the test against it (as in core.mesh.rttmap).
+        return m.since + self.settings.rejoin_min_s
+
+    def _take_back(self, now: float) -> None:
+        """The held Alives of members that left whose time has come."""
+        for node in list(self._returning):
+            m = self.members.get(node)
+            if m is None or m.state != State.LEFT:  # reaped, or back by another way
+                del self._returning[node]
+            elif now >= self._back_at(m):
+                self._on_alive(m, self._returning.pop(node), now)
 
     def _expire_probes(self, now: float) -> None:
         """Probes, relays and suspicions whose deadline has passed."""
