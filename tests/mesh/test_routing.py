@@ -218,6 +218,22 @@ def test_a_members_link_state_is_taken_at_most_once_per_publish_interval() -> No
     assert a.versions["m"] == 204
 
 
+def test_two_link_states_signed_under_one_version_end_as_one_everywhere() -> None:
+    """Review: a member could sign two different link states under one version and
+    send one to each node. Versions alone decided, and digests covered only versions,
+    so the nodes kept different maps (and different trees) and never synced them. Now
+    the greater signature wins a tie, and the digest covers the signatures."""
+    settings = MeshSection(link_publish_min_s=0.0)
+    x, y = RttMap("x", settings), RttMap("y", settings)
+    near = Links("m", 7, (LinkEntry("x", 1_000),), b"\x01" * 64)
+    far = Links("m", 7, (LinkEntry("x", 300_000),), b"\x02" * 64)
+    assert x.apply_links(near, now=1.0) and y.apply_links(far, now=1.0)
+    assert x.digest() != y.digest()  # their probes' digests differ: they sync...
+    assert x.apply_links(far, now=2.0) and not y.apply_links(near, now=2.0)
+    assert x.digest() == y.digest() and x.measured_s("m", "x") == y.measured_s("m", "x") == 0.3
+    assert not x.apply_links(far, now=3.0)  # the same again changes nothing
+
+
 def test_a_members_rate_claims_cannot_make_it_everyones_relay() -> None:
     """Review: a member publishing 1 Tbit/s for its links became a relay for half the
     nodes in every origin's tree (the rate from it was taken from its own word when

@@ -27,6 +27,11 @@ replan for every chunk it forwards, and would keep the mesh's digests apart and 
 syncs busy. A version that comes sooner is held (the newest replaces an older one held)
 and taken when its time comes: the map ends with the newest version, as every other
 node's does, a little later.
+
+Of two versions with the same number, the one whose signature is greater wins, and the
+digest covers the signatures: a member that signs two different link states under one
+number, and sends one to each node, would otherwise leave the nodes with different
+maps, and different trees, for as long as it published no newer version.
 """
 
 from __future__ import annotations
@@ -70,6 +75,8 @@ class RttMap:
         """The receive rate measured from each peer (its link's bulk frames), bits/s."""
         self.published: dict[str, Measured] = {}
         self.versions: dict[str, int] = {}
+        self.signatures: dict[str, bytes] = {}
+        """The signature of each origin's version taken (ties between versions)."""
         self.taken_at: dict[str, float] = {}
         """When each origin's version in ``published`` was taken."""
         self.held: dict[str, Links] = {}
@@ -103,8 +110,12 @@ class RttMap:
         after its last version was taken; False if not newer than what we hold."""
         origin = links.origin
         held = self.held.get(origin)
-        newest = self.versions.get(origin, -1) if held is None else held.version
-        if origin == self.node or links.version <= newest:
+        newest = (
+            (self.versions.get(origin, -1), self.signatures.get(origin, b""))
+            if held is None
+            else (held.version, held.signature)
+        )
+        if origin == self.node or (links.version, links.signature) <= newest:
             return False
         if now < self._due_at(origin):
             self.held[origin] = links
@@ -133,6 +144,7 @@ class RttMap:
     def _take(self, links: Links, now: float) -> None:
         self.taken_at[links.origin] = now
         self.versions[links.origin] = links.version
+        self.signatures[links.origin] = links.signature
         self.signed[links.origin] = links
         self.published[links.origin] = {
             e.peer: (e.rtt_us / 1e6, e.loss_permille / 1000, e.rate_kbps * 1e3)
@@ -213,13 +225,15 @@ class RttMap:
         return [self.signed[origin] for origin in sorted(self.signed)]
 
     def digest(self) -> int:
-        """CRC-32 of every origin's link-state version (never 0: 0 means "none")."""
+        """CRC-32 of every origin's link-state version and its signature's first bytes
+        (never 0: 0 means "none")."""
         if self._digest is None:
-            versions = sorted(self.versions.items())
-            if self.node in self.published:
-                versions.append((self.node, self._version))
-                versions.sort()
-            text = ";".join(f"{o}={v}" for o, v in versions)
+            versions = [(o, v, self.signatures.get(o, b"")) for o, v in self.versions.items()]
+            own = self.signed.get(self.node)
+            if self.node in self.published and own is not None:
+                versions.append((self.node, self._version, own.signature))
+            versions.sort()
+            text = ";".join(f"{o}={v}:{sig[:8].hex()}" for o, v, sig in versions)
             self._digest = zlib.crc32(text.encode()) or 1
         return self._digest
 
