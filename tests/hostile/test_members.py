@@ -464,6 +464,28 @@ async def test_a_member_leaving_and_rejoining_in_a_loop_moves_routes_once_a_seco
         await mesh.close()
 
 
+async def test_link_state_in_a_nodes_own_name_counts_only_with_its_signature(
+    tmp_path: Path,
+) -> None:
+    """A node takes its own link state back from the mesh (after a restart, to
+    continue above its previous life's version): one in its name but signed by a
+    member is refused, and moves neither its version nor its map."""
+    mesh, liar = await formed_with_liar(tmp_path)
+    try:
+        a = mesh.daemons["a"]
+        forged = Links(a.peer_id, (1 << 32) - 2, (LinkEntry(liar.peer_id, 1),))
+        signed = dataclasses.replace(forged, signature=liar.identities.sign(forged))
+        before = a.mesh.membership.refused["links_signature"]
+        await liar.gossip("a", signed)
+        await until(lambda: a.mesh.membership.refused["links_signature"] > before, 5, "refused")
+        own = a.mesh.rttmap.signed.get(a.peer_id)
+        assert own is None or own.version < 1000
+        assert a.mesh.rttmap.measured_s(a.peer_id, liar.peer_id) != 1e-6
+    finally:
+        await liar.close()
+        await mesh.close()
+
+
 async def test_accusations_at_the_current_incarnation_do_not_stretch_the_deadlines(
     tmp_path: Path,
 ) -> None:

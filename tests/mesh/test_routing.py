@@ -234,6 +234,34 @@ def test_two_link_states_signed_under_one_version_end_as_one_everywhere() -> Non
     assert not x.apply_links(far, now=3.0)  # the same again changes nothing
 
 
+def test_a_restarted_node_publishes_above_its_previous_lifes_link_state() -> None:
+    """Review: a node's link-state version starts at 0 again when its daemon restarts,
+    and the others keep the newest they hold: its previous life's. Its new links were
+    refused until its count passed the old one (at a republish every 30 s, a day for a
+    node that ran a day), and every node whose digest differed from its own pushed it
+    the whole link state every second meanwhile. Now a node that hears its own links
+    at a version it has not reached publishes above it at once."""
+    settings = MeshSection(link_publish_min_s=0.5, link_refresh_s=30.0)
+    before, other = RttMap("a", settings), RttMap("b", settings)
+    before.observe("b", Coordinate(), 0.050)
+    old = None
+    for t in range(500):  # the previous life: 500 versions, one per refresh
+        old = before.publish(now=t * 30.0) or old
+    assert old is not None and old.version == 500 and other.apply_links(old, now=500.0)
+    after = RttMap("a", settings)  # restarted
+    after.observe("b", Coordinate(), 0.030)
+    first = after.publish(now=1000.0)
+    assert first is not None and first.version == 1
+    assert not other.apply_links(first, now=1000.0)  # older than what b holds
+    assert not after.apply_links(old, now=1000.1)  # its own, as b's sync brings it back
+    assert after.publish(now=1000.2) is None  # the publish interval still holds...
+    again = after.publish(now=1000.5)  # ...then above the old life, without a change
+    assert again is not None and again.version == 501
+    assert other.apply_links(again, now=1000.6) and other.measured_s("a", "b") == 0.030
+    assert not after.apply_links(again, now=1001.0)  # its current one: nothing to do
+    assert after.publish(now=1002.0) is None
+
+
 def test_a_members_rate_claims_cannot_make_it_everyones_relay() -> None:
     """Review: a member publishing 1 Tbit/s for its links became a relay for half the
     nodes in every origin's tree (the rate from it was taken from its own word when

@@ -47,6 +47,8 @@ from ciuic_p2p.core.mesh.vivaldi import VivaldiClient, distance_s
 Measured = dict[str, tuple[float, float, float]]
 """peer -> (rtt_s, loss, rate_bps): the rate the peer's bytes reach the publisher
 (core.link.throughput), 0 where not measured."""
+MAX_VERSION = (1 << 32) - 1
+"""A link-state version is a u32 on the wire (core.mesh.messages)."""
 RECENT_SAMPLES = 16
 """A link's published RTT is the least of its last 16 samples: the path's propagation
 delay, which routes should follow, without the queueing and scheduling noise that a
@@ -85,6 +87,9 @@ class RttMap:
         """Versions held on arrival (a member publishing faster than any honest node)."""
         self._version = 0
         self._last_publish = float("-inf")
+        self._republish = False
+        """Our own links came back at a version we have not reached (a previous life's,
+        before a restart): publish above it at the next chance."""
         self.changes = 0
         self._digest: int | None = None
         """Bumped whenever the published view changes (routes recompute on it)."""
@@ -109,13 +114,21 @@ class RttMap:
         """Take a node's published links, or hold them until ``link_publish_min_s``
         after its last version was taken; False if not newer than what we hold."""
         origin = links.origin
+        if origin == self.node:
+            # Our previous life's (the version starts at 0 again after a restart, and
+            # the others keep the newest): continue above it, or every node would keep
+            # the old links, and sync with us for nothing, until our count caught up.
+            if self._version < links.version < MAX_VERSION:
+                self._version = links.version
+                self._republish = True
+            return False
         held = self.held.get(origin)
         newest = (
             (self.versions.get(origin, -1), self.signatures.get(origin, b""))
             if held is None
             else (held.version, held.signature)
         )
-        if origin == self.node or (links.version, links.signature) <= newest:
+        if (links.version, links.signature) <= newest:
             return False
         if now < self._due_at(origin):
             self.held[origin] = links
@@ -201,10 +214,11 @@ class RttMap:
             nearest = sorted(current, key=lambda p: (current[p][0], p))[: s.link_state_max_peers]
             current = {p: current[p] for p in nearest}
         changed = changed or set(current) != set(mine)
-        if not changed and now - self._last_publish < s.link_refresh_s:
+        if not changed and not self._republish and now - self._last_publish < s.link_refresh_s:
             return None
+        self._republish = False
         self._last_publish = now
-        self._version += 1
+        self._version = min(self._version + 1, MAX_VERSION)
         self.published[self.node] = current
         self.changes += 1
         self._digest = None
@@ -231,7 +245,7 @@ class RttMap:
             versions = [(o, v, self.signatures.get(o, b"")) for o, v in self.versions.items()]
             own = self.signed.get(self.node)
             if self.node in self.published and own is not None:
-                versions.append((self.node, self._version, own.signature))
+                versions.append((self.node, own.version, own.signature))
             versions.sort()
             text = ";".join(f"{o}={v}:{sig[:8].hex()}" for o, v, sig in versions)
             self._digest = zlib.crc32(text.encode()) or 1
