@@ -61,9 +61,11 @@ class MemoryMesh:
     def daemons(self) -> dict[str, MeshDaemon]:
         return {n: node.daemon for n, node in self.nodes.items()}
 
-    async def start(self, name: str) -> NodeAssembly:
+    async def start(self, name: str, key: NodeKey | None = None) -> NodeAssembly:
+        """Node ``name`` (``key``: its key from before, as a restarted daemon has it
+        from its state directory; a new one by default)."""
         clock = asyncio.get_running_loop().time  # the virtual clock: one for every part
-        key = NodeKey.generate()
+        key = key or NodeKey.generate()
         cert = self.ca.issue(key.public_key, UTC - dt.timedelta(days=1))
         config = dataclasses.replace(
             self.config, node=dataclasses.replace(self.config.node, name=name)

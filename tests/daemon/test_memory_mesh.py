@@ -64,6 +64,49 @@ def test_members_join_agree_and_see_a_crash_and_a_leave(tmp_path: Path) -> None:
     run_virtual(main())
 
 
+@pytest.mark.parametrize("declared_dead", [False, True])
+def test_a_restarted_node_s_link_state_is_taken_at_once(
+    tmp_path: Path, declared_dead: bool
+) -> None:
+    """Review: a node's link-state version starts at 0 again when its daemon restarts.
+    The others kept its previous life's version, and refused its new links until its
+    count passed the old one (one version per 30 s refresh when nothing moves), with
+    no links to pass back once they had forgotten them. Now a node forgets a departed
+    member's version with its links, and a node that hears its own links at a version
+    it has not reached publishes above it: back before or after it was declared dead,
+    its new links are everyone's within seconds."""
+
+    async def main() -> None:
+        mesh = MemoryMesh(tmp_path, ["a", "b", "c"])
+        try:
+            await mesh.form()
+            await asyncio.sleep(400)  # a life long enough for a dozen refreshes
+            a = mesh.nodes["a"]
+            key, peer = a.key, a.peer_id
+            maps = {n: mesh.nodes[n].daemon.mesh.rttmap for n in ("b", "c")}
+            assert all(m.versions[peer] >= 10 for m in maps.values())
+            await mesh.crash("a")
+            if declared_dead:
+                await until(lambda: mesh.agree(["b", "c"]), 30)
+            restarted = await mesh.start("a", key)
+            await restarted.daemon.join(mesh.nodes["b"].daemon.address)
+            own = restarted.daemon.mesh.rttmap
+
+            def taken() -> bool:
+                mine = own.signed.get(peer)
+                return mesh.agree() and all(
+                    mine is not None and m.signed.get(peer) == mine for m in maps.values()
+                )
+
+            took = await until(taken, 60)
+            assert took < 10  # seconds of virtual time, not versions x 30 s
+            await until(lambda: len({m.digest() for m in [own, *maps.values()]}) == 1, 10)
+        finally:
+            await mesh.close()
+
+    run_virtual(main())
+
+
 def test_every_broadcast_reaches_every_member_exactly_once(tmp_path: Path) -> None:
     async def main() -> None:
         mesh = MemoryMesh(tmp_path, NAMES)

@@ -172,9 +172,15 @@ class RttMap:
         self.coords.pop(node, None)
         self.vivaldi.forget(node)
         self.signed.pop(node, None)
-        # taken_at stays (one float per member ever signed, as ``versions``): a member
-        # that leaves and comes back is not let past the interval by its departure.
+        # Its version goes too: a restarted node counts from 0 again, and one kept here
+        # with no links to pass back (which would make it publish above) refused its
+        # new links for as long as its count took to catch up. taken_at stays (one
+        # float per member ever signed): a member that leaves and comes back is not let
+        # past the interval by its departure.
         self.held.pop(node, None)
+        self.signatures.pop(node, None)
+        if self.versions.pop(node, None) is not None:
+            self._digest = None
         if self.published.pop(node, None) is not None:
             self.changes += 1
             self._digest = None
