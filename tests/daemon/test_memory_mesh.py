@@ -15,6 +15,7 @@ import pytest
 
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.mesh.members import State
+from ciuic_p2p.core.mesh.messages import Gossip, Message
 from ciuic_p2p.core.mesh.planners import LARGE_PIECE_BYTES
 from ciuic_p2p.core.replica.messages import PayloadKind
 from tests.daemon.memorymesh import MemoryMesh, until
@@ -85,9 +86,16 @@ def test_a_restarted_node_s_link_state_is_taken_at_once(
             key, peer = a.key, a.peer_id
             maps = {n: mesh.nodes[n].daemon.mesh.rttmap for n in ("b", "c")}
             assert all(m.versions[peer] >= 10 for m in maps.values())
+            old = maps["c"].signed[peer]
             await mesh.crash("a")
             if declared_dead:
                 await until(lambda: mesh.agree(["b", "c"]), 30)
+                # Its links went with it, and a late sync's copy of them (c's, as c
+                # would push it before it too declared a dead) does not bring them back.
+                b, c = mesh.nodes["b"].daemon.mesh, mesh.nodes["c"].daemon
+                late = Message(c.peer_id, Gossip((old,)))
+                b.receive_message(c.address, late, asyncio.get_running_loop().time())
+                assert all(peer not in m.published and peer not in m.signed for m in maps.values())
             restarted = await mesh.start("a", key)
             await restarted.daemon.join(mesh.nodes["b"].daemon.address)
             own = restarted.daemon.mesh.rttmap

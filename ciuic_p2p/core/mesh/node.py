@@ -356,7 +356,11 @@ class MeshNode:
                 self.rttmap.observe_loss(peer, member.probes, member.acks)
         m.rtt_samples.clear()
         for links in m.links_received:
-            self.rttmap.apply_links(links, now)
+            # Not a departed member's (a late sync's copy): its links were forgotten
+            # with it, and would linger, passed from node to node, until it came back.
+            state = m.state_of(links.origin)
+            if state is None or state < State.DEAD:
+                self.rttmap.apply_links(links, now)
         m.links_received.clear()
         self.rttmap.release(now)
         if m.events:
