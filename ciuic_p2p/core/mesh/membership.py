@@ -41,7 +41,10 @@ SWIM (Das et al., 2002) with the refinements memberlist ships and Lifeguard
   anyone declared dead faster than its subject can refute. A helper of an indirect
   probe probes the target at the address the target signed, never at one the
   requester names (that would make honest nodes send datagrams anywhere). The table
-  holds at most ``max_members``.
+  holds at most ``max_members``. A member that left (its own signed word, which it
+  can give at will) is taken back at most ``rejoin_min_s`` after its departure, its
+  newest Alive held till then: one leaving and rejoining in a loop would move every
+  node's view, and routes and trees, each time.
 - Updates are piggybacked on probes and acks and pushed every ``gossip_interval_s``
   to ``gossip_fanout`` members (core.mesh.gossipqueue); members that died recently still
   get gossip, so a healed partition hears the refutations.
