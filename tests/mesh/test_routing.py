@@ -8,7 +8,7 @@ from collections.abc import Callable
 from ciuic_p2p.config import MeshSection
 from ciuic_p2p.core.mesh.messages import Coordinate, LinkEntry, Links
 from ciuic_p2p.core.mesh.routing import Router, build_tree, shortest_paths
-from ciuic_p2p.core.mesh.rttmap import RttMap
+from ciuic_p2p.core.mesh.rttmap import MAX_VERSION, RttMap
 from ciuic_p2p.data import scenario_path
 from ciuic_p2p.emulator.meshsim import SimMesh
 from ciuic_p2p.emulator.model.scenario import scenario_from_mapping
@@ -260,6 +260,12 @@ def test_a_restarted_node_publishes_above_its_previous_lifes_link_state() -> Non
     assert other.apply_links(again, now=1000.6) and other.measured_s("a", "b") == 0.030
     assert not after.apply_links(again, now=1001.0)  # its current one: nothing to do
     assert after.publish(now=1002.0) is None
+    # At the end of the wire's u32 the last version stands: none is signed above it.
+    top = Links("a", MAX_VERSION - 1, (LinkEntry("b", 30_000),))
+    assert not after.apply_links(top, now=1003.0)
+    last = after.publish(now=1003.5)
+    assert last is not None and last.version == MAX_VERSION
+    assert after.publish(now=2000.0) is None  # a refresh would be due: nothing fits
 
 
 def test_a_members_rate_claims_cannot_make_it_everyones_relay() -> None:

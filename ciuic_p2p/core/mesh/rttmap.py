@@ -36,7 +36,7 @@ maps, and different trees, for as long as it published no newer version.
 
 from __future__ import annotations
 
-import zlib
+import hashlib
 from collections import deque
 from collections.abc import Callable
 
@@ -222,9 +222,12 @@ class RttMap:
         changed = changed or set(current) != set(mine)
         if not changed and not self._republish and now - self._last_publish < s.link_refresh_s:
             return None
+        if self._version >= MAX_VERSION:
+            # No newer version fits the wire's u32 (4e9 publishes): the last one stands.
+            return None
         self._republish = False
         self._last_publish = now
-        self._version = min(self._version + 1, MAX_VERSION)
+        self._version += 1
         self.published[self.node] = current
         self.changes += 1
         self._digest = None
@@ -245,8 +248,11 @@ class RttMap:
         return [self.signed[origin] for origin in sorted(self.signed)]
 
     def digest(self) -> int:
-        """CRC-32 of every origin's link-state version and its signature's first bytes
-        (never 0: 0 means "none")."""
+        """A 32-bit BLAKE2b of every origin's link-state version and its signature's
+        first bytes (never 0: 0 means "none"). Not a CRC: a CRC is linear, so a member
+        whose ID sorts last could search its own signatures once for a link state whose
+        digest equals another's, whatever the rest of the map, and keep two nodes that
+        hold different versions of it from ever syncing them."""
         if self._digest is None:
             versions = [(o, v, self.signatures.get(o, b"")) for o, v in self.versions.items()]
             own = self.signed.get(self.node)
@@ -254,7 +260,8 @@ class RttMap:
                 versions.append((self.node, own.version, own.signature))
             versions.sort()
             text = ";".join(f"{o}={v}:{sig[:8].hex()}" for o, v, sig in versions)
-            self._digest = zlib.crc32(text.encode()) or 1
+            hashed = hashlib.blake2b(text.encode(), digest_size=4).digest()
+            self._digest = int.from_bytes(hashed, "big") or 1
         return self._digest
 
     # -- queries -------------------------------------------------------------------------
