@@ -76,9 +76,6 @@ class RttMap:
         self.rates: dict[str, float] = {}
         """The receive rate measured from each peer (its link's bulk frames), bits/s."""
         self.published: dict[str, Measured] = {}
-        self.versions: dict[str, int] = {}
-        self.signatures: dict[str, bytes] = {}
-        """The signature of each origin's version taken (ties between versions)."""
         self.taken_at: dict[str, float] = {}
         """When each origin's version in ``published`` was taken."""
         self.held: dict[str, Links] = {}
@@ -122,13 +119,11 @@ class RttMap:
                 self._version = links.version
                 self._republish = True
             return False
-        held = self.held.get(origin)
-        newest = (
-            (self.versions.get(origin, -1), self.signatures.get(origin, b""))
-            if held is None
-            else (held.version, held.signature)
-        )
-        if (links.version, links.signature) <= newest:
+        newest = self.held.get(origin) or self.signed.get(origin)
+        if newest is not None and (links.version, links.signature) <= (
+            newest.version,
+            newest.signature,
+        ):
             return False
         if now < self._due_at(origin):
             self.held[origin] = links
@@ -156,8 +151,6 @@ class RttMap:
 
     def _take(self, links: Links, now: float) -> None:
         self.taken_at[links.origin] = now
-        self.versions[links.origin] = links.version
-        self.signatures[links.origin] = links.signature
         self.signed[links.origin] = links
         self.published[links.origin] = {
             e.peer: (e.rtt_us / 1e6, e.loss_permille / 1000, e.rate_kbps * 1e3)
@@ -171,16 +164,14 @@ class RttMap:
         self.rates.pop(node, None)
         self.coords.pop(node, None)
         self.vivaldi.forget(node)
-        self.signed.pop(node, None)
-        # Its version goes too: a restarted node counts from 0 again, and one kept here
-        # with no links to pass back (which would make it publish above) refused its
-        # new links for as long as its count took to catch up. taken_at stays (one
-        # float per member ever signed): a member that leaves and comes back is not let
-        # past the interval by its departure.
-        self.held.pop(node, None)
-        self.signatures.pop(node, None)
-        if self.versions.pop(node, None) is not None:
+        # Its version goes with its links: a restarted node counts from 0 again, and a
+        # version kept here with no links to pass back (which would make it publish
+        # above) refused its new links for as long as its count took to catch up.
+        # taken_at stays (one float per member ever signed): a member that leaves and
+        # comes back is not let past the interval by its departure.
+        if self.signed.pop(node, None) is not None:
             self._digest = None
+        self.held.pop(node, None)
         if self.published.pop(node, None) is not None:
             self.changes += 1
             self._digest = None
@@ -243,6 +234,11 @@ class RttMap:
         )
         return Links(origin, version, entries)
 
+    @property
+    def versions(self) -> dict[str, int]:
+        """Each other node's version taken."""
+        return {o: u.version for o, u in self.signed.items() if o != self.node}
+
     def all_links(self) -> list[Links]:
         """Every node's latest link state as signed (for a full sync)."""
         return [self.signed[origin] for origin in sorted(self.signed)]
@@ -254,12 +250,9 @@ class RttMap:
         digest equals another's, whatever the rest of the map, and keep two nodes that
         hold different versions of it from ever syncing them."""
         if self._digest is None:
-            versions = [(o, v, self.signatures.get(o, b"")) for o, v in self.versions.items()]
-            own = self.signed.get(self.node)
-            if self.node in self.published and own is not None:
-                versions.append((self.node, own.version, own.signature))
-            versions.sort()
-            text = ";".join(f"{o}={v}:{sig[:8].hex()}" for o, v, sig in versions)
+            text = ";".join(
+                f"{o}={u.version}:{u.signature[:8].hex()}" for o, u in sorted(self.signed.items())
+            )
             hashed = hashlib.blake2b(text.encode(), digest_size=4).digest()
             self._digest = int.from_bytes(hashed, "big") or 1
         return self._digest
