@@ -75,12 +75,12 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from ciuic_p2p.config.sections import MeshSection
-from ciuic_p2p.core.mesh.carriedplan import plan_children
+from ciuic_p2p.core.mesh.carriedplan import plan_children, plan_parent
 from ciuic_p2p.core.mesh.chunkstore import ChunkStore, Kept
 from ciuic_p2p.core.mesh.identities import Identities
 from ciuic_p2p.core.mesh.lag import LagEstimator
@@ -128,6 +128,24 @@ oldest forgotten first)."""
 MAX_SESSION = (1 << 24) - 1
 """Sessions past this share it (a node restarted 16 million times): a restart then
 goes unnoticed until its count passes the previous life's, as before sessions."""
+RELAY_OUTCOMES = 16
+"""The last copies a relay owed this node that judge it: a copy that came down the
+tree from it (on time or late, a repair it forwarded included), or one this node had to
+repair and that did not come from it within ``LATE_RELAY_GRACE_S`` after."""
+RELAY_MISSES = 8
+"""Misses among those that make this node stop counting on the relay for
+``DISTRUST_S`` (a relay that drops half of what it owes is one to route around)."""
+DISTRUST_S = 300.0
+"""How long a relay that failed this node is not counted on: its chunks are asked of
+others at once, it is asked for no repair, and the link from it is published at
+``core.mesh.rttmap.DISTRUSTED_RTT_S``, so that no node's tree makes it this node's
+relay. Then it has its chance again."""
+LATE_RELAY_GRACE_S = 1.0
+"""A repaired chunk's copy from its relay that comes within this (or twice the repair
+wait, if longer) is a late copy, not a miss: a relay whose own relay dropped the chunk
+repairs it and forwards it then."""
+MAX_AWAITED = 4096
+"""Repaired chunks whose relay's copy is awaited (the oldest judged first)."""
 
 
 @dataclass(slots=True)
@@ -159,6 +177,7 @@ class Disseminator:
         seed: int = 0,
         session: int = 0,
         plan_for: Callable[[int, int], Plan] | None = None,
+        parent: Callable[[str, int, int], str | None] | None = None,
     ) -> None:
         self.node = node
         self.settings = settings
@@ -166,6 +185,9 @@ class Disseminator:
         self.plan_for = plan_for
         """The plan this node's chunks of (route, payload bytes) carry (core.mesh.
         carriedplan); empty, or no callable: relays forward by their own trees."""
+        self.parent = parent
+        """Who sends this node an origin's chunks of (route, payload bytes) by its
+        trees (None: no relay to judge)."""
         self.live = live
         self.identities = identities
         self.rng = random.Random(seed ^ 0x5EED)
@@ -197,6 +219,16 @@ class Disseminator:
         that answers late holds up only the asks sent to it."""
         self._repaired_since: OrderedDict[tuple[str, int], float] = OrderedDict()
         """Repaired chunks, by when they were first known missing."""
+        self.relays: OrderedDict[str, deque[bool]] = OrderedDict()
+        """Per relay, whether each of the last copies it owed this node came."""
+        self.distrusted: dict[str, float] = {}
+        """Relays not counted on, until when (``DISTRUST_S``)."""
+        self.relays_distrusted = 0
+        """Times a relay was found failing (``RELAY_MISSES``)."""
+        self._awaited: OrderedDict[tuple[str, int], tuple[str, float]] = OrderedDict()
+        """Repaired chunks whose relay's copy may still come: (relay, deadline)."""
+        self._shape: dict[str, tuple[int, int]] = {}
+        """Each origin's last chunk's route and size: whose copies its next ones owe."""
         self._heads_turn = 0
         self._claims: dict[str, _Claim] = {}
         """Heads announced in a session no signed chunk has shown yet, by origin."""
@@ -331,6 +363,10 @@ class Disseminator:
             if known.has(chunk.seq):
                 self.duplicates += 1  # no signature to check: nothing changes but a lag
                 self._note_late_copy(known, sender, chunk, now)
+                awaited = self._awaited.get((chunk.origin, chunk.seq))
+                if awaited is not None and awaited[0] == sender:
+                    del self._awaited[(chunk.origin, chunk.seq)]
+                    self._relay_outcome(sender, chunk.origin, True, now)
                 return
         if not self.identities.verify_chunk(chunk):
             self.bad_signatures += 1
@@ -401,7 +437,9 @@ class Disseminator:
         copy will teach."""
         seq = chunk.seq
         since = log.known_at.get(seq)
+        self._shape[chunk.origin] = (chunk.route, len(chunk.payload))
         if chunk.hops == 255:
+            self._await_relay(chunk, now)
             self.repaired += 1
             asked = log.requested_at.get(seq)
             if asked is not None and log.asks.get(seq) == 1 and log.asked_of.get(seq) == sender:
@@ -412,10 +450,74 @@ class Disseminator:
                 self._repaired_since[(chunk.origin, seq)] = since
                 if len(self._repaired_since) > MAX_REPAIRED_TRACKED:
                     self._repaired_since.popitem(last=False)
-        elif chunk.hops < REPAIRED_HOPS:
-            log.tree_sender = sender
-            if since is not None:
-                self._sample_tree_lag(log, now - since)
+        else:  # down the tree, first hand or as its relay repaired it
+            self._relay_outcome(sender, chunk.origin, True, now)
+            if chunk.hops < REPAIRED_HOPS:
+                log.tree_sender = sender
+                if since is not None:
+                    self._sample_tree_lag(log, now - since)
+
+    # -- relays that fail -------------------------------------------------------------------
+
+    def _expected_relay(self, chunk: Chunk) -> str | None:
+        """Who owed this node ``chunk``'s tree copy (None: its origin, or no one)."""
+        if chunk.plan:
+            relay = plan_parent(chunk.plan, chunk.origin, self.node, set(self.live()))
+        elif self.parent is not None:
+            relay = self.parent(chunk.origin, chunk.route, len(chunk.payload))
+        else:
+            relay = None
+        return None if relay in (chunk.origin, self.node) else relay
+
+    def _await_relay(self, chunk: Chunk, now: float) -> None:
+        """A repair came first: the relay's copy may still come (a late copy), or not
+        (a miss, judged at the deadline)."""
+        relay = self._expected_relay(chunk)
+        if relay is None:
+            return
+        grace = max(LATE_RELAY_GRACE_S, 2 * self.repair_wait_s(chunk.origin))
+        self._awaited[(chunk.origin, chunk.seq)] = (relay, now + grace)
+        while len(self._awaited) > MAX_AWAITED:
+            self._awaited.popitem(last=False)  # not judged
+
+    def _relay_outcome(self, relay: str, origin: str, came: bool, now: float) -> None:
+        if relay in (origin, self.node):
+            return
+        record = self.relays.get(relay)
+        if record is None:
+            record = self.relays[relay] = deque(maxlen=RELAY_OUTCOMES)
+            if len(self.relays) > MAX_HOLDER_LAGS:
+                self.relays.popitem(last=False)
+        else:
+            self.relays.move_to_end(relay)
+        record.append(came)
+        if not came and record.count(False) >= RELAY_MISSES and relay not in self.distrusted:
+            self.distrusted[relay] = now + DISTRUST_S
+            self.relays_distrusted += 1
+            record.clear()
+
+    def _judge_relays(self, now: float) -> None:
+        """Misses for the relays whose copies did not come in time; distrust ends."""
+        for key in [k for k, (_, deadline) in self._awaited.items() if deadline <= now]:
+            relay, _ = self._awaited.pop(key)
+            self._relay_outcome(relay, key[0], False, now)
+        for relay in [r for r, until in self.distrusted.items() if until <= now]:
+            del self.distrusted[relay]
+
+    def forget_relay(self, node: str) -> None:
+        """A member died or left: what it owed is no longer judged (a crashed relay is
+        no liar; back, it starts afresh)."""
+        self.relays.pop(node, None)
+        self.distrusted.pop(node, None)
+        for key in [k for k, (relay, _) in self._awaited.items() if relay == node]:
+            del self._awaited[key]
+
+    def _counts_on_relay(self, origin: str) -> bool:
+        """Whether this node's relay for ``origin``'s next chunks is one it counts on."""
+        if not self.distrusted or self.parent is None:
+            return True
+        route, size = self._shape.get(origin, (0, self.settings.tree_chunk_bytes))
+        return self.parent(origin, route, size) not in self.distrusted
 
     def _note_late_copy(self, log: OriginLog, sender: str, chunk: Chunk, now: float) -> None:
         """A second copy: if it is the tree's copy of a chunk repaired here, from the
@@ -478,12 +580,14 @@ class Disseminator:
         if self._next_heads is None or now < self._next_heads:
             return
         self._next_heads = now + s.heads_interval_s
+        self._judge_relays(now)
         self._announce(now)
         self._ask_claims(now)
         live = set(self.live())
         for origin, log in self.logs.items():
             wanted = []
-            wait_s = self.repair_wait_s(origin)
+            # A relay that failed this node is not waited for: asked of others at once.
+            wait_s = self.repair_wait_s(origin) if self._counts_on_relay(origin) else 0.0
             # While its origin lives it still holds the chunk (own_chunk_retain_s): a
             # round of 1 MiB pieces on 5 Mbit/s links outlasted chunk_retain_s, and a
             # number given up then was never asked for again (the round never ended).
@@ -530,6 +634,12 @@ class Disseminator:
                 log.asked_of[seq] = origin
             self._send(origin, Want(origin, tuple(to_origin)))
         holder = log.holders.next() if wanted else None
+        for _ in range(3):  # the last four announcers, a failing relay passed over
+            if holder not in self.distrusted:
+                break
+            holder = log.holders.next()
+        if holder in self.distrusted and origin in self.live():
+            holder = origin
         if holder is not None:
             for seq in wanted:
                 log.asked_of[seq] = holder
@@ -626,6 +736,7 @@ class Disseminator:
         """An origin left for good: stop expecting its chunks."""
         self.logs.pop(origin, None)
         self._claims.pop(origin, None)
+        self._shape.pop(origin, None)
         self._forget_repaired(origin)
         self._turn_left = min(self._turn_left, len(self.logs))  # a turn that can end
 

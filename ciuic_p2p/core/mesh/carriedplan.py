@@ -82,4 +82,24 @@ def plan_children(plan: Plan, origin: str, node: str, live: Collection[str]) -> 
     return out
 
 
-__all__ = ["plan_children", "plan_from_tree"]
+def plan_parent(plan: Plan, origin: str, node: str, live: Collection[str]) -> str | None:
+    """Who sends ``node`` a chunk of this plan (:func:`plan_children` the other way
+    round): its parent in the plan, or the nearest one above it in ``live``; None if
+    the plan does not name ``node`` or ``node`` is the origin."""
+    if node == origin:
+        return None
+    found = next((i for i, (name, _) in enumerate(plan, 1) if name == node), None)
+    if found is None:
+        return None
+    parent = plan[found - 1][1]
+    for _ in range(len(plan)):  # a decoded plan names each parent before its children
+        if parent == 0:
+            return origin
+        name, above = plan[parent - 1]
+        if name in live:
+            return name
+        parent = above
+    return None
+
+
+__all__ = ["plan_children", "plan_from_tree", "plan_parent"]

@@ -136,7 +136,11 @@ class MeshNode:
             seed=seed,
             session=incarnation,
             plan_for=self._plan_for,
+            parent=self._parent,
         )
+        # A relay that fails this node: the link from it is published as not worth
+        # taking, so that every node's trees route around it (core.mesh.broadcast).
+        self.rttmap.distrusted = self.dissemination.distrusted
         self._events: collections.deque[MeshEvent] = collections.deque()
         self._joined_told = True  # nothing to tell until join() is called
         self._left_told = False
@@ -309,6 +313,17 @@ class MeshNode:
         if peer != self.node:
             self.rttmap.observe_rate(peer, rate_bps)
 
+    def refused_claims(self, member: str) -> int:
+        """How many of ``member``'s published links this node's map does not take at
+        its word (a link shorter than its other end or the triangle bound say:
+        core.mesh.rttmap)."""
+        return self.rttmap.refused_claims(member)
+
+    def distrusted_relays(self) -> dict[str, float]:
+        """Relays whose copies failed this node, until when it does not count on them
+        (core.mesh.broadcast)."""
+        return dict(self.dissemination.distrusted)
+
     def rtt_source(self, a: str, b: str) -> str:
         """Where that RTT comes from: measured here, published by a member, Vivaldi."""
         return self.rttmap.source(a, b)
@@ -367,6 +382,7 @@ class MeshNode:
             for event in m.events:
                 if event.state >= State.DEAD:
                     self.rttmap.forget(event.node)
+                    self.dissemination.forget_relay(event.node)
                 if event.state == State.LEFT:
                     self.dissemination.forget(event.node)
             self._events.extend(m.events)
@@ -430,6 +446,14 @@ class MeshNode:
     def _children(self, origin: str, route: int, payload_bytes: int) -> list[str]:
         self._route()
         return self.plans.children(route, origin, self.node, payload_bytes)
+
+    def _parent(self, origin: str, route: int, payload_bytes: int) -> str | None:
+        """Who sends this node ``origin``'s chunks of ``route`` by its own trees."""
+        self._route()
+        if self.plans.costs is None or not 0 <= route < len(STRATEGIES):
+            return None
+        tree = self.plans.tree(STRATEGIES[route], origin, payload_bytes)
+        return next((u for u, kids in tree.items() if self.node in kids), None)
 
     def _plan_for(self, route: int, payload_bytes: int) -> Plan:
         """The tree this node's chunk of ``route`` carries: planned for large pieces

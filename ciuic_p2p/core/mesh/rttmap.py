@@ -14,7 +14,16 @@
 
 Every node computes routes from the *published* values, its own included, so nodes
 that hold the same link state compute the same trees. The RTT of a pair is the mean
-of what its two ends published (one end's value if only one did).
+of what its two ends published where they agree; a member's word alone is not taken
+(issue 44: a member publishing its links at 1% of the truth became a relay in every
+honest tree, and dropped what it was sent): where one end's claim is shorter than
+``CLAIM_AGREE`` of the other end's, the longer is taken (a link is never shorter than
+either end measured it; a member can make its own links look longer, never shorter),
+and a link only one end published is taken no shorter than ``TRIANGLE_SLACK`` of its
+triangle bound (the second greatest ``|RTT(y, m) - RTT(y, x)|`` over the witnesses y
+whose links both their ends published, the shorter end's taken: no one member decides
+it). Every check reads the published state only, so every node takes the same values.
+Claims not taken are counted per member (:meth:`RttMap.refused_claims`).
 
 Link state is signed by the node it describes (core.mesh.messages; checked by
 core.mesh.membership before it gets here): the map keeps each node's newest ``Links`` as
@@ -38,7 +47,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from ciuic_p2p.config.sections import MeshSection
 from ciuic_p2p.core.mesh.messages import MAX_LINKS, MAX_RATE_KBPS, Coordinate, LinkEntry, Links
@@ -54,6 +63,23 @@ RECENT_SAMPLES = 16
 delay, which routes should follow, without the queueing and scheduling noise that a
 busy node adds to single samples (a smoothed mean moved with every burst of load and
 made the trees of different nodes disagree while the news spread)."""
+CLAIM_AGREE = 0.8
+"""Two ends' RTTs of one link agree when the shorter is at least this fraction of the
+longer (both are the least of their samples of one path; each is republished only on
+a move of ``link_change_ratio``); where they do not, the longer is taken: a member
+claiming its links at 1% of the truth was made a relay in every tree (issue 44)."""
+DISTRUSTED_RTT_S = 5.0
+"""The RTT a node publishes for its link to a relay that failed it (dropped the copies
+it owed, core.mesh.broadcast), while it does not count on it: the pair's RTT is the
+longer of its ends' (``CLAIM_AGREE``), so every node's trees stop making that member
+this node's relay, and a member that drops what it is sent ends as a relay of no one.
+It is the cost of a copy through that member, as this node sees it: longer than any
+path on earth, short enough for a tree that has no other way."""
+TRIANGLE_SLACK = 0.5
+"""A link published by one end only is taken no shorter than this fraction of its
+triangle bound: the bound is loose both ways on real matrices (1.6 times the truth for
+Frankfurt-Paris on the 11-city matrix, 4.4 times on the multi-cloud one, through
+triangle-inequality violations), so only a claim far below it is refused."""
 
 
 class RttMap:
@@ -87,7 +113,13 @@ class RttMap:
         self._republish = False
         """Our own links came back at a version we have not reached (a previous life's,
         before a restart): publish above it at the next chance."""
+        self.distrusted: Mapping[str, float] = {}
+        """Peers whose relaying failed this node (core.mesh.broadcast), until when: the
+        links from them are published at ``DISTRUSTED_RTT_S`` at least."""
         self.changes = 0
+        self._pairs: dict[tuple[str, str], tuple[float | None, str | None]] = {}
+        """Each pair's checked RTT (:meth:`measured_s`) for the map of ``changes``."""
+        self._pairs_at = 0
         self._digest: int | None = None
         """Bumped whenever the published view changes (routes recompute on it)."""
 
@@ -195,6 +227,8 @@ class RttMap:
             if not samples:
                 continue
             rtt, loss = min(samples), self.loss.get(peer, 0.0)
+            if self.distrusted.get(peer, now) > now:
+                rtt = max(rtt, DISTRUSTED_RTT_S)
             rate = self.rates.get(peer, 0.0)
             old = mine.get(peer)
             if old is None or (
@@ -260,13 +294,68 @@ class RttMap:
     # -- queries -------------------------------------------------------------------------
 
     def measured_s(self, a: str, b: str) -> float | None:
-        values = []
+        """The pair's RTT as its ends published it, checked (module docstring): the
+        mean of the two where they agree, the larger where one end's claim is shorter
+        than ``CLAIM_AGREE`` of the other's; one end's alone no shorter than
+        ``TRIANGLE_SLACK`` of the triangle bound. None: neither end published it."""
+        return self._pair(a, b)[0]
+
+    def refused_claims(self, origin: str) -> int:
+        """How many of ``origin``'s published links are not taken at its word now (a
+        shorter RTT than the other end measured, or than the triangle bound)."""
+        if origin == self.node:
+            return 0
+        return sum(
+            1 for peer in self.published.get(origin, {}) if self._pair(origin, peer)[1] == origin
+        )
+
+    def _pair(self, a: str, b: str) -> tuple[float | None, str | None]:
+        """The pair's checked RTT, and the end whose claim was not taken (None: none)."""
+        if self._pairs_at != self.changes:
+            self._pairs.clear()
+            self._pairs_at = self.changes
+        key = (a, b) if a <= b else (b, a)
+        found = self._pairs.get(key)
+        if found is None:
+            found = self._pairs[key] = self._check_pair(*key)
+        return found
+
+    def _check_pair(self, a: str, b: str) -> tuple[float | None, str | None]:
         ab = self.published.get(a, {}).get(b)
         ba = self.published.get(b, {}).get(a)
-        for v in (ab, ba):
-            if v is not None:
-                values.append(v[0])
-        return sum(values) / len(values) if values else None
+        if ab is not None and ba is not None:
+            low, high = sorted((ab[0], ba[0]))
+            if low < CLAIM_AGREE * high:
+                return high, a if ab[0] == low else b
+            return (low + high) / 2, None
+        if ab is not None:
+            claimant, other, claim = a, b, ab[0]
+        elif ba is not None:
+            claimant, other, claim = b, a, ba[0]
+        else:
+            return None, None
+        bound = TRIANGLE_SLACK * self._triangle_bound_s(claimant, other)
+        return (bound, claimant) if claim < bound else (claim, None)
+
+    def _triangle_bound_s(self, m: str, x: str) -> float:
+        """The second greatest ``|RTT(y, m) - RTT(y, x)|`` over the witnesses y whose
+        links to both were published by both their ends (the shorter of the two
+        taken): a lower bound of RTT(m, x) by the triangle inequality that no one
+        member's word, m's included, decides (0 with fewer than two witnesses)."""
+        bounds: list[float] = []
+        for y, links in self.published.items():
+            if y in (m, x):
+                continue
+            ym, yx = links.get(m), links.get(x)
+            my = self.published.get(m, {}).get(y)
+            xy = self.published.get(x, {}).get(y)
+            if ym is None or yx is None or my is None or xy is None:
+                continue
+            bounds.append(abs(min(ym[0], my[0]) - min(yx[0], xy[0])))
+        if len(bounds) < 2:
+            return 0.0
+        bounds.sort(reverse=True)
+        return bounds[1]
 
     def rtt_both_s(self, a: str, b: str) -> float | None:
         """The pair's RTT as both ends published it, the larger of the two; None unless
