@@ -110,6 +110,8 @@ def _store() -> dict[str, bytes]:
         "query": sw.Query("state/abc", 3, 99),
         "none": sw.NoneHeld("state/abc", 99),
         "offer": sw.Offer(99, 2, manifest),
+        "offer_signed": sw.Offer(99, 2, manifest.signed(KEY.public_key, KEY.sign)),
+        "query_writer": sw.Query("state/abc", 3, 99, PEER, 1000, root),
         "get": sw.Get("state/abc", 12, root, (0, 2, 1)),
         "piece": sw.Piece("state/abc", 12, root, 1, b"piece" * 10),
         **{

@@ -75,10 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     put.add_argument("name")
     put.add_argument("file")
     put.add_argument("--local", action="store_true", help="hold it on this node only")
-    get = store_sub.add_parser("get", help="fetch the newest NAME into FILE")
+    get = store_sub.add_parser(
+        "get", help="fetch NAME into FILE: this node's version, else the newest of any writer"
+    )
     get.add_argument("name")
     get.add_argument("file")
     get.add_argument("--min-version", type=int, default=0)
+    get.add_argument(
+        "--writer", default="", help="the version written by this member (node name or peer ID)"
+    )
     for cmd in (put, get):
         cmd.add_argument("--json", action="store_true", help="print JSON")
         add_socket_arguments(cmd)

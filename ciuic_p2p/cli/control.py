@@ -110,7 +110,7 @@ def steer(args: argparse.Namespace) -> int:
             body = {"cmd": "store_put", "name": args.name, "path": path_arg, "local": args.local}
         else:
             body = {"cmd": "store_get", "name": args.name, "path": path_arg,
-                    "min_version": args.min_version}  # fmt: skip
+                    "min_version": args.min_version, "writer": args.writer}  # fmt: skip
         answer = request(path, body, timeout_s=300)
     elif command == "join":
         answer = request(path, {"cmd": "join", "address": args.address})
@@ -127,6 +127,9 @@ def steer(args: argparse.Namespace) -> int:
         if command == "peers":
             answer = {"ok": True, "peer": answer["peer"], "members": answer["members"]}
         print(json.dumps(answer))
+    elif command == "store" and args.store_command == "get":
+        writer = _safe(answer.get("writer") or "-")
+        print(f"{args.name} version {answer['version']} written by {writer}")
     elif command == "store":
         held = ", ".join(answer.get("held_by") or []) or "-"
         print(f"{args.name} version {answer['version']} (held by {held})")

@@ -241,6 +241,11 @@ def validate(cfg: Sections) -> None:
         (st.replicas >= 0, "store.replicas", "must be >= 0"),
         (st.max_corrupt_per_donor >= 1, "store.max_corrupt_per_donor", "must be >= 1"),
         (st.state_version_slack_steps >= 0, "store.state_version_slack_steps", "must be >= 0"),
+        (
+            1 <= st.max_version_jump < 1 << 47,
+            "store.max_version_jump",
+            "must be between 1 and 2^47 - 1",
+        ),
         (st.checkpoint_interval_s >= 0, "store.checkpoint_interval_s", "must be >= 0"),
         (st.upload_rate_bps >= 0, "store.upload_rate_bps", "must be >= 0"),
         (

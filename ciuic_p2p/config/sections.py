@@ -513,6 +513,11 @@ class StoreSection:
     state_version_slack_steps: int = 1000
     """State sync takes any replica's state at most this many steps behind the newest
     offered (the nearest of those, by RTT and load)."""
+    max_version_jump: int = 100_000
+    """Another writer's version of a name more than this above the newest version
+    of it held here is not taken (a member's HOLD, a prefetched state): versions
+    grow by one per put and by the steps between snapshots, so a jump past this is
+    a claim to be "the newest forever"."""
     prefetch_state: bool = True
     """A daemon that served a run's trainer before (``STATE_DIR/run``) fetches the
     run's state as soon as it has rejoined after a restart, while its trainer starts

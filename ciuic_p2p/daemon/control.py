@@ -7,7 +7,9 @@ One JSON object per line each way. Requests: ``{"cmd": "status"}``, ``{"cmd":
 ``{"cmd": "broadcast", "size": N}`` (a test payload of N bytes),
 ``{"cmd": "store_put", "name", "path", "local"}`` (hold the file's bytes, and have
 ``store.replicas`` members hold them unless ``local``), ``{"cmd": "store_get", "name",
-"path", "min_version"}`` (fetch the newest into the file, atomically). Every answer has
+"path", "min_version", "writer"}`` (fetch into the file, atomically, the version of
+``writer``, a peer ID or node name; without one this node's own, else the newest of
+any writer; the answer's ``writer`` says whose it is). Every answer has
 ``"ok"``; a failure has ``"error"`` with a sentence for the user. A request line is
 at most 64 KiB. The socket is created with mode 0600: only the daemon's user (and
 root) may steer it.
@@ -114,13 +116,18 @@ class ControlServer:
                 return {"ok": True, "version": m.version, "held_by": []}
             m, held = await self.store.put(name, data, request.get("version"))
             return {"ok": True, "version": m.version, "held_by": held}
-        data, fetch = await self.store.get(name, int(request.get("min_version", 0)))
+        writer = request.get("writer")
+        data, fetch = await self.store.get_any(
+            name, int(request.get("min_version", 0)), str(writer) if writer else None
+        )
         tmp = path.with_name(f".{path.name}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)
         return {
             "ok": True,
             "version": fetch.version,
+            "writer": fetch.writer,
+            "writers": sorted(set(fetch.writers_used.values())),
             "bytes": len(data),
             "donors": dict(fetch.stats.pieces_by_donor),
             "restarts": fetch.stats.restarts,

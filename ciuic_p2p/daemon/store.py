@@ -3,11 +3,18 @@ the mesh links (STORE_CONTROL and STORE_DATA frames).
 
     manifest = await store.put("model_state", data)   # held here and by
                                                       # ``store.replicas`` nearest members
-    data, fetch = await store.get("model_state")      # the newest, from the nearest holders
+    data, fetch = await store.get("model_state")      # this node's, else the newest,
+                                                      # from the nearest holders
+    data, fetch = await store.get("model_state", writer=peer_id)  # that writer's
 
 Objects live in the daemon's memory: a trainer's state for joiners (``state/<run>``,
-daemon.trainer), and what users ``put``. A ``put`` asks the nearest other members to
-fetch and hold a copy (HOLD/HELD), so the object outlives its writer.
+daemon.trainer), and what users ``put``. Every version is signed by its writer (this
+node's key) and a name's versions are kept per writer (core.store.holder), so a
+member can replace only its own objects. A ``put`` asks the nearest other members to
+fetch and hold a copy (HOLD/HELD), so the object outlives its writer; a member holds
+exactly the object a HOLD names (its root), written by the member that asks, and not
+one whose version jumps more than ``store.max_version_jump`` above what it holds of
+that name.
 """
 
 from __future__ import annotations
@@ -20,9 +27,12 @@ import time
 from collections.abc import Awaitable
 from typing import Any, Protocol
 
+from ciuic_p2p.core.link.keys import PEER_ID_PREFIX
 from ciuic_p2p.core.store.fetch import Fetch, FetchState
-from ciuic_p2p.core.store.holder import Holder
+from ciuic_p2p.core.store.holder import Held, Holder
 from ciuic_p2p.core.store.messages import (
+    ANY_ROOT,
+    ANY_VERSION,
     Get,
     Manifest,
     Message,
@@ -71,7 +81,9 @@ class StoreService:
     def __init__(self, daemon: MeshDaemon, listener: StoreListener | None = None) -> None:
         self.daemon = daemon
         self.settings = daemon.config.store
-        self.holder = Holder(self.settings)
+        self.holder = Holder(self.settings, daemon.key.public_key, daemon.key.sign)
+        self.writer = self.holder.writer
+        """This node's peer ID, as the writer of what it puts."""
         self.counters = daemon.counters
         self._fetches: dict[int, _Running] = {}
         self._tokens = itertools.count(int(time.monotonic_ns()) & 0xFFFF_0000)
@@ -98,12 +110,14 @@ class StoreService:
     ) -> tuple[Manifest, list[str]]:
         """Hold ``data`` as ``name`` here and have the ``store.replicas`` nearest members
         hold it too; the manifest and who confirmed. ``version`` defaults to one above
-        the newest this node knows of (here or on the mesh)."""
+        the newest of this node's own versions it knows of (here or on the mesh)."""
         if version is None:
-            newest = self.holder.newest(name)
+            newest = self.holder.newest(name, self.writer)
             version = 1 + (newest.manifest.version if newest else 0)
             with contextlib.suppress(StoreError):
-                _, fetch = await self.get(name, min_version=version, patient=False)
+                _, fetch = await self.get(
+                    name, min_version=version, patient=False, writer=self.writer
+                )
                 version = fetch.version + 1
         manifest = self.put_local(name, version, data)
         wanted = self.settings.replicas
@@ -137,16 +151,29 @@ class StoreService:
         patient: bool = True,
         exclude: frozenset[str] = frozenset(),
         held_ok: bool = False,
+        writer: str | None = None,
+        writers: frozenset[str] | None = None,
+        max_version: int = ANY_VERSION,
+        root: bytes = ANY_ROOT,
     ) -> tuple[bytes, Fetch]:
-        """The newest version of ``name`` on the mesh (at least ``min_version``), and the
-        fetch that got it (donors, counters). One held here that is at least as new as
-        every offer is returned without a transfer; with ``held_ok``, one held here of
-        at least ``min_version`` is, without asking the mesh. ``patient``: wait (up to
-        ``store.fetch_timeout_s``) for a holder to appear; otherwise fail as soon as
-        every member has said it holds none."""
+        """The newest version of ``name`` on the mesh (at least ``min_version``, at most
+        ``max_version``) written by ``writer`` (a peer ID; None: any writer, or one of
+        ``writers``) or exactly the object ``root``, and the fetch that got it
+        (donors, counters; ``fetch.writer`` says whose it is). Every offer's manifest
+        is checked against its writer's signature. One held here that is at least as
+        new as every offer is returned without a transfer; with ``held_ok``, one held
+        here of at least ``min_version`` is, without asking the mesh. ``patient``: wait
+        (up to ``store.fetch_timeout_s``) for a holder to appear; otherwise fail as
+        soon as every member has said it holds none."""
         d = self.daemon
         peers = [p for p in d.mesh.view() if p != d.peer_id and p not in exclude]
-        local = self.holder.newest(name)
+        if writer is not None:
+            writers = frozenset({writer})
+        if root != ANY_ROOT:
+            held = self.holder.find_root(name, root)
+            local = held if held is not None and held.manifest.version >= min_version else None
+        else:
+            local = self._local(name, writers, max_version)
         floor = min_version
         if local is not None and local.manifest.version >= min_version:
             floor = local.manifest.version + 1
@@ -160,6 +187,10 @@ class StoreService:
             token=next(self._tokens) & 0xFFFFFFFF,
             version_slack=version_slack,
             patient=patient and local is None,
+            writers=writers,
+            max_version=max_version,
+            root=root,
+            verify=Manifest.verify,
         )
         if not (held_ok and local is not None and local.manifest.version >= min_version):
             await self._drive(fetch)
@@ -172,10 +203,46 @@ class StoreService:
             return local.data, fetch
         raise StoreError(fetch.error or f"nobody holds {name!r}")
 
+    async def get_any(
+        self, name: str, min_version: int = 0, writer: str | None = None
+    ) -> tuple[bytes, Fetch]:
+        """``name`` as a user asks for it: of ``writer`` (a peer ID or a member's node
+        name, see :meth:`writer_of`) if given; else this node's own version, else the
+        newest of any writer. ``fetch.writer`` says whose it is."""
+        if writer:
+            return await self.get(name, min_version, writer=self.writer_of(writer))
+        with contextlib.suppress(StoreError):
+            return await self.get(name, min_version, writer=self.writer, patient=False)
+        return await self.get(name, min_version)
+
+    def writer_of(self, who: str) -> str:
+        """The peer ID of ``who``: a peer ID, a member's node name, or "self"."""
+        if who in ("self", self.writer, self.daemon.config.node.name):
+            return self.writer
+        if who.startswith(PEER_ID_PREFIX):
+            return who
+        named = [p for p, m in self.daemon.mesh.members().items() if m.name == who]
+        if len(named) != 1:
+            raise StoreError(f"no single member is named {who!r}: give its peer ID")
+        return named[0]
+
+    def _local(self, name: str, writers: frozenset[str] | None, max_version: int) -> Held | None:
+        """The newest held here of those ``writers`` (None: any, this node's own first)."""
+        if writers is None:
+            return self.holder.newest(name, None, max_version)
+        found = [self.holder.newest(name, w, max_version) for w in writers]
+        held = [h for h in found if h is not None]
+        return max(held, key=lambda h: h.manifest.version) if held else None
+
     def status(self) -> dict[str, Any]:
         """What this node holds and fetches now (``ciuic-node status``)."""
         held = [
-            {"name": name, "version": h.manifest.version, "bytes": h.manifest.total_bytes}
+            {
+                "name": name,
+                "version": h.manifest.version,
+                "bytes": h.manifest.total_bytes,
+                "writer": h.manifest.writer,
+            }
             for name, versions in sorted(self.holder.objects.items())
             for h in versions
         ]
@@ -330,39 +397,55 @@ class StoreService:
         self._send(peer, self.holder.on_query(query, self.daemon.clock()))
 
     async def _hold(self, peer: str, ref: Ref) -> None:
-        """A member asked us to keep a copy of what it put: one such fetch at a time
-        per member, each member within a quarter of ``store.max_held_bytes`` (so that
-        one cannot fill what is there for all), all within the whole."""
+        """A member asked us to keep a copy of what it put: exactly that object (its
+        root), written (signed) by that member, and not a version more than
+        ``store.max_version_jump`` above the newest of that name held here; one such
+        fetch at a time per member, each member within a quarter of
+        ``store.max_held_bytes`` (so that one cannot fill what is there for all), all
+        within the whole."""
         if self.holder.find(ref.name, ref.version, ref.root) is None:
             share = self.settings.max_held_bytes // 4
+            if self.holder.jump_refused(ref.name, ref.version):
+                self._hold_refused(peer, ref, "version jump")
+                return
             if (
                 peer in self._holding
                 or self._held_for[peer] >= share
                 or self.holder.bytes_held() >= self.settings.max_held_bytes
             ):
-                self._hold_refused(peer, ref)
+                self._hold_refused(peer, ref, "over its share")
                 return
             self._holding.add(peer)
             try:
-                data, fetch = await self.get(ref.name, ref.version)
+                data, fetch = await self.get(ref.name, ref.version, root=ref.root)
             except StoreError as exc:
+                self.counters["store_holds_failed"] += 1
                 log.warning("store_hold_failed", name=ref.name, peer=peer, reason=str(exc))
                 return
             finally:
                 self._holding.discard(peer)
+            manifest = fetch.manifest
+            if manifest is None or manifest.root != ref.root or manifest.writer != peer:
+                self._hold_refused(peer, ref, "not the asking member's own object")
+                return
             if (
                 self._held_for[peer] + len(data) > share
                 or self.holder.bytes_held() + len(data) > self.settings.max_held_bytes
             ):
-                self._hold_refused(peer, ref)
+                self._hold_refused(peer, ref, "over its share")
+                return
+            if self.holder.jump_refused(ref.name, manifest.version):
+                self._hold_refused(peer, ref, "version jump")
+                return
+            if not self.holder.put_held(manifest, data, self.daemon.clock()):
+                self._hold_refused(peer, ref, "content does not match its manifest")
                 return
             self._held_for[peer] += len(data)
-            self.put_local(ref.name, fetch.version, data)
         self._send(peer, Ref(StoreKind.HELD, ref.name, ref.version, ref.root))
 
-    def _hold_refused(self, peer: str, ref: Ref) -> None:
+    def _hold_refused(self, peer: str, ref: Ref, why: str) -> None:
         self.counters["store_holds_refused"] += 1
-        log.warning("store_hold_refused", name=ref.name, peer=peer)
+        log.warning("store_hold_refused", name=ref.name, version=ref.version, peer=peer, reason=why)
 
     def _spawn(self, coro: Awaitable[None]) -> None:
         task = asyncio.ensure_future(coro)

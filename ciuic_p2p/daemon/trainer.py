@@ -68,6 +68,7 @@ from ciuic_p2p.core.replica.trainersocket import (
     peer_prefix,
     split_peer,
 )
+from ciuic_p2p.core.store.messages import ANY_VERSION
 from ciuic_p2p.daemon.control import serve_unix
 from ciuic_p2p.daemon.metrics import TrainingProgress
 from ciuic_p2p.daemon.node import MeshDaemon
@@ -198,9 +199,17 @@ class TrainerServer:
         except StoreError as exc:
             log.info("state_prefetch_failed", name=name, reason=str(exc))
             return
-        held = self.store.holder.newest(name)
-        if fetch.manifest is not None and (held is None or held.manifest.version < fetch.version):
-            self.store.put_local(name, fetch.version, data, fetch.manifest.compat)
+        m = fetch.manifest
+        held = None if m is None else self.store.holder.newest(name, m.writer)
+        # Its writer's own copy when the bytes are one donor's exact state; a state
+        # striped over several replicas' is held as this node's (the trainer checks
+        # either against the run before it takes it: train.statesync).
+        if (
+            m is not None
+            and (held is None or held.manifest.version < fetch.version)
+            and not self.store.holder.put_held(m, data, self.daemon.clock())
+        ):
+            self.store.put_local(name, fetch.version, data, m.compat)
         self.prefetch_info = {
             "version": fetch.version,
             "after_start_s": round(joined - d.started_at, 3),
@@ -460,14 +469,29 @@ class TrainerServer:
             prefetch = self._prefetch
             if prefetch is not None and name == self.state_name and not prefetch.done():
                 await asyncio.shield(prefetch)  # the state it gets is what we want
-            data, fetch = await self.store.get(
-                name,
-                int(request.get("min_version", 0)),  # type: ignore[call-overload]
-                version_slack=int(request.get("slack", 0)),  # type: ignore[call-overload]
-                patient=bool(request.get("patient", True)),
-                # Only the prefetched state, with every chunk since held for the trainer.
-                held_ok=bool(request.get("held_ok")) and self._prefetch_usable,
-            )
+            min_version = int(request.get("min_version", 0))  # type: ignore[call-overload]
+            writer, writers = request.get("writer"), request.get("writers")
+            if isinstance(writers, list) and all(isinstance(w, str) for w in writers):
+                allowed: frozenset[str] | None = frozenset(writers)
+            elif writers is None:
+                allowed = None
+            else:
+                raise StoreError("GET's writers are not a list of peer IDs")
+            if name != self.state_name and not writer and allowed is None:
+                # A user's object: this node's own version, else the newest of any.
+                data, fetch = await self.store.get_any(name, min_version)
+            else:
+                data, fetch = await self.store.get(
+                    name,
+                    min_version,
+                    version_slack=int(request.get("slack", 0)),  # type: ignore[call-overload]
+                    patient=bool(request.get("patient", True)),
+                    # Only the prefetched state, with every chunk since held for the trainer.
+                    held_ok=bool(request.get("held_ok")) and self._prefetch_usable,
+                    writer=self.store.writer_of(str(writer)) if writer else None,
+                    writers=allowed,
+                    max_version=int(request.get("max_version", ANY_VERSION)),  # type: ignore[call-overload]
+                )
         except (StoreError, ValueError, TypeError) as exc:
             self._result(rid, False, error=str(exc))
             return
@@ -478,6 +502,8 @@ class TrainerServer:
             rid,
             True,
             version=fetch.version,
+            writer=fetch.writer,
+            writers=sorted(set(fetch.writers_used.values()) | {fetch.writer} - {""}),
             bytes=len(data),
             seconds=round(self.daemon.clock() - t0, 3),
             query_s=None

@@ -174,10 +174,13 @@ class DaemonChannel:
         slack: int = 0,
         patient: bool = True,
         timeout_s: float = 300.0,
+        writer: str | None = None,
     ) -> tuple[bytearray, dict[str, Any]]:
         """Fetch ``name`` through the daemon (core.store.fetch): its bytes and the daemon's
-        report (version, donors, bytes, seconds, corrupt pieces...)."""
-        return self.object_got(self.ask_object(name, min_version, slack, patient), name, timeout_s)
+        report (version, writer, donors, bytes, seconds, corrupt pieces...). ``writer``:
+        that member's version (peer ID or node name); None: this node's, else any."""
+        rid = self.ask_object(name, min_version, slack, patient, writer=writer)
+        return self.object_got(rid, name, timeout_s)
 
     def ask_object(
         self,
@@ -186,17 +189,28 @@ class DaemonChannel:
         slack: int = 0,
         patient: bool = True,
         held_ok: bool = False,
+        *,
+        writer: str | None = None,
+        writers: list[str] | None = None,
+        max_version: int | None = None,
     ) -> int:
         """Start fetching ``name`` (see :meth:`get_object`; ``held_ok``: a version of at
-        least ``min_version`` that the daemon holds will do); the request's ID, for
+        least ``min_version`` that the daemon holds will do; ``writers``: only versions
+        these peers wrote; ``max_version``: none above); the request's ID, for
         :meth:`answered` and :meth:`object_got`."""
-        body = {
+        body: dict[str, Any] = {
             "name": name,
             "min_version": min_version,
             "slack": slack,
             "patient": patient,
             "held_ok": held_ok,
         }
+        if writer:
+            body["writer"] = writer
+        if writers is not None:
+            body["writers"] = sorted(writers)
+        if max_version is not None:
+            body["max_version"] = max_version
         return self._ask(TrainerFrame.GET_REQUEST, body)
 
     def object_got(self, rid: int, name: str, timeout_s: float) -> tuple[bytearray, dict[str, Any]]:

@@ -17,6 +17,7 @@ from ciuic_p2p.config import Config
 from ciuic_p2p.core.codec.layout import BucketLayout
 from ciuic_p2p.core.replica.rule import Replica
 from ciuic_p2p.core.replica.schedule import ReplicaSchedule
+from ciuic_p2p.core.store.runstate import RunWindow, run_window, state_refusal
 from ciuic_p2p.core.store.statefile import StateFormatError, pack_state, unpack_state
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel
@@ -24,6 +25,8 @@ from ciuic_p2p.train.checkpoint import Checkpoint, load_newest, write_checkpoint
 from ciuic_p2p.train.encoder import Encoder
 
 log = get_logger("ciuic.train")
+MAX_STATE_TRIES = 4
+"""States refused (each of other writers) before a joiner gives up on the mesh's."""
 
 
 class StateKeeper:
@@ -74,19 +77,91 @@ class StateKeeper:
         if max((p.step for p in self.replica.peers.values()), default=0) > ckpt_step:
             # A state the daemon prefetched after a restart will do: it holds the
             # chunks since, and this replica drops those the state holds.
-            rid = self.channel.ask_object(
-                self.state_name,
-                min_version=ckpt_step + 1,
-                slack=self.config.store.state_version_slack_steps,
-                held_ok=True,
-            )
-            self._state_ask = (rid, time.monotonic())
+            self._state_ask = (self._ask_state(self._writers(), held_ok=True), time.monotonic())
+
+    def _writers(self) -> set[str]:
+        """Whose state may be taken: the run's replicas (and this node: a state its
+        daemon prefetched and holds as its own)."""
+        return {*self.replica.peers, self.replica.peer}
+
+    def _window(self) -> RunWindow | None:
+        announced = {k: p.step for k, p in self.replica.peers.items()}
+        return run_window(announced, self.config.train.staleness_bound_steps)
+
+    def _ask_state(self, writers: set[str], held_ok: bool) -> int:
+        """Ask the daemon for a state of the run written by one of ``writers``, no
+        further on than the run's window (core.store.runstate)."""
+        ckpt_step = self._ckpt.step if self._ckpt else 0
+        window = self._window()
+        return self.channel.ask_object(
+            self.state_name,
+            min_version=ckpt_step + 1,
+            slack=self.config.store.state_version_slack_steps,
+            held_ok=held_ok,
+            writers=sorted(writers),
+            max_version=None if window is None else window.high,
+        )
+
+    def _take_state(
+        self, opt: torch.optim.Optimizer | None
+    ) -> tuple[dict[str, Any], dict[str, Any], list[dict[str, Any]]]:
+        """The first state fetched that agrees with the run (core.store.runstate, and
+        every value finite), unpacked into the buckets: its meta and the daemon's
+        report; each one refused on the way (its writers are not asked again). Empty
+        dicts when none was taken."""
+        assert self._state_ask is not None
+        rid, _ = self._state_ask
+        s = self.config.store
+        writers = self._writers()
+        refused: list[dict[str, Any]] = []
+        while True:
+            try:
+                data, got = self.channel.object_got(rid, self.state_name, s.fetch_timeout_s + 30.0)
+            except ChannelError:
+                if not refused:
+                    raise
+                return {}, {}, refused
+            window = self._window()
+            version = int(got["version"])
+
+            def check(
+                meta: dict[str, Any], version: int = version, window: RunWindow | None = window
+            ) -> None:
+                why = (
+                    None
+                    if window is None
+                    else state_refusal(window, version, meta.get("applied", {}))
+                )
+                if why is not None:
+                    raise StateFormatError(why)
+
+            try:
+                meta = unpack_state(
+                    data, self.layout.layout_id, self.buckets, opt, self._momentum(), check
+                )
+                return meta, got, refused
+            except StateFormatError as exc:
+                # A state of another model is no replica's either: asked again too.
+                whose = {str(w) for w in got.get("writers") or [got.get("writer")] if w}
+                refused.append({"writers": sorted(whose), "version": version, "reason": str(exc)})
+                log.warning(
+                    "state_refused", writers=sorted(whose), version=version, reason=str(exc)
+                )
+                writers -= whose
+                if not writers or len(refused) >= MAX_STATE_TRIES or not whose:
+                    return {}, {}, refused
+                rid = self._ask_state(writers, held_ok=False)
 
     def restore(self) -> dict[str, Any]:
         """Start from the newest state there is: the replicas' (fetched from the nearest
         up-to-date one) when they are past this node's checkpoint, else the checkpoint,
         else (a run that starts now) the model as it is. A replica never trains from
-        its fresh weights while the others are mid-run: a failed fetch raises."""
+        its fresh weights while the others are mid-run: a failed fetch raises. A
+        fetched state is taken only when it agrees with the run (its step within the
+        replicas' window, its floors within what each origin announced, every value
+        finite: core.store.runstate); one that does not is refused, logged
+        (``state_refused``) and listed in the info's ``refused``, and another replica's
+        is asked for; when none agrees, the checkpoint or the model as it is."""
         t0 = time.monotonic()
         r = self.replica
         ckpt = self._ckpt
@@ -94,23 +169,21 @@ class StateKeeper:
         opt = self.optimizer if self.config.store.sync_optimizer_state else None
         info: dict[str, Any] = {"source": "fresh", "step": 0}
         self.ask_state_if_behind()
+        refused: list[dict[str, Any]] = []
+        got: dict[str, Any] = {}
         if self._state_ask is not None:
-            rid, asked_at = self._state_ask
-            s = self.config.store
-            data, got = self.channel.object_got(rid, self.state_name, s.fetch_timeout_s + 30.0)
+            _, asked_at = self._state_ask
+            meta, got, refused = self._take_state(opt)
             info["while_waiting_s"] = round(t0 - asked_at, 3)  # fetched during attach's wait
             t0 = asked_at
-            try:
-                meta = unpack_state(
-                    data, self.layout.layout_id, self.buckets, opt, self._momentum()
-                )
-            except StateFormatError as exc:
-                raise ChannelError(f"the run's state does not fit this model: {exc}") from None
-            # The state's own step, or the replicas' claims where they are a little
-            # further on (their chunks since are held for this trainer); a claim
-            # beyond the staleness bound is no replica's word to start from.
+        if got:
+            # The state's own step, or the run's (the replicas' lower median) where it
+            # is a little further on (their chunks since are held for this trainer); a
+            # claim beyond the staleness bound is no replica's word to start from.
+            window = self._window()
+            run_step = peer_step if window is None else window.step
             version = int(got["version"])
-            ahead = min(peer_step, version + self.config.train.staleness_bound_steps)
+            ahead = min(run_step, version + self.config.train.staleness_bound_steps)
             start = max(version, ahead)
             applied = meta.get("applied", {})
             info = {**info, "source": "mesh", "step": start, "state_version": got["version"]}
@@ -128,6 +201,12 @@ class StateKeeper:
             info = {"source": "checkpoint", "step": start, "bytes": len(ckpt.state)}
         else:
             start, applied, meta = 0, {}, {}
+        if refused:
+            info["refused"] = refused
+        if refused and not got:
+            # No state on the mesh agreed with the run: this node's checkpoint, or
+            # (none) the model as it is, rather than a state that would take it over.
+            log.warning("state_refused_all", refused=len(refused), source=info["source"])
         next_round = meta.get("next_round")
         r.start_at(
             start,

@@ -18,7 +18,10 @@ digest in its own donor's manifest.
 
 Bounds against a member that lies (each is counted): an offer whose manifest is larger
 than ``store.max_object_bytes`` is not taken, and a fetch holds only the pieces that
-arrived and verified, never a buffer of the size a manifest claims.
+arrived and verified, never a buffer of the size a manifest claims. An offer whose
+manifest fails ``verify`` (its writer's signature), names a writer not asked for, a
+version above ``max_version`` or another root than the one asked for is no donor
+(``stats.refused``): a member can offer only its own objects as its own.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from dataclasses import dataclass, field
 
 from ciuic_p2p.config.sections import StoreSection
 from ciuic_p2p.core.store.messages import (
+    ANY_ROOT,
+    ANY_VERSION,
     Get,
     Manifest,
     Message,
@@ -60,6 +65,8 @@ class FetchStats:
     queries: int = 0
     oversize: int = 0
     """Offers whose manifest claims more than ``store.max_object_bytes``."""
+    refused: int = 0
+    """Offers not taken: a bad signature, another writer, version or root than asked."""
     restarts: int = 0
     """Times verified pieces were thrown away (no holder of a compatible state left)."""
     started_s: float = 0.0
@@ -84,8 +91,20 @@ class Fetch:
         token: int = 1,
         version_slack: int = 0,
         patient: bool = True,
+        writers: frozenset[str] | None = None,
+        max_version: int = ANY_VERSION,
+        root: bytes = ANY_ROOT,
+        verify: Callable[[Manifest], bool] | None = None,
     ) -> None:
+        """``writers``: only versions written by these peers (None: any; one writer is
+        also asked for in the query); ``max_version``: none above; ``root``: exactly
+        this object; ``verify``: a manifest's signature check (None: none, core
+        tests)."""
         self.name = name
+        self.writers = writers
+        self.max_version = max_version
+        self.root = root
+        self.verify = verify
         self.min_version = min_version
         self.settings = settings
         self.rtt_s = rtt_s
@@ -131,12 +150,39 @@ class Fetch:
             self.stats.oversize += 1  # an answer, but no donor: nothing is allocated
             self.on_none(peer, NoneHeld(self.name, offer.token), now)
             return
+        if not self._wanted(offer.manifest):
+            self.stats.refused += 1
+            self.on_none(peer, NoneHeld(self.name, offer.token), now)
+            return
         self.offers[peer] = offer
         self._answered.add(peer)
         self._maybe_choose(now)
         # A donor that answered after the query round (it was taking a fresh snapshot)
         # joins the stripe now, not at the next timer.
         self._activate(now)
+
+    def _wanted(self, m: Manifest) -> bool:
+        return (
+            (self.writers is None or m.writer in self.writers)
+            and m.version <= self.max_version
+            and self.root in (ANY_ROOT, m.root)
+            and (self.verify is None or self.verify(m))
+        )
+
+    @property
+    def writer(self) -> str:
+        """Whose version this is: the writer of the first donor's manifest."""
+        return "" if self.manifest is None else self.manifest.writer
+
+    @property
+    def writers_used(self) -> dict[str, str]:
+        """The writer of each donor's version (a replica's state may be striped over
+        several replicas' compatible states)."""
+        return {
+            p: self.offers[p].manifest.writer
+            for p in self.stats.pieces_by_donor
+            if p in self.offers
+        }
 
     def on_none(self, peer: str, msg: NoneHeld, now: float) -> None:
         if msg.token == self._token:
@@ -270,7 +316,8 @@ class Fetch:
         self.state = FetchState.QUERYING
         self.stats.queries += 1
         self._query_until = now + self.settings.query_timeout_s
-        query = Query(self.name, self.min_version, self._token)
+        one = next(iter(self.writers)) if self.writers and len(self.writers) == 1 else ""
+        query = Query(self.name, self.min_version, self._token, one, self.max_version, self.root)
         self._out += [(p, query) for p in self.peers]
         if not self.peers:
             self._requery_at = now + self.settings.retry_s

@@ -2,8 +2,14 @@
 no clock, no I/O (``now`` comes in, messages come out; the daemon's adapter is
 daemon.store).
 
-:class:`Holder` keeps this node's objects (the newest version of each name, and an
-older one while an upload still reads it) and answers queries and piece requests. It
+:class:`Holder` keeps this node's objects (for each name and writer, the newest
+version, and an older one while an upload still reads it) and answers queries and
+piece requests. A name's versions are kept per writer (the peer whose key signed the
+manifest, core.store.messages): a member that writes a name at a higher version
+displaces only its own versions of it, never another writer's, and this node's own
+copies are never dropped for another writer's. A version more than
+``store.max_version_jump`` above the newest held of a name is not taken from others
+(:meth:`Holder.jump_refused`): nobody publishes "the newest forever". It
 serves ``upload_slots`` fetchers at a time and answers the rest BUSY, so that several
 joiners at once spread over several donors instead of choking one (the failure
 hivemind's state download has, its issue #169). A GET's indices are taken once each,
@@ -15,10 +21,14 @@ one honest fetcher would.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from ciuic_p2p.config.sections import StoreSection
+from ciuic_p2p.core.link.keys import peer_id_of
 from ciuic_p2p.core.store.messages import (
+    ANY_ROOT,
+    UNSIGNED_KEY,
     Get,
     Manifest,
     NoneHeld,
@@ -54,8 +64,19 @@ class _Upload:
 class Holder:
     """This node's objects and its side of uploads."""
 
-    def __init__(self, settings: StoreSection) -> None:
+    def __init__(
+        self,
+        settings: StoreSection,
+        public_key: bytes = UNSIGNED_KEY,
+        sign: Callable[[bytes], bytes] | None = None,
+    ) -> None:
+        """``public_key`` and ``sign``: this node's, for the objects it writes (none:
+        unsigned manifests, which no daemon takes; core tests only)."""
         self.settings = settings
+        self.public_key = public_key
+        self._sign = sign
+        self.writer = "" if public_key == UNSIGNED_KEY else peer_id_of(public_key)
+        """This node's peer ID as a writer ("" when it does not sign)."""
         self.objects: dict[str, list[Held]] = {}
         self.uploads: dict[str, _Upload] = {}
         self.counters: collections.Counter[str] = collections.Counter()
@@ -71,18 +92,68 @@ class Holder:
         """Hold ``data`` as ``name`` at ``version`` (replacing older versions once no
         upload reads them and no recent offer named them)."""
         manifest = Manifest.build(name, version, data, self.settings.piece_bytes, compat)
-        held = Held(manifest, bytes(data), manifest.root)
-        versions = [h for h in self.objects.get(name, []) if h.manifest.version != version]
-        self.objects[name] = [*versions, held]
-        self._trim(name, now)
+        if self._sign is not None:
+            manifest = manifest.signed(self.public_key, self._sign)
+        self._keep(Held(manifest, bytes(data), manifest.root), now)
         return manifest
+
+    def put_held(self, manifest: Manifest, data: bytes, now: float | None = None) -> bool:
+        """Hold another writer's exact object: ``data`` must be what ``manifest`` (its
+        writer's, checked by the caller) describes, piece by piece; False if it is not."""
+        view = memoryview(data)
+        if len(view) != manifest.total_bytes or not all(
+            manifest.check_piece(i, view[slice(*manifest.piece_span(i))])
+            for i in range(manifest.pieces)
+        ):
+            return False
+        self._keep(Held(manifest, bytes(data), manifest.root), now)
+        return True
+
+    def _keep(self, held: Held, now: float | None) -> None:
+        m = held.manifest
+        versions = [
+            h
+            for h in self.objects.get(m.name, [])
+            if h.manifest.version != m.version or h.manifest.writer != m.writer
+        ]
+        self.objects[m.name] = [*versions, held]
+        self._trim(m.name, now)
 
     def bytes_held(self) -> int:
         return sum(len(h.data) for versions in self.objects.values() for h in versions)
 
-    def newest(self, name: str) -> Held | None:
-        versions = self.objects.get(name)
-        return max(versions, key=lambda h: h.manifest.version) if versions else None
+    def newest(
+        self, name: str, writer: str | None = None, max_version: int | None = None
+    ) -> Held | None:
+        """The newest version of ``name`` held here: of ``writer`` (None: any writer,
+        this node's own first among equals), at most ``max_version``."""
+        versions = [
+            h
+            for h in self.objects.get(name, ())
+            if (writer is None or h.manifest.writer == writer)
+            and (max_version is None or h.manifest.version <= max_version)
+        ]
+        mine = self.writer
+        return (
+            max(versions, key=lambda h: (h.manifest.version, h.manifest.writer == mine))
+            if versions
+            else None
+        )
+
+    def jump_refused(self, name: str, version: int) -> bool:
+        """Whether ``version`` of ``name``, someone else's, is more than
+        ``store.max_version_jump`` above the newest version of it held here."""
+        newest = self.newest(name)
+        return (
+            newest is not None
+            and version > newest.manifest.version + self.settings.max_version_jump
+        )
+
+    def find_root(self, name: str, root: bytes) -> Held | None:
+        for held in self.objects.get(name, ()):
+            if held.root == root:
+                return held
+        return None
 
     def find(self, name: str, version: int, root: bytes) -> Held | None:
         for held in self.objects.get(name, ()):
@@ -95,7 +166,17 @@ class Holder:
         return len(self.uploads)
 
     def on_query(self, query: Query, now: float) -> Offer | NoneHeld:
-        held = self.newest(query.name)
+        """The object asked for (its root), or the newest version of the writer asked
+        for within the query's versions; for any writer, this node's own (it answers
+        for what it wrote), else the newest of all."""
+        if query.root != ANY_ROOT:
+            held = self.find_root(query.name, query.root)
+        elif query.writer:
+            held = self.newest(query.name, query.writer, query.max_version)
+        else:
+            held = self.newest(query.name, self.writer, query.max_version) if self.writer else None
+            if held is None or held.manifest.version < query.min_version:
+                held = self.newest(query.name, None, query.max_version)
         self.counters["queries"] += 1
         if held is None or held.manifest.version < query.min_version:
             return NoneHeld(query.name, query.token)
@@ -146,13 +227,20 @@ class Holder:
             self._trim(name, now)
 
     def _trim(self, name: str, now: float | None = None) -> None:
-        """Keep the newest version, those an upload reads, and (up to MAX_VERSIONS in
-        all) those offered in the last OFFER_HOLD_S."""
-        versions = sorted(self.objects[name], key=lambda h: -h.manifest.version)
+        """For each writer of ``name``: keep its newest version, those an upload reads,
+        and (up to MAX_VERSIONS of that writer) those offered in the last
+        OFFER_HOLD_S. One writer's versions never push out another's."""
+        by_writer: dict[str, list[Held]] = {}
+        for h in self.objects[name]:
+            by_writer.setdefault(h.manifest.writer, []).append(h)
         reading = {u.root for u in self.uploads.values()}
-        keep = [versions[0]] + [h for h in versions[1:] if h.root in reading]
-        for h in versions[1:]:
-            recent = now is not None and now - h.offered_s <= OFFER_HOLD_S
-            if h not in keep and recent and len(keep) < MAX_VERSIONS:
-                keep.append(h)
-        self.objects[name] = keep
+        kept: list[Held] = []
+        for held in by_writer.values():
+            versions = sorted(held, key=lambda h: -h.manifest.version)
+            keep = [versions[0]] + [h for h in versions[1:] if h.root in reading]
+            for h in versions[1:]:
+                recent = now is not None and now - h.offered_s <= OFFER_HOLD_S
+                if h not in keep and recent and len(keep) < MAX_VERSIONS:
+                    keep.append(h)
+            kept += keep
+        self.objects[name] = kept

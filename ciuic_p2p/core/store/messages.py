@@ -21,25 +21,50 @@ control). Layout (version 1)::
 - ``GONE``:   name str8, version u64, root (32)       (not held here any more)
 
 A manifest is: name str8, version u64, total_bytes u64, piece_bytes u32, compat (32),
-count u32, then a 32-byte BLAKE2b digest per piece. The root (BLAKE2b-256 of the
-encoded manifest) names one exact content; ``compat`` says which other contents a
-piece may be mixed with (see core.store.fetch).
+count u32, then a 32-byte BLAKE2b digest per piece, then (version 2) the writer's
+Ed25519 public key (32) and its signature (64) over ``SIGN_CONTEXT`` and the root. The
+root (BLAKE2b-256 of the encoded manifest without the signature, the writer's key
+included) names one exact content of one writer; ``compat`` says which other contents
+a piece may be mixed with (see core.store.fetch). An object's writer is the peer ID of
+that key: a name's versions are kept per writer (core.store.holder), so a member can
+replace only its own objects. Versions are below ``MAX_VERSION``.
 
-Kinds are append-only. Decoding trusts nothing: every length is checked against what
-remains and the hard limits, and every failure is a :class:`StoreWireError`.
+Version 1 messages are read where their layout is version 2's without the appended
+fields (a QUERY then asks for any writer); a version 1 OFFER, whose manifest is
+unsigned, is refused. Kinds are append-only. Decoding trusts nothing: every length is
+checked against what remains and the hard limits, and every failure is a
+:class:`StoreWireError`.
 """
 
 from __future__ import annotations
 
 import enum
 import hashlib
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ciuic_p2p.core.binary import U64, Reader, Writer
+from ciuic_p2p.core.link.keys import peer_id_of
 from ciuic_p2p.errors import CiuicError
 
 MAGIC = b"CS"
-VERSION = 1
+VERSION = 2
+OLDEST_VERSION = 1
+"""Read too (see the module docstring); every message is written at VERSION."""
+KEY_LEN = 32
+SIGNATURE_LEN = 64
+UNSIGNED_KEY = bytes(KEY_LEN)
+"""The writer key of a manifest nobody signed (core tests): no daemon takes it."""
+SIGN_CONTEXT = b"ciuic-store-object-v2\0"
+MAX_VERSION = 1 << 48
+"""Versions are below this: a run's state is versioned by its step, an object by its
+writer's count of puts; none comes near it, and a u64 at its end is no version."""
+ANY_VERSION = MAX_VERSION - 1
+ANY_ROOT = bytes(32)
+MAX_WRITER_BYTES = 64
 DIGEST_LEN = 32
 MAX_NAME_BYTES = 200
 MAX_PIECE_BYTES = 1 << 20
@@ -85,10 +110,16 @@ class Manifest:
     piece_bytes: int
     compat: bytes
     hashes: tuple[bytes, ...]
+    writer_key: bytes = UNSIGNED_KEY
+    """The writer's raw Ed25519 public key (its peer ID is :attr:`writer`)."""
+    signature: bytes = bytes(SIGNATURE_LEN)
+    """The writer's signature over ``SIGN_CONTEXT`` and :attr:`root`."""
 
     def __post_init__(self) -> None:
         _check_name(self.name)
-        _check(0 <= self.version < 1 << 64, "version out of range")
+        _check(0 <= self.version < MAX_VERSION, "version out of range")
+        _check(len(self.writer_key) == KEY_LEN, "bad writer key")
+        _check(len(self.signature) == SIGNATURE_LEN, "bad signature")
         _check(0 <= self.total_bytes <= MAX_OBJECT_BYTES, "object too large")
         _check(MIN_PIECE_BYTES <= self.piece_bytes <= MAX_PIECE_BYTES, "bad piece size")
         _check(len(self.compat) == DIGEST_LEN, "bad compat digest")
@@ -102,7 +133,28 @@ class Manifest:
 
     @property
     def root(self) -> bytes:
-        return digest(encode_manifest(self))
+        return digest(_unsigned_manifest(self))
+
+    @property
+    def writer(self) -> str:
+        """The writer's peer ID ("" for an unsigned manifest)."""
+        return "" if self.writer_key == UNSIGNED_KEY else peer_id_of(self.writer_key)
+
+    def signed(self, public_key: bytes, sign: Callable[[bytes], bytes]) -> Manifest:
+        """This manifest written by the holder of ``public_key`` (``sign``: its key's)."""
+        keyed = replace(self, writer_key=public_key, signature=bytes(SIGNATURE_LEN))
+        return replace(keyed, signature=sign(SIGN_CONTEXT + keyed.root))
+
+    def verify(self) -> bool:
+        """Whether the signature is its writer key's over this manifest."""
+        if self.writer_key == UNSIGNED_KEY:
+            return False
+        try:
+            key = Ed25519PublicKey.from_public_bytes(self.writer_key)
+            key.verify(self.signature, SIGN_CONTEXT + self.root)
+        except (InvalidSignature, ValueError):
+            return False
+        return True
 
     def piece_span(self, index: int) -> tuple[int, int]:
         start = index * self.piece_bytes
@@ -135,6 +187,12 @@ class Query:
     name: str
     min_version: int
     token: int
+    writer: str = ""
+    """Only this writer's versions (a peer ID); empty: any writer's."""
+    max_version: int = ANY_VERSION
+    """No version above this (a joiner's window of the run's steps)."""
+    root: bytes = ANY_ROOT
+    """Only this exact object (a HOLD's); zeros: any."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,6 +251,10 @@ def encode(msg: Message) -> bytes:
         _name(w, msg.name)
         w.u64(msg.min_version)
         w.u32(msg.token)
+        w.str8(msg.writer, MAX_WRITER_BYTES, "writer")
+        w.u64(msg.max_version)
+        _check(len(msg.root) == DIGEST_LEN, "bad root digest")
+        w.raw(msg.root)
     elif isinstance(msg, NoneHeld):
         w.u8(StoreKind.NONE)
         _name(w, msg.name)
@@ -222,6 +284,10 @@ def encode(msg: Message) -> bytes:
 
 
 def encode_manifest(m: Manifest) -> bytes:
+    return _unsigned_manifest(m) + m.signature
+
+
+def _unsigned_manifest(m: Manifest) -> bytes:
     w = Writer()
     _name(w, m.name)
     w.u64(m.version)
@@ -230,6 +296,7 @@ def encode_manifest(m: Manifest) -> bytes:
     w.raw(m.compat)
     w.u32(len(m.hashes))
     w.raw(b"".join(m.hashes))
+    w.raw(m.writer_key)
     return w.getvalue()
 
 
@@ -257,7 +324,7 @@ def _decode(data: bytes | memoryview) -> Message:
     r = Reader(data, StoreWireError)
     if bytes(r.take(2)) != MAGIC:
         raise StoreWireError("not a store message (magic)")
-    if (version := r.u8()) != VERSION:
+    if not OLDEST_VERSION <= (version := r.u8()) <= VERSION:
         raise StoreWireError(f"store message version {version} is not supported")
     try:
         kind = StoreKind(r.u8())
@@ -265,10 +332,19 @@ def _decode(data: bytes | memoryview) -> Message:
         raise StoreWireError("unknown store message kind") from None
     msg: Message
     if kind is StoreKind.QUERY:
-        msg = Query(_read_name(r), r.u64(), r.u32())
+        name, min_version, token = _read_name(r), r.u64(), r.u32()
+        if version == 1:
+            msg = Query(name, min_version, token)
+        else:
+            writer = r.str8(MAX_WRITER_BYTES, "writer")
+            _check(writer.isprintable(), "writers are printable")
+            max_version = r.u64()
+            msg = Query(name, min_version, token, writer, max_version, r.raw(DIGEST_LEN))
     elif kind is StoreKind.NONE:
         msg = NoneHeld(_read_name(r), r.u32())
     elif kind is StoreKind.OFFER:
+        if version == 1:
+            raise StoreWireError("a version 1 offer is unsigned: not taken")
         token, load = r.u32(), r.u16()
         msg = Offer(token, load, _manifest(r))
     elif kind is StoreKind.GET:
@@ -297,8 +373,9 @@ def _manifest(r: Reader) -> Manifest:
     if count > MAX_PIECES:
         raise StoreWireError("too many pieces in a manifest")
     hashes = tuple(bytes(r.take(DIGEST_LEN)) for _ in range(count))
+    writer_key, signature = r.raw(KEY_LEN), r.raw(SIGNATURE_LEN)
     try:
-        return Manifest(name, version, total, piece_bytes, compat, hashes)
+        return Manifest(name, version, total, piece_bytes, compat, hashes, writer_key, signature)
     except ValueError as exc:
         raise StoreWireError(f"bad manifest: {exc}") from None
 

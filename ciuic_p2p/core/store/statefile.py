@@ -17,8 +17,8 @@ have the same header, and the same offsets: its digest is the state's ``compat``
 the same reason; it holds what varies: for each origin, the newest of its update steps
 already in these parameters (the joiner drops older chunks, which the state holds
 already). Unpacking trusts nothing: a header
-that is malformed, names another layout or points outside the data raises
-:class:`StateFormatError`.
+that is malformed, names another layout or points outside the data, or values that
+are not finite (NaN, infinities), raise :class:`StateFormatError`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import hashlib
 import json
 import math
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -147,10 +147,13 @@ def unpack_state(
     buckets: Sequence[torch.Tensor],
     optimizer: torch.optim.Optimizer | None = None,
     momentum: Sequence[torch.Tensor] = (),
+    check_meta: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Copy a state into the buckets (and the optimizer, when it carries one and
     ``optimizer`` is given, and the outer momentum buffers ``momentum``: zeroed when
-    the state has none); its meta. Everything is checked before anything changes."""
+    the state has none); its meta. Everything is checked before anything changes:
+    the layout, every value finite, and the meta by ``check_meta`` (which raises
+    :class:`StateFormatError` to refuse it)."""
     view = memoryview(data)
     header, start = read_header(view)
     if header.get("layout") != f"{layout_id:016x}":
@@ -164,8 +167,13 @@ def unpack_state(
         t = found.get(f"outer/{i}")
         if t is not None and (t.shape != m.shape or t.dtype != m.dtype):
             raise StateFormatError(f"outer momentum {i} is of another shape")
+    for key, t in found.items():
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            raise StateFormatError(f"{key} holds values that are not finite")
     opt_state = _optimizer_state(found)
     meta = _read_meta(view, start)
+    if check_meta is not None:
+        check_meta(meta)
     if optimizer is not None and opt_state:
         count = sum(len(g["params"]) for g in optimizer.param_groups)
         if any(i >= count for i in opt_state):
