@@ -52,6 +52,14 @@ RATE_WINDOW_S = 30.0
 a slow send interval, short enough that a stalled trainer reads as stalled."""
 RATE_SAMPLES = 64
 """Samples kept per origin (one per step seen), bounding memory at fast step rates."""
+CREDENTIAL_EVENTS = (
+    ("checked", "credential_checks"),
+    ("refused", "credentials_refused"),
+    ("unchecked", "credentials_unchecked"),
+    ("cached", "credentials_cached"),
+    ("dropped", "credentials_dropped"),
+)
+"""``ciuic_credentials``' events and the core.mesh.identities counters they show."""
 
 
 # -- trackers --------------------------------------------------------------------------------
@@ -511,6 +519,17 @@ class DaemonCollector(Collector):
         answered.add_metric(["probe"], node.membership.probes_answered_by_traffic)
         answered.add_metric(["death"], node.membership.deaths_withheld)
         yield answered
+        credentials = CounterMetricFamily(
+            "ciuic_credentials",
+            "Members' credentials (node certificates) relayed in gossip, by what became of "
+            "them: checked (a certificate verification run), refused, unchecked (dropped "
+            "past their sender's bucket of checks), cached (taken without a check, as "
+            "accepted before), dropped (the table of credentials full of members).",
+            labels=["event"],
+        )
+        for event, name in CREDENTIAL_EVENTS:
+            credentials.add_metric([event], node.identities.counters[name])
+        yield credentials
         yield CounterMetricFamily(
             "ciuic_mesh_replans",
             "Times this node computed its routes and trees again, for a new view or a new "

@@ -107,6 +107,7 @@ def status(d: MeshDaemon) -> dict[str, Any]:
         "members": members,
         "banned": sorted(d.banned),
         "counters": dict(d.counters),
+        "credentials": dict(node.identities.counters),
         "udp_bytes_sent": d.transport.udp_bytes_sent,
         "lanes": d.transport.lanes_status(),
         "mesh_bytes_sent": dict(d.mesh_bytes_sent),

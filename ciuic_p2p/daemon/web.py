@@ -34,10 +34,17 @@ users (Prometheus scrapes it; its labels name peers, not addresses).
 
 Local users are strangers too: a request's headers must arrive within
 ``web.header_timeout_s`` and an idle connection closes after it; a connection whose
-answers stay unread (its send buffer not drained) for that long is closed too; past
-``web.max_connections`` open at once, a new connection is closed at once, so a user who
-opens a thousand half-finished requests, or pipelines requests and never reads, takes
-neither the page nor the daemon's file descriptors (the unit raises ``LimitNOFILE``).
+answers stay unread (its send buffer not drained) for that long is closed too. At most
+``web.max_connections`` are open at once, and those that are *half-open* (no request
+head completed since they were made or last answered: a connection in the middle of a
+request is not) are bounded apart: one source address holds at most half of them, and
+a new connection past either bound closes the oldest half-open one (of that address,
+or of all) instead of being refused. Every local user shares 127.0.0.1, so a user who
+holds 64 half-finished requests, and opens a new one for each closed, only ever loses
+its own oldest: a whole request, which is sent at once, is answered (only when every
+connection is in the middle of a request is a new one closed at once). A user who
+pipelines requests and never reads takes neither the page nor the daemon's file
+descriptors (the unit raises ``LimitNOFILE``).
 """
 
 from __future__ import annotations
@@ -69,6 +76,10 @@ from ciuic_p2p.logsetup import get_logger
 MAX_GRAPH_NODES = 48
 """Past this many live nodes the page gets only this node's own links: every pair's
 RTT would be N²/2 labels nobody can read (and a large JSON every refresh)."""
+FRESH_S = 0.5
+"""A new connection that has sent nothing yet is not closed to make room for this
+long: a client sends its request head as soon as it is connected (and a burst of new
+connections accepted in one turn of the loop would otherwise close each other)."""
 SHUTDOWN_S = 1.0
 """How long close() lets a request in flight finish (the page's polls are short)."""
 log = get_logger("ciuic.web")
@@ -117,11 +128,83 @@ def _names_an_address(host: str | None) -> bool:
     return True
 
 
-class _Refused(asyncio.Protocol):
-    """A connection past ``web.max_connections``: closed as soon as it is made."""
+@dataclasses.dataclass(eq=False, slots=True)
+class _Connection:
+    """One open connection as the endpoint's bounds see it."""
+
+    host: str
+    transport: asyncio.BaseTransport
+    since: float
+    """When it was made, or when its last request was answered: the age of a
+    half-open connection."""
+    requests: int = 0
+    """Requests being handled on it now."""
+    head: bool = False
+    """A request head came whole since ``since`` (its handling is about to start)."""
+    partial: bool = False
+    """Bytes came since ``since``, but no whole head: a client sends its head at once,
+    so a connection that sent part of one is the first closed to make room."""
+    tail: bytes = b""
+    """The last bytes received while looking for the head's end."""
+
+    @property
+    def half_open(self) -> bool:
+        return self.requests == 0 and not self.head
+
+    def may_close(self, now: float) -> bool:
+        """Half-open and past its chance: it sent part of a head, or nothing for
+        ``FRESH_S``."""
+        return self.half_open and (self.partial or now - self.since >= FRESH_S)
+
+    def received(self, data: bytes) -> None:
+        if self.half_open:
+            self.partial = True
+            self.head = b"\r\n\r\n" in self.tail + data[:3] or b"\r\n\r\n" in data
+            self.tail = data[-3:]
+
+    def answered(self, now: float) -> None:
+        self.since, self.head, self.partial, self.tail = now, False, False, b""
+
+
+class _Admitted(asyncio.Protocol):
+    """aiohttp's request handler behind the endpoint's connection bounds: the bounds
+    decide when the connection is made (the source address is known then), and
+    everything else goes to aiohttp's handler unchanged."""
+
+    def __init__(self, server: WebServer, inner: asyncio.Protocol) -> None:
+        self.server = server
+        self.inner: asyncio.Protocol | None = inner
+        self.connection: _Connection | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.close()
+        if self.inner is not None:
+            self.connection = self.server._admit(self.inner, transport)
+        if self.inner is None or self.connection is None:
+            self.inner = None
+            transport.close()
+            return
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        if self.inner is not None and self.connection is not None:
+            self.connection.received(data)
+            self.inner.data_received(data)
+
+    def eof_received(self) -> bool | None:
+        return None if self.inner is None else self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        if self.inner is not None:
+            self.inner.resume_writing()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.inner is not None:
+            self.server._connections.pop(self.inner, None)
+            self.inner.connection_lost(exc)
 
 
 def write_token(path: Path, token: str) -> None:
@@ -168,11 +251,18 @@ class WebServer:
         self._listener: asyncio.Server | None = None
         self._sampler: asyncio.Task[None] | None = None
         self._reaper: asyncio.Task[None] | None = None
+        self._connections: dict[asyncio.BaseProtocol, _Connection] = {}
+        """Open connections by aiohttp's handler, oldest first."""
         self.connections_refused = 0
+        """Connections closed by the bounds: refused at once, or half-open ones closed
+        to make room (``half_open_closed``)."""
+        self.half_open_closed = 0
 
     async def start(self) -> int:
         """Listen on ``settings.listen_host:settings.port`` (0: a free port); the port."""
-        middlewares = [self._check_host] if _is_loopback(self.settings.listen_host) else []
+        middlewares = [self._track]
+        if _is_loopback(self.settings.listen_host):
+            middlewares.append(self._check_host)
         app = web.Application(middlewares=middlewares)
         app.router.add_get("/", self._handle_page)
         app.router.add_get("/api/status", self._handle_status)
@@ -203,14 +293,55 @@ class WebServer:
         log.info("web_started", host=self.settings.listen_host, port=self.port)
         return self.port
 
+    @property
+    def open_connections(self) -> int:
+        """Connections open now."""
+        return len(self._connections)
+
+    @property
+    def half_open_connections(self) -> int:
+        """Connections open now with no request being handled (module docstring)."""
+        return sum(1 for c in self._connections.values() if c.half_open)
+
     def _protocol(self) -> asyncio.BaseProtocol:
-        """A new connection: aiohttp's handler, or closed when too many are open."""
+        """A new connection: aiohttp's handler behind the bounds (``_admit``)."""
         assert self._runner is not None and self._runner.server is not None
-        server = self._runner.server
-        if len(server.connections) >= self.settings.max_connections:
-            self.connections_refused += 1
-            return _Refused()
-        return server()
+        return _Admitted(self, self._runner.server())
+
+    def _admit(
+        self, handler: asyncio.BaseProtocol, transport: asyncio.BaseTransport
+    ) -> _Connection | None:
+        """A new connection, after closing a half-open one where it makes room (see the
+        module docstring); None: every open one is in the middle of a request."""
+        peer = transport.get_extra_info("peername")
+        host = str(peer[0]) if isinstance(peer, tuple) and peer else ""
+        now = asyncio.get_running_loop().time()
+        cap = self.settings.max_connections
+        closable = [c for c in self._connections.values() if c.may_close(now)]
+        of_host = [c for c in closable if c.host == host]
+        host_half_open = sum(c.half_open and c.host == host for c in self._connections.values())
+        if of_host and host_half_open >= max(1, cap // 2):
+            self._close_half_open(of_host)
+        elif len(self._connections) >= cap:
+            if closable:
+                self._close_half_open(closable)
+            elif len(self._connections) >= 2 * cap:
+                self.connections_refused += 1
+                return None
+        c = _Connection(host, transport, now)
+        self._connections[handler] = c
+        return c
+
+    def _close_half_open(self, candidates: list[_Connection]) -> None:
+        """Close the one that sent part of a head longest ago, else the oldest."""
+        oldest = min(candidates, key=lambda c: (not c.partial, c.since))
+        for handler, c in self._connections.items():
+            if c is oldest:
+                del self._connections[handler]
+                break
+        self.connections_refused += 1
+        self.half_open_closed += 1
+        oldest.transport.close()
 
     async def _reap_unread(self) -> None:
         """Close connections whose answers went unread for a whole ``header_timeout_s``
@@ -295,6 +426,20 @@ class WebServer:
                 self.routes.sample(self.daemon.mesh.routes())
 
     # -- handlers ------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _track(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """A request head is complete: its connection is no longer half-open until
+        the request is answered."""
+        c = self._connections.get(request.protocol)
+        if c is None:
+            return await handler(request)
+        c.requests += 1
+        try:
+            return await handler(request)
+        finally:
+            c.requests -= 1
+            c.answered(asyncio.get_running_loop().time())
 
     @web.middleware
     async def _check_host(self, request: web.Request, handler: Handler) -> web.StreamResponse:

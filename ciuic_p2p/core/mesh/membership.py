@@ -236,9 +236,11 @@ class Membership:
 
     # -- applying updates ---------------------------------------------------------------------
 
-    def apply(self, u: Update, now: float) -> None:
+    def apply(self, u: Update, now: float, sender: str | None = None) -> None:
+        """Take one update; ``sender``: the member whose message carried it (its
+        credential checks are bounded per sender: core.mesh.identities)."""
         if isinstance(u, Credential):
-            self._on_credential(u, now)
+            self._on_credential(u, now, sender)
             return
         if isinstance(u, Links):
             if len(u.entries) > self.settings.link_state_max_peers:
@@ -267,10 +269,12 @@ class Membership:
         else:
             self._on_accusation(m, u, now)
 
-    def _on_credential(self, u: Credential, now: float) -> None:
+    def _on_credential(self, u: Credential, now: float, sender: str | None) -> None:
         if u.node == self.node:
             return
-        if not self.identities.learn(u.node, u.credential, keep=self.members.__contains__):
+        if not self.identities.learn(
+            u.node, u.credential, keep=self.members.__contains__, sender=sender, now=now
+        ):
             self.refused["credential"] += 1
             return
         waiting = self._waiting.pop(u.node, None)
@@ -396,14 +400,14 @@ class Membership:
         if isinstance(b, Ping):
             if b.target != self.node:
                 return
-            self._apply_all(b.updates, now)
+            self._apply_all(b.updates, now, msg.sender)
             self._reply(
                 src_address,
                 Ack(b.seq, self.coordinate(), self.links_digest(), self._piggyback()),
             )
             self._compare_links(msg.sender, src_address, b.links_digest, now)
         elif isinstance(b, Ack):
-            self._apply_all(b.updates, now)
+            self._apply_all(b.updates, now, msg.sender)
             if msg.sender in self.members:
                 self._compare_links(msg.sender, src_address, b.links_digest, now)
             self._on_ack(msg.sender, b, now)
@@ -421,9 +425,9 @@ class Membership:
             if probe is not None:
                 probe.nacks += 1
         elif isinstance(b, Gossip):
-            self._apply_all(b.updates, now)
+            self._apply_all(b.updates, now, msg.sender)
         elif isinstance(b, Sync):
-            self._apply_all(b.updates, now)
+            self._apply_all(b.updates, now, msg.sender)
             if b.reply:
                 if not self.joined:
                     self.joined = True
@@ -478,11 +482,11 @@ class Membership:
         self._introduced[sender] = now
         self._reply(address, Sync(False, self._full_state()))
 
-    def _apply_all(self, updates: tuple[Update, ...], now: float) -> None:
+    def _apply_all(self, updates: tuple[Update, ...], now: float, sender: str) -> None:
         # Credentials first: an Alive in the same message is checked against them.
         for u in updates:
             if isinstance(u, Credential):
-                self.apply(u, now)
+                self.apply(u, now, sender)
         # Of one node's Alives in a message only the newest can change anything: one
         # signature check each, not one per copy a member packed in.
         newest: dict[str, Alive] = {}
