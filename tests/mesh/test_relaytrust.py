@@ -4,7 +4,12 @@ against what others measured, and relays judged by what reaches the nodes below 
 from __future__ import annotations
 
 from ciuic_p2p.config import MeshSection
-from ciuic_p2p.core.mesh.broadcast import DISTRUST_S, RELAY_MISSES, Disseminator
+from ciuic_p2p.core.mesh.broadcast import (
+    DISTRUST_S,
+    RELAY_MISSES,
+    RELAY_SETTLE_S,
+    Disseminator,
+)
 from ciuic_p2p.core.mesh.messages import Coordinate, Heads, LinkEntry, Links, Message, Want
 from ciuic_p2p.core.mesh.rttmap import DISTRUSTED_RTT_S, RttMap
 from tests.mesh.relayattack import relay_run
@@ -111,7 +116,7 @@ def test_a_relay_whose_copies_never_come_is_not_waited_for_nor_asked() -> None:
     others than it."""
     d = _child()
     d.handle(Message("relay", chunk("origin", 1, hops=1)), now=0.0)
-    now = 1.0
+    now = RELAY_SETTLE_S  # its relay since 0.0: long enough to be judged
     for seq in range(2, 2 + RELAY_MISSES):
         now = _repair(d, seq, now) + 2.0  # the relay's copy never comes
         d.handle_timer(now)
@@ -123,10 +128,33 @@ def test_a_relay_whose_copies_never_come_is_not_waited_for_nor_asked() -> None:
         asked_at = round(asked_at + 0.05, 2)
         d.handle_timer(asked_at)
         wants = [(p, m.body) for p, m in d.messages_to_send() if isinstance(m.body, Want)]
-    assert asked_at - now <= 0.06  # the next tick, not the repair wait
+    assert asked_at - now <= 0.11 < SETTINGS.repair_after_s  # a tick, not the repair wait
     assert all(p != "relay" for p, _ in wants)
     d.handle_timer(now + DISTRUST_S + 1.0)
     assert not d.distrusted  # its chance again
+
+
+def test_a_relay_is_not_judged_for_chunks_sent_while_the_trees_changed() -> None:
+    """While a new link state spreads, nodes briefly disagree on who relays to whom:
+    a chunk this node's new relay was never told to send is no miss of it. Only a
+    relay this node has had for ``RELAY_SETTLE_S`` before a chunk is judged for it."""
+    relays = iter(["old", *["new"] * 100])
+    d = Disseminator(
+        "me",
+        SETTINGS,
+        children=lambda origin, route, size: [],
+        live=lambda: ["me", "origin", "old", "new", "holder", "holder2"],
+        identities=identities("me", "origin"),
+        parent=lambda origin, route, size: next(relays),
+    )
+    d.handle(Message("old", chunk("origin", 1, hops=1)), now=0.0)
+    now = 10.0  # the trees changed: "new" is its relay from the next chunk on
+    for seq in range(2, 2 + RELAY_MISSES):
+        now = _repair(d, seq, now) + 0.3
+        d.handle_timer(now)
+    now += 2.0
+    d.handle_timer(now)
+    assert not d.distrusted
 
 
 def test_a_relay_whose_copies_come_late_after_its_own_repair_keeps_its_place() -> None:
@@ -134,7 +162,7 @@ def test_a_relay_whose_copies_come_late_after_its_own_repair_keeps_its_place() -
     copy comes after this node's repair, late, and that is not a miss."""
     d = _child()
     d.handle(Message("relay", chunk("origin", 1, hops=1)), now=0.0)
-    now = 1.0
+    now = RELAY_SETTLE_S  # its relay since 0.0: long enough to be judged
     for seq in range(2, 2 + 3 * RELAY_MISSES):
         now = _repair(d, seq, now)
         d.handle(Message("relay", chunk("origin", seq, hops=254)), now=now + 0.4)

@@ -144,6 +144,11 @@ LATE_RELAY_GRACE_S = 1.0
 """A repaired chunk's copy from its relay that comes within this (or twice the repair
 wait, if longer) is a late copy, not a miss: a relay whose own relay dropped the chunk
 repairs it and forwards it then."""
+RELAY_SETTLE_S = 3.0
+"""A relay is judged only for chunks it had been this node's relay for this long before
+they were known to exist: while trees change (a new link state spreading), nodes
+briefly disagree on who relays to whom, and a copy no one thought was theirs to send
+is no one's miss."""
 MAX_AWAITED = 4096
 """Repaired chunks whose relay's copy is awaited (the oldest judged first)."""
 
@@ -229,6 +234,8 @@ class Disseminator:
         """Repaired chunks whose relay's copy may still come: (relay, deadline)."""
         self._shape: dict[str, tuple[int, int]] = {}
         """Each origin's last chunk's route and size: whose copies its next ones owe."""
+        self._relay_since: dict[str, tuple[str | None, float]] = {}
+        """Each origin's relay to this node, as of its last chunk, and since when."""
         self._heads_turn = 0
         self._claims: dict[str, _Claim] = {}
         """Heads announced in a session no signed chunk has shown yet, by origin."""
@@ -438,8 +445,13 @@ class Disseminator:
         seq = chunk.seq
         since = log.known_at.get(seq)
         self._shape[chunk.origin] = (chunk.route, len(chunk.payload))
+        relay = self._expected_relay(chunk)
+        held = self._relay_since.get(chunk.origin)
+        if held is None or held[0] != relay:
+            self._relay_since[chunk.origin] = held = (relay, now)
         if chunk.hops == 255:
-            self._await_relay(chunk, now)
+            if relay is not None and since is not None and held[1] <= since - RELAY_SETTLE_S:
+                self._await_relay(chunk, relay, now)
             self.repaired += 1
             asked = log.requested_at.get(seq)
             if asked is not None and log.asks.get(seq) == 1 and log.asked_of.get(seq) == sender:
@@ -469,12 +481,9 @@ class Disseminator:
             relay = None
         return None if relay in (chunk.origin, self.node) else relay
 
-    def _await_relay(self, chunk: Chunk, now: float) -> None:
+    def _await_relay(self, chunk: Chunk, relay: str, now: float) -> None:
         """A repair came first: the relay's copy may still come (a late copy), or not
         (a miss, judged at the deadline)."""
-        relay = self._expected_relay(chunk)
-        if relay is None:
-            return
         grace = max(LATE_RELAY_GRACE_S, 2 * self.repair_wait_s(chunk.origin))
         self._awaited[(chunk.origin, chunk.seq)] = (relay, now + grace)
         while len(self._awaited) > MAX_AWAITED:
@@ -737,6 +746,7 @@ class Disseminator:
         self.logs.pop(origin, None)
         self._claims.pop(origin, None)
         self._shape.pop(origin, None)
+        self._relay_since.pop(origin, None)
         self._forget_repaired(origin)
         self._turn_left = min(self._turn_left, len(self.logs))  # a turn that can end
 
