@@ -16,7 +16,9 @@ every update it is delivered. Then, one after the other, bounded in count and ti
   (Alive of b at the liar's address), ``store_get_repeats`` (16 GETs naming one piece
   256 times each), ``huge_offers`` (two 512 MiB manifests to a fetch), ``made_up_members``
   (2,700 members without credentials), ``ping_req_reflection`` (probe requests and
-  Alives naming a third party's address), ``credit_bomb`` (a CREDIT of 2^63 bytes).
+  Alives naming a third party's address), ``credit_bomb`` (a CREDIT of 2^63 bytes),
+  ``certificate_flood`` (gossip frames of 174 fresh certificates each, from a pool of
+  5,000 that look like the cluster's, at a, 40 frames a second for 20 s).
 
 Printed, per attack and in all: ``daemons_running``, ``false_dead`` and ``false_suspect``
 (an honest node declared dead or suspected by an honest node, from the daemons' logs),
@@ -24,10 +26,15 @@ Printed, per attack and in all: ``daemons_running``, ``false_dead`` and ``false_
 ``rss_after_mb`` (``--settle-s`` after it, minus before), ``updates_missed`` (an update
 an honest trainer published during the attack and not delivered to both other honest
 trainers within 5 s of its end) and ``reflected_datagrams``; over the run,
-``audit_growth_mb_max`` (bytes added to a daemon's audit directory).
+``audit_growth_mb_max`` (bytes added to a daemon's audit directory). The certificate
+flood also gives ``flood_victim_core_fraction``: a's CPU time during the flood minus
+its CPU time in a window as long just before it, as a fraction of one core (the
+target is at most 0.25), and the p50 of the honest updates' delay to a's trainer in
+both windows (``victim_update_p50_ms``, ``baseline_update_p50_ms``).
 
     python bench/hostile.py --json            # the whole run, about 10 minutes
     python bench/hostile.py --json --quick    # smaller floods, 3 s settles (a smoke run)
+    python bench/hostile.py --json --only certificate_flood   # one attack (or several, a,b)
 """
 
 from __future__ import annotations
@@ -60,6 +67,7 @@ from ciuic_p2p.core.codec.chunk import Codec, parse_chunk  # noqa: E402
 from ciuic_p2p.core.link.frames import FrameType  # noqa: E402
 from ciuic_p2p.core.mesh.messages import (  # noqa: E402
     MAX_INCARNATION,
+    MAX_MESSAGE_BYTES,
     VERSION,
     Alive,
     Chunk,
@@ -69,6 +77,7 @@ from ciuic_p2p.core.mesh.messages import (  # noqa: E402
     PingReq,
     Suspect,
     encode_update,
+    update_size,
 )
 from ciuic_p2p.core.replica.messages import PayloadKind as TrainKind  # noqa: E402
 from ciuic_p2p.core.replica.messages import (  # noqa: E402
@@ -83,8 +92,10 @@ from ciuic_p2p.daemon.control import request  # noqa: E402
 from ciuic_p2p.identity import NodeKey, peer_id_of  # noqa: E402
 from ciuic_p2p.lab.cluster import LocalCluster  # noqa: E402
 from ciuic_p2p.train.channel import DaemonChannel  # noqa: E402
+from ciuic_p2p.transport.errors import TransportError  # noqa: E402
 from tests.hostile.attack import (  # noqa: E402
     Liar,
+    fresh_certificates,
     long_header,
     source_hosts,
 )
@@ -187,6 +198,17 @@ class RssSampler:
         self._thread.join(5)
 
 
+def cpu_s(pid: int) -> float:
+    """A process's CPU time (user and system), from /proc (Linux)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def median(values: list[float]) -> float | None:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2] if ordered else None
+
+
 def member_events(log: Path, honest: set[str]) -> list[tuple[float, str, str]]:
     """(time, event, peer) of every member_suspect / member_dead about an honest node."""
     out = []
@@ -246,8 +268,11 @@ def flood(target: tuple[str, int], datagrams: Callable[[int], bytes], count: int
 
 
 class Bench:
-    def __init__(self, workdir: Path, quick: bool, settle_s: float) -> None:
+    def __init__(
+        self, workdir: Path, quick: bool, settle_s: float, only: set[str] | None = None
+    ) -> None:
         self.quick = quick
+        self.only = only
         self.settle_s = settle_s
         self.cluster = LocalCluster(None, NAMES, workdir, config_toml=CONFIG)
         self.phases: list[Phase] = []
@@ -468,6 +493,59 @@ class Bench:
         phase.sent = 1
         await asyncio.sleep(3)
 
+    async def certificate_flood(self, phase: Phase) -> None:
+        liar = self._liar()
+        seconds = 5.0 if self.quick else 20.0
+        assert self.cluster.ca is not None
+        pool = await asyncio.to_thread(fresh_certificates, 5000, self.cluster.ca.cluster)
+        per_frame = (MAX_MESSAGE_BYTES - 256) // update_size(pool[0])
+        pid = self.cluster.daemons["a"].pid
+        # The same daemon, the same trainers, no flood: the baseline window.
+        t0, cpu0 = time.time(), cpu_s(pid)
+        await asyncio.sleep(seconds)
+        t1, cpu1 = time.time(), cpu_s(pid)
+        sent = dropped = 0
+        while time.time() < t1 + seconds:
+            start = (sent * per_frame) % len(pool)
+            try:
+                await liar.gossip("a", *(pool + pool)[start : start + per_frame])
+            except TransportError:  # a saturated victim acknowledges nothing: link again
+                liar.links.pop("a", None)
+                dropped += 1
+            sent += 1
+            await asyncio.sleep(max(0.0, t1 + sent / 40 - time.time()))
+        t2, cpu2 = time.time(), cpu_s(pid)
+        phase.sent = sent * per_frame
+        await asyncio.sleep(2)  # the last frames read
+        status = await asyncio.to_thread(self.status, "a")
+        flood = (cpu2 - cpu1) / (t2 - t1)
+        base = (cpu1 - cpu0) / (t1 - t0)
+        phase.notes.update(
+            frames=sent,
+            liar_links_dropped=dropped,
+            certificates_per_frame=per_frame,
+            victim_core_fraction=round(flood, 3),
+            baseline_core_fraction=round(base, 3),
+            flood_victim_core_fraction=round(flood - base, 3),
+            victim_update_p50_ms=self._update_p50_ms("a", t1, t2),
+            baseline_update_p50_ms=self._update_p50_ms("a", t0, t1),
+            credentials_at_a=status.get("credentials", {}),
+        )
+
+    def _update_p50_ms(self, name: str, start: float, end: float) -> float | None:
+        """The median delay of the others' updates published in [start, end] to
+        ``name``'s trainer."""
+        at = self.trainers[name]
+        delays = [
+            at.received[(t.peer, step)] - when
+            for other, t in self.trainers.items()
+            if other != name
+            for step, when in t.published.items()
+            if start <= when <= end and (t.peer, step) in at.received
+        ]
+        p50 = median(delays)
+        return None if p50 is None else round(p50 * 1000, 1)
+
     def _liar(self) -> Liar:
         assert self.liar is not None
         return self.liar
@@ -492,8 +570,10 @@ class Bench:
             self.fake_initials, self.unsupported_versions, self.idle_handshakes,
             self.accusations, self.heads_mute, self.forged_chunks, self.address_hijack,
             self.store_get_repeats, self.huge_offers, self.made_up_members,
-            self.ping_req_reflection, self.credit_bomb,
+            self.ping_req_reflection, self.credit_bomb, self.certificate_flood,
         ]  # fmt: skip
+        if self.only is not None:
+            attacks = [a for a in attacks if a.__name__ in self.only]
         try:
             for attack in attacks:
                 await self.run_phase(attack.__name__, attack)
@@ -507,6 +587,10 @@ class Bench:
         events = {n: member_events(c.state_dir(n) / "daemon.log", honest) for n in NAMES}
         rows = [self._row(p, sampler, events) for p in self.phases]
         audit = {n: (dir_bytes(c.state_dir(n) / "audit") - audit0[n]) / MiB for n in NAMES}
+        fractions = [
+            r["flood_victim_core_fraction"] for r in rows if "flood_victim_core_fraction" in r
+        ]
+        flood_fraction = fractions[0] if fractions else None
         c.stop()
         return {
             "daemons_running": running,
@@ -519,6 +603,7 @@ class Bench:
             "updates_missed": sum(r["updates_missed"] for r in rows),
             "updates_published_min": min(r["updates_published"] for r in rows),
             "reflected_datagrams": len(self.reflected),
+            "flood_victim_core_fraction": flood_fraction,
             "settle_s": self.settle_s,
             "quick": self.quick,
             "attacks": rows,
@@ -574,10 +659,12 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="floods a tenth, settles of 3 s")
     ap.add_argument("--settle-s", type=float, help="wait after each attack (30; quick: 3)")
     ap.add_argument("--keep", type=Path, help="keep the daemons' state and logs here")
+    ap.add_argument("--only", help="run only these attacks (names, comma-separated)")
     args = ap.parse_args()
     settle = args.settle_s if args.settle_s is not None else (3.0 if args.quick else 30.0)
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="ciuic-hostile-"))
-    bench = Bench(workdir, args.quick, settle)
+    only = None if args.only is None else set(args.only.split(","))
+    bench = Bench(workdir, args.quick, settle, only)
     result = asyncio.run(bench.run())
     result["machine"] = f"{os.cpu_count()} cores"
     if args.json:

@@ -235,3 +235,17 @@ class Liar:
     async def close(self) -> None:
         self.stop_reading()
         await self.transport.close()
+
+
+def fresh_certificates(count: int, cluster: str = "hostile-test") -> list[Credential]:
+    """``count`` credentials that look like the cluster's own: issued by a CA of the same
+    name (so their issuer matches, and only the signature check refuses them), each for
+    a key of its own whose peer ID it names. Each costs a member a full check."""
+    now = dt.datetime.now(dt.UTC)
+    forger = ClusterCA.create(cluster, now)
+    out = []
+    for _ in range(count):
+        key = NodeKey.generate()
+        der = forger.issue(key.public_key, now).public_bytes(serialization.Encoding.DER)
+        out.append(Credential(peer_id_of(key.public_key), der))
+    return out

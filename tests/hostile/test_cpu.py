@@ -21,16 +21,15 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from cryptography.hazmat.primitives import serialization
 
-from ciuic_p2p.admission import ClusterCA, Trust
+from ciuic_p2p.admission import Trust
 from ciuic_p2p.config import WebSection
 from ciuic_p2p.core.mesh.identities import CHECK_BURST, CHECKS_PER_S, Identities
-from ciuic_p2p.core.mesh.messages import MAX_MESSAGE_BYTES, Credential, update_size
+from ciuic_p2p.core.mesh.messages import MAX_MESSAGE_BYTES, update_size
 from ciuic_p2p.daemon.web import WebServer
 from ciuic_p2p.errors import AdmissionError
-from ciuic_p2p.identity import NodeKey, peer_id_of
-from tests.hostile.harness import NOW, HonestMesh, until
+from tests.hostile.attack import fresh_certificates
+from tests.hostile.harness import HonestMesh, until
 
 # -- the core: one sender's checks, on virtual time ------------------------------------------
 
@@ -119,18 +118,6 @@ class CountingTrust(Trust):
     def check_member(self, node: str, der: bytes, now: dt.datetime) -> bytes:
         self.checked.append(node)
         return super().check_member(node, der, now)
-
-
-def fresh_certificates(count: int) -> list[Credential]:
-    """``count`` certificates that look like the cluster's (a CA of the same name, a
-    subject that matches each key): each costs a full check to refuse."""
-    forger = ClusterCA.create("hostile-test", NOW)
-    out = []
-    for _ in range(count):
-        key = NodeKey.generate()
-        der = forger.issue(key.public_key, NOW).public_bytes(serialization.Encoding.DER)
-        out.append(Credential(peer_id_of(key.public_key), der))
-    return out
 
 
 @pytest.mark.network
