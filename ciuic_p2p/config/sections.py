@@ -564,7 +564,11 @@ class WebSection:
     """A request's headers must arrive within this, and an idle connection closes
     after it (a local user's half-open requests cannot pile up)."""
     max_connections: int = 64
-    """Connections open at once; past it, a new one is closed at once."""
+    """Connections open at once. Past it a new one closes the oldest half-open one (no
+    request being handled; one that sent part of a head first), and a new connection
+    opens up to twice as many while the others have not yet had 0.5 s to send their
+    head; only when none of them may be closed is a new one closed at once. One source
+    address holds at most half of it half-open (daemon.web)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -39,10 +39,12 @@ answers stay unread (its send buffer not drained) for that long is closed too. A
 head completed since they were made or last answered: a connection in the middle of a
 request is not) are bounded apart: one source address holds at most half of them, and
 a new connection past either bound closes the oldest half-open one (of that address,
-or of all) instead of being refused. Every local user shares 127.0.0.1, so a user who
-holds 64 half-finished requests, and opens a new one for each closed, only ever loses
-its own oldest: a whole request, which is sent at once, is answered (only when every
-connection is in the middle of a request is a new one closed at once). A user who
+or of all; one that sent part of a head first) instead of being refused. A connection
+that has sent nothing yet is not closed for ``FRESH_S`` (a client sends its head as
+soon as it is connected), and while none may be closed new ones open up to twice
+``web.max_connections``; past that a new one is closed at once. Every local user shares
+127.0.0.1, so a user who holds 64 half-finished requests, and opens a new one for each
+closed, only ever loses its own: a whole request, sent at once, is answered. A user who
 pipelines requests and never reads takes neither the page nor the daemon's file
 descriptors (the unit raises ``LimitNOFILE``).
 """
