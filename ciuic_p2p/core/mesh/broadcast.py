@@ -69,6 +69,16 @@ late; a repaired chunk's late copy is a sample only from the member that sends t
 origin's tree copies here, with its origin's signature; a holder's slow answers set
 the re-ask interval only of what was asked of it. What is left: a relay can hold the
 repairs of the origins it relays, below it, to ``repair_after_max_s``.
+
+Relays are judged by what reaches the nodes below them (issue 44: a member that made
+itself everyone's relay and forwarded nothing): a chunk this node had to repair whose
+copy from its relay (by its trees, or the plan the chunk carries) did not come within
+``LATE_RELAY_GRACE_S`` after is a miss of that relay; a copy from it is a hit. At
+``RELAY_MISSES`` of the last ``RELAY_OUTCOMES`` this node stops counting on it for
+``DISTRUST_S``: what it owes is asked for at once, of others, and the link from it is
+published far (core.mesh.rttmap), so every node's trees stop making it this node's
+relay. Only a relay this node has had for ``RELAY_SETTLE_S`` is judged (while a new
+link state spreads, nodes disagree on who relays to whom).
 """
 
 from __future__ import annotations
