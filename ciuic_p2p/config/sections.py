@@ -429,6 +429,30 @@ class TrainSection:
     chunks (of the same bucket) is refused: a faulty node cannot blow up the model."""
     norm_warmup_chunks: int = 10
     """Own chunks seen before the norm bound applies."""
+    influence_clip_ratio: float = 3.0
+    """One peer update (an origin, a step, a bucket) is taken at most at this times
+    the lower median of the running update norms of this replica and the origins it
+    hears: one member moves a replica by about its honest share, whatever it sends
+    (docs/concepts/security.md). 2 clipped honest synthetic updates in
+    tests/train/test_outer.py and left the replicas apart; 3 did not."""
+    influence_disagreement: float = 0.0
+    """An origin whose updates' running cosine with this replica's own recent updates
+    falls below zero loses weight, linearly, down to none at minus this (0: off, the
+    default until its cost on honest runs is measured: uncorrelated synthetic updates
+    lose weight under it)."""
+    influence_window_sends: int = 16
+    """The own updates the direction is taken from: the last one to two windows of
+    this many sends."""
+    set_aside_refusals: int = 32
+    """An origin whose payloads are refused this many times within
+    ``staleness_bound_steps`` steps is set aside (0: never)."""
+    set_aside_steps: int = 1000
+    """How long an origin is set aside, in this replica's steps: its payloads are
+    refused unread, it is not waited for, and the trainer logs how to revoke it."""
+    excused_twice_not_waited: bool = True
+    """A replica excused from the staleness bound twice is not waited for again (it
+    is still applied): a member cannot stall the run ``stall_grace_s`` at a time by
+    falling behind and catching up in a loop."""
     params_distance_max_ratio: float = 0.8
     """A peer's consensus fragment whose RMS distance from this replica's parameters
     exceeds this times their RMS is refused (parameters held against parameters: the

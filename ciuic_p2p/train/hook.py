@@ -414,7 +414,19 @@ class MeshSync:
                 self.layout_mismatch = str(exc)
                 log.error("layout_mismatch", step=r.step, error=str(exc))
                 return 0
-            log.warning("chunk_refused", step=r.step, reason=exc.reason, error=str(exc))
+            if exc.set_aside_until is not None:
+                log.error(
+                    "origin_set_aside",
+                    step=r.step,
+                    origin=exc.origin,
+                    until_step=exc.set_aside_until,
+                    error=str(exc),
+                    hint="a member refused again and again: if it is not a faulty "
+                    "version of ours, revoke it (ciuic-node ca revoke --dir CA_DIR "
+                    "ITS_CERT.pem, then hand revoked.pem to every node)",
+                )
+            elif exc.reason != "set_aside":  # counted; said once when it was set aside
+                log.warning("chunk_refused", step=r.step, reason=exc.reason, error=str(exc))
             return 0
 
     def _apply_early(self) -> None:
@@ -503,6 +515,9 @@ class MeshSync:
             "checkpoints_written": self.state.checkpoints_written,
             "other_runs": s.other_runs,
             "refused": dict(s.refused),
+            "clipped": s.clipped,
+            "weight_raised": s.weight_raised,
+            "set_aside": dict(s.set_aside),
             "last_refusal": s.last_refusal,
             "staleness_p50": s.staleness_quantile(0.5),
             "staleness_p99": s.staleness_quantile(0.99),

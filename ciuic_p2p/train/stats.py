@@ -33,6 +33,9 @@ class SyncStats(TypedDict):
     checkpoints_written: int
     other_runs: int
     refused: dict[str, int]
+    clipped: int
+    weight_raised: int
+    set_aside: dict[str, int]
     last_refusal: str
     staleness_p50: int
     staleness_p99: int
@@ -80,7 +83,13 @@ STATS_DOC: dict[str, str] = {
     "snapshots_sent": "state snapshots handed to the daemon for joiners",
     "checkpoints_written": "checkpoints written",
     "other_runs": "JOIN, GONE and DONE messages of other runs on the mesh, ignored",
-    "refused": "refused payloads by reason (`layout`, `range`, `norm`, `malformed`, ...)",
+    "refused": "refused payloads by reason (`layout`, `range`, `norm`, `malformed`, "
+    "`pace`, `set_aside`, ...)",
+    "clipped": "peer update chunks taken at less than their norm or weight (one origin's "
+    "influence bounded: docs/concepts/security.md)",
+    "weight_raised": "peer update chunks that claimed a smaller run than this replica "
+    "saw, weighted by what it saw",
+    "set_aside": "origins set aside after repeated refusals, and until which step of this replica",
     "last_refusal": "the last refusal's message",
     "staleness_p50": "median steps between a peer's update and this replica's step when "
     "it was applied",

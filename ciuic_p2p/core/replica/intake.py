@@ -6,7 +6,9 @@ then, between two steps, checks what does (the RMS bound against this replica's 
 updates, exactly once per origin, incarnation, step, bucket and range start), queues
 the values, and ``flush`` adds every queued chunk with two adds at positions per bucket.
 Every refusal names its reason (``other_run``, ``layout``, ``range``, ``malformed``,
-``duplicate``, ``norm``) and is counted; nothing changes before a payload is accepted.
+``duplicate``, ``norm``, ``pace``, ``set_aside``) and is counted; nothing changes
+before a payload is accepted. What an accepted update may weigh and move is bounded by
+what this replica knows, not by what the chunk says (core.replica.influence).
 JOIN, GONE and DONE of another run sharing the mesh are ignored and counted apart.
 """
 
@@ -25,6 +27,7 @@ from ciuic_p2p.core.codec.bucket import ChunkSource, decode_chunk
 from ciuic_p2p.core.codec.chunk import ChunkHeader, parse_chunk
 from ciuic_p2p.core.codec.layout import BucketLayout, describe_layout
 from ciuic_p2p.core.codec.origin import ReplayWindow
+from ciuic_p2p.core.replica.influence import InfluenceBound, PaceRefusal
 from ciuic_p2p.core.replica.messages import (
     PayloadKind,
     TrainWireError,
@@ -34,7 +37,7 @@ from ciuic_p2p.core.replica.messages import (
 )
 from ciuic_p2p.core.replica.outer import OuterStep
 from ciuic_p2p.core.replica.parameters import Fragment, Parameters
-from ciuic_p2p.core.replica.roster import Roster
+from ciuic_p2p.core.replica.roster import PeerState, Roster
 from ciuic_p2p.errors import CiuicError, CodecError, ReplayedChunkError
 
 STALENESS_BINS = 4096
@@ -50,6 +53,8 @@ class RefusedChunk(CiuicError):
         self.reason = reason
         self.origin = origin
         self.kind = kind
+        self.set_aside_until: int | None = None
+        """Set when this refusal set its origin aside (until this replica's step)."""
         """What was refused, when known (only refused updates count toward the
         origin's total at the end of a run)."""
 
@@ -91,6 +96,16 @@ class ReplicaStats:
     """JOIN, GONE and DONE of other runs on the same mesh, ignored."""
     refused: collections.Counter[str] = field(default_factory=collections.Counter)
     last_refusal: str = ""
+    clipped: int = 0
+    """Peer update chunks taken at less than their full norm or weight (the influence
+    bound: an update past the clip, an origin working against this replica's
+    direction)."""
+    weight_raised: int = 0
+    """Peer update chunks whose claimed replica count was below the replicas whose
+    updates of the steps before (within the staleness bound) reached this one,
+    weighted by that count instead."""
+    set_aside: dict[str, int] = field(default_factory=dict)
+    """Origins set aside after repeated refusals: until which of this replica's steps."""
     backoffs: int = 0
     """Times the backlog was over the high mark (interval doubled, density halved)."""
     residual_norm: float = 0.0
@@ -152,6 +167,9 @@ class Intake:
         self.outer = outer
         self._updates = ReplayWindow(window_steps=1 << 16)
         self._params = ReplayWindow(window_steps=1 << 16)
+        self.influence = InfluenceBound(
+            train, len(parameters.buckets), parameters.device, roster.me
+        )
         self.floors: dict[str, int] = {}
         """Per origin: update steps at or below this are in the restored state."""
 
@@ -161,9 +179,14 @@ class Intake:
 
     def chunk_weight(self, h: ChunkHeader) -> float:
         """The weight an update chunk gets here: the one its origin gave it (the same
-        in every replica, whoever counted a joiner or a death first), or this
-        replica's own when the chunk does not say."""
-        return 1.0 / h.replicas if h.replicas else self.weight
+        in every replica, whoever counted a joiner or a death first), but never more
+        than 1 over the replicas whose updates of the steps before it (within the
+        staleness bound) reached this one (a claim of a smaller run buys no larger
+        share); this replica's own when the chunk does not say. The origin weights its
+        own chunks the same way."""
+        if not h.replicas:
+            return self.weight
+        return 1.0 / max(h.replicas, self.influence.replicas_seen(h.step) - 1)
 
     def set_floors(self, applied: dict[str, int]) -> None:
         """Each origin's newest step in a restored state: its chunks up to there are
@@ -293,6 +316,11 @@ class Intake:
                 and exc.origin in self.roster.peers
             ):
                 self.roster.peers[exc.origin].refused += 1
+            counts = exc.reason not in ("duplicate", "set_aside", "other_run")
+            if counts and exc.origin and self.influence.refused(exc.origin, step):
+                until = step + self.train.set_aside_steps
+                self.stats.set_aside[exc.origin] = until
+                exc.set_aside_until = until
             raise
 
     def _apply(self, item: Prepared | RefusedChunk, step: int) -> None:
@@ -306,6 +334,14 @@ class Intake:
             self.roster.join(origin, item.step, item.ask, step)
             return
         state = self.roster.replica(origin)
+        if item.kind is not PayloadKind.DONE and self.influence.set_aside(origin, step):
+            raise RefusedChunk(
+                "set_aside",
+                f"{origin} is set aside after repeated refusals (until step "
+                f"{self.influence.origins[origin].aside_until})",
+                origin,
+                item.kind,
+            )
         if item.kind is PayloadKind.DONE:
             if state is not None:
                 state.done_at, state.chunks_sent = item.step, item.chunks
@@ -313,19 +349,29 @@ class Intake:
         h = item.header
         assert h is not None and item.values is not None
         if item.kind is PayloadKind.PARAMS:
-            mine = self._own_fragment(h)
-            if mine is None:
-                # We sent none at that step (joined since, skipped, or the peer's is
-                # older than the fragments we keep): nothing to compare it with, so it
-                # is not mixed. Holding it against our parameters of now instead
-                # refused honest late fragments (a peer 20 steps behind in outer mode).
-                self._check_once(self._params, origin, h)
-                self.stats.params_unmatched += 1
-                return
-            self._check_params(origin, h, item.values, mine)
+            self._apply_params(origin, h, item.values)
+        else:
+            self._apply_update(item, h, state, step)
+
+    def _apply_params(self, origin: str, h: ChunkHeader, values: torch.Tensor) -> None:
+        mine = self._own_fragment(h)
+        if mine is None:
+            # We sent none at that step (joined since, skipped, or the peer's is
+            # older than the fragments we keep): nothing to compare it with, so it
+            # is not mixed. Holding it against our parameters of now instead
+            # refused honest late fragments (a peer 20 steps behind in outer mode).
             self._check_once(self._params, origin, h)
-            self._mix(h, item.values, mine)
+            self.stats.params_unmatched += 1
             return
+        self._check_params(origin, h, values, mine)
+        self._check_once(self._params, origin, h)
+        self._mix(h, values, mine)
+
+    def _apply_update(
+        self, item: Prepared, h: ChunkHeader, state: PeerState | None, step: int
+    ) -> None:
+        origin, values = item.origin, item.values
+        assert values is not None
         ref = self.norms.rms[h.bucket]
         if (
             self.norms.count[h.bucket] >= self.train.norm_warmup_chunks
@@ -353,13 +399,36 @@ class Intake:
             if state is not None:
                 state.held_by_state += 1
             return
+        influence = self.influence
+        try:
+            influence.check_pace(origin, h.step, step)
+        except PaceRefusal as exc:
+            raise RefusedChunk(
+                "pace", f"chunk from {origin}: {exc}", origin, PayloadKind.UPDATE
+            ) from None
+        influence.take_step(origin, h.step)
+        if h.replicas and h.replicas < influence.replicas_seen(h.step) - 1:
+            self.stats.weight_raised += 1
         w = self.chunk_weight(h)
-        if self.outer is None:
-            self.parameters.add(h, item.positions, item.values, w)
-        else:
-            coefficient = self.outer.coefficient(h.step)
-            self.parameters.add(h, item.positions, item.values, w * coefficient)
-            self.outer.record(h.bucket, h.range_start, item.positions, item.values, w, h.step)
+        factor = influence.scale(
+            origin,
+            h.step,
+            h.bucket,
+            item.positions,
+            h.range_start,
+            values,
+            self.roster.mesh_alive,
+        )
+        if factor < 1.0:
+            self.stats.clipped += 1
+        w *= factor
+        if w > 0.0:
+            if self.outer is None:
+                self.parameters.add(h, item.positions, values, w)
+            else:
+                coefficient = self.outer.coefficient(h.step)
+                self.parameters.add(h, item.positions, values, w * coefficient)
+                self.outer.record(h.bucket, h.range_start, item.positions, values, w, h.step)
         if state is not None:
             state.step = max(state.step, h.step)
             state.applied_step = max(state.applied_step, h.step)

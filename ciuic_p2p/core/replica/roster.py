@@ -30,6 +30,8 @@ class PeerState:
     accounted for like applied ones (a late joiner waited for them forever at finish)."""
     reported: bool = False
     """It told its step (a JOIN) since it was registered here."""
+    excusals: int = 0
+    """Times it was excused; past two it is not waited for again (it is still applied)."""
     lagging: bool = False
     """Excused: past the staleness bound for longer than the grace; not waited for,
     and not waited for by settlement, until its chunks are back within the bound."""

@@ -303,8 +303,8 @@ class Replica:
             floor = min(
                 (
                     (p.step if p.done_at is None else max(p.step, p.done_at))
-                    for p in self.peers.values()
-                    if not p.lagging
+                    for name, p in self.peers.items()
+                    if not p.lagging and not self.intake.influence.set_aside(name, self.step)
                 ),
                 default=self.step,
             )
@@ -443,10 +443,16 @@ class Replica:
     def blocking(self) -> list[str]:
         """Live replicas more than the staleness bound behind this one's next step."""
         floor = self.step + 1 - self.train.staleness_bound_steps
+        twice = self.train.excused_twice_not_waited
+        influence = self.intake.influence
         return [
             name
             for name, p in self.peers.items()
-            if p.done_at is None and p.step < floor and not p.lagging
+            if p.done_at is None
+            and p.step < floor
+            and not p.lagging
+            and not (twice and p.excusals >= 2)
+            and not influence.set_aside(name, self.step)
         ]
 
     def excuse(self, names: Iterable[str]) -> None:
@@ -456,6 +462,7 @@ class Replica:
             p = self.peers.get(name)
             if p is not None and not p.lagging:
                 p.lagging = True
+                p.excusals += 1
                 self.stats.excused += 1
 
     def applied_steps(self) -> dict[str, int]:
@@ -538,6 +545,9 @@ class Replica:
 
     def _record_own(self, sent: SentChunk) -> None:
         h = sent.header
+        self.intake.influence.record_own(
+            h.bucket, h.step, sent.positions, h.range_start, sent.values
+        )
         w = self.chunk_weight(h)
         self._debts.append(
             (h.step, w, h.bucket, h.range_start, h.range_len, sent.positions, sent.values)

@@ -1,0 +1,364 @@
+"""How far one origin may move this replica: what a peer's update chunk may claim and
+weigh, judged by what this replica knows rather than by what the chunk says of itself.
+
+A member with a valid certificate can publish any well-formed chunk. Without these
+bounds one member destroyed every honest model within seconds by republishing the
+others' chunks sign-flipped, each claiming ``replicas = 1`` (weight 1 instead of 1/N)
+and a fresh step number (the replay window takes every new number). The bounds:
+
+- **Weight.** A chunk's claimed replica count is raised to one below the replicas
+  whose updates of the steps up to it (within ``staleness_bound_steps``) this replica
+  has taken, its own included: a claim of a smaller run buys no larger share than
+  1/(N-1). One below, because an honest origin counts a joiner (or a death) later
+  than the others see its updates, and a receiver that weighted its chunks
+  otherwise than the origin does would stay apart from it for good.
+- **Pace.** An origin's update steps are its own clock, so they are held to the run's:
+  a new step must lie within the staleness bound ahead of the run (the lower median of
+  the newest steps of this replica and the origins it has taken updates from, so one
+  origin cannot carry the window), within the bound behind the origin's own newest
+  (chunks may come out of order; no more), and at least one send interval away from
+  every step already taken from it. An origin therefore gets one update per send
+  interval of the run's progress, as an honest one sends.
+- **Norm.** Each update (one origin, one step, one bucket) is clipped to
+  ``influence_clip_ratio`` times the lower median, over the origins and this replica,
+  of their running update norms in that bucket (CenteredClip's idea with a robust
+  centre; the running norms are of what was taken, after clipping, so an origin cannot
+  raise its own reference). This replica's own updates count among them, so with one
+  honest peer and one liar the liar is held to this replica's own scale.
+- **Direction.** A bounded norm still lets a member spend its share against the run: a
+  sign-flipped copy of an honest update cancels it. Each update is compared with this
+  replica's own recent updates (the sum of its last sends, in a count sketch of
+  ``SKETCH_SIZE`` cells: a cosine estimate at O(k) per chunk with no dense buffer), and
+  an origin whose running agreement turns negative loses weight, down to none at
+  ``-influence_disagreement``. Honest replicas' updates agree on average (one loss,
+  data of one distribution); a flipped copy disagrees as much as the original agreed.
+  Off by default until measured on honest runs.
+- **Set aside.** An origin refused ``set_aside_refusals`` times within a window of
+  ``staleness_bound_steps`` steps is set aside for ``set_aside_steps`` steps: its
+  payloads are refused unread, and the caller says so (with how to revoke it).
+
+Pure: no clock (steps are this replica's), no I/O. The own updates are recorded from the
+encoder thread and read on the training thread: each field is replaced whole, and a
+read of a sketch being added to is an estimate either way.
+"""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import math
+from collections.abc import Container
+from dataclasses import dataclass, field
+
+import torch
+
+from ciuic_p2p.config.sections import TrainSection
+
+SKETCH_SIZE = 1 << 14
+"""Cells of the direction sketch per bucket: a cosine's estimate has a standard error
+of about 1/sqrt(SKETCH_SIZE) (0.008) on top of the true value."""
+_HASH_MULT = 0x9E3779B1
+"""Knuth's multiplicative hash: a position's cell and sign come from its product."""
+NORM_EMA = 0.1
+AGREEMENT_EMA = 0.1
+AGREEMENT_MIN_UPDATES = 4
+"""Updates of an origin seen before its agreement changes its weight."""
+
+
+class UpdateNorm:
+    """The running squared norm of one update in one bucket: an update spans several
+    chunks, so each update's total is folded into the mean when the next one starts."""
+
+    __slots__ = ("mean_sq", "step", "total_sq")
+
+    def __init__(self) -> None:
+        self.mean_sq: float | None = None
+        self.step = -1
+        self.total_sq = 0.0
+
+    def add(self, step: int, sq: float) -> None:
+        if step != self.step:
+            if self.step >= 0:
+                m = self.mean_sq
+                self.mean_sq = (
+                    self.total_sq if m is None else (1 - NORM_EMA) * m + NORM_EMA * self.total_sq
+                )
+            self.step, self.total_sq = step, 0.0
+        self.total_sq += sq
+
+    def value(self) -> float | None:
+        """The running mean, or the first update's total while it is the only one."""
+        if self.mean_sq is not None:
+            return self.mean_sq
+        return self.total_sq if self.step >= 0 else None
+
+
+@dataclass(slots=True)
+class OriginRecord:
+    """What this replica knows of one origin's updates (kept while it is a peer)."""
+
+    steps: set[int] = field(default_factory=set)
+    """Update steps taken from it, within the staleness bound of its newest."""
+    step_list: list[int] = field(default_factory=list)
+    """The same steps, sorted."""
+    newest: int = -1
+    norms: dict[int, UpdateNorm] = field(default_factory=dict)
+    """Per bucket: the running squared norm of one of its updates, as taken."""
+    taken_sq: dict[tuple[int, int], float] = field(default_factory=dict)
+    """(step, bucket) -> squared norm of what was taken of that update so far."""
+    agreement: float = 0.0
+    updates_seen: int = 0
+    refusals: collections.deque[int] = field(default_factory=collections.deque)
+    """This replica's steps at its recent refusals."""
+    aside_until: int = -1
+    clipped: int = 0
+    """Chunks taken at less than their full norm."""
+    weight_raised: int = 0
+    """Chunks whose claimed replica count was raised."""
+
+
+class DirectionSketch:
+    """This replica's recent updates, summed, in a count sketch per bucket: the
+    current window and the one before (each spans ``window`` own sends)."""
+
+    def __init__(self, buckets: int, device: torch.device, window: int) -> None:
+        self.window = max(1, window)
+        self.cells = [torch.zeros(2, SKETCH_SIZE, device=device) for _ in range(buckets)]
+        self.sends = [0] * buckets
+
+    def add(
+        self, bucket: int, positions: torch.Tensor | None, start: int, values: torch.Tensor
+    ) -> None:
+        sends = self.sends[bucket] + 1
+        self.sends[bucket] = sends
+        cells = self.cells[bucket]
+        if sends % self.window == 0:  # the older window goes, the current becomes it
+            cells[1].copy_(cells[0])
+            cells[0].zero_()
+        index, sign = _cells(positions, start, values)
+        cells[0].index_add_(0, index, values.float() * sign)
+
+    def cosine(
+        self, bucket: int, positions: torch.Tensor | None, start: int, values: torch.Tensor
+    ) -> float | None:
+        """The estimated cosine between these values and the recent own updates; None
+        when there are none yet."""
+        if self.sends[bucket] == 0:
+            return None
+        own = self.cells[bucket].sum(0)
+        own_norm = float(torch.linalg.vector_norm(own))
+        if own_norm == 0.0:
+            return None
+        index, sign = _cells(positions, start, values)
+        theirs = torch.zeros_like(own).index_add_(0, index, values.float() * sign)
+        norm = float(torch.linalg.vector_norm(theirs))
+        if norm == 0.0 or not math.isfinite(norm):
+            return None
+        return float(torch.dot(own, theirs)) / (own_norm * norm)
+
+
+def _cells(
+    positions: torch.Tensor | None, start: int, values: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if positions is None:
+        at = torch.arange(start, start + values.numel(), device=values.device, dtype=torch.int64)
+    else:
+        at = positions.to(torch.int64) + start
+    h = (at * _HASH_MULT) & 0xFFFFFFFF
+    index = (h >> 8) % SKETCH_SIZE
+    sign = ((h & 1) * 2 - 1).to(torch.float32)
+    return index, sign
+
+
+def _insert_step(steps: list[int], step: int, bound: int) -> None:
+    """Insert ``step`` in the sorted ``steps``, dropping those past ``bound`` behind the
+    newest."""
+    i = bisect.bisect_left(steps, step)
+    if i < len(steps) and steps[i] == step:
+        return
+    steps.insert(i, step)
+    cut = bisect.bisect_left(steps, steps[-1] - bound)
+    if cut:
+        del steps[:cut]
+
+
+def _any_within(steps: list[int], lo: int, hi: int) -> bool:
+    i = bisect.bisect_left(steps, lo)
+    return i < len(steps) and steps[i] <= hi
+
+
+class PaceRefusal(Exception):
+    """An update step this replica cannot vouch for (the reason's text)."""
+
+
+class InfluenceBound:
+    """The bounds of the module docstring for one replica."""
+
+    def __init__(self, train: TrainSection, buckets: int, device: torch.device, me: str) -> None:
+        self.train = train
+        self.me = me
+        self.min_gap = max(
+            1, train.inner_steps if train.mode == "outer" else train.send_interval_steps
+        )
+        self.origins: dict[str, OriginRecord] = {}
+        self.own_norms: dict[int, UpdateNorm] = {}
+        self.sketch = DirectionSketch(buckets, device, train.influence_window_sends)
+        self.own_steps: list[int] = []
+        """This replica's own update steps, sorted, within the bound of the newest."""
+
+    # -- this replica's own side ----------------------------------------------------------
+
+    def record_own(
+        self,
+        bucket: int,
+        step: int,
+        positions: torch.Tensor | None,
+        start: int,
+        values: torch.Tensor,
+    ) -> None:
+        """One own sent chunk (encoder thread)."""
+        _insert_step(self.own_steps, step, self.train.staleness_bound_steps)
+        flat = values.float()
+        self.own_norms.setdefault(bucket, UpdateNorm()).add(step, float(torch.dot(flat, flat)))
+        self.sketch.add(bucket, positions, start, values)
+
+    def replicas_seen(self, step: int) -> int:
+        """Replicas whose updates of steps within the staleness bound up to ``step``
+        this replica has taken (its own included): what a chunk of ``step`` may not
+        claim fewer than. Replicas learn of a joiner at different moments, so only
+        updates seen count, never the roster; a replica that died still counts for
+        the bound's span after its last update, everywhere alike."""
+        lo = step - self.train.staleness_bound_steps
+        seen = int(_any_within(self.own_steps, lo, step))
+        for rec in self.origins.values():
+            seen += _any_within(rec.step_list, lo, step)
+        return seen
+
+    # -- an origin's updates --------------------------------------------------------------
+
+    def record(self, origin: str) -> OriginRecord:
+        rec = self.origins.get(origin)
+        if rec is None:
+            rec = self.origins[origin] = OriginRecord()
+        return rec
+
+    def forget(self, origin: str) -> None:
+        self.origins.pop(origin, None)
+
+    def set_aside(self, origin: str, step: int) -> bool:
+        rec = self.origins.get(origin)
+        return rec is not None and step < rec.aside_until
+
+    def refused(self, origin: str, step: int) -> bool:
+        """Count a refusal of ``origin``'s payload at this replica's ``step``; True
+        when this one sets it aside."""
+        rec = self.record(origin)
+        window = self.train.staleness_bound_steps
+        rec.refusals.append(step)
+        while rec.refusals and rec.refusals[0] <= step - window:
+            rec.refusals.popleft()
+        limit = self.train.set_aside_refusals
+        if limit > 0 and len(rec.refusals) >= limit and step >= rec.aside_until:
+            rec.aside_until = step + self.train.set_aside_steps
+            rec.refusals.clear()
+            return True
+        return False
+
+    def run_front(self, own_step: int) -> int:
+        """The run's newest step as this replica can vouch for it: the lower median of
+        its own step and the newest update step of each origin taken from."""
+        steps = sorted([own_step, *(r.newest for r in self.origins.values() if r.newest >= 0)])
+        return steps[(len(steps) - 1) // 2]
+
+    def check_pace(self, origin: str, step: int, own_step: int) -> None:
+        """Raise :class:`PaceRefusal` for an update step this replica cannot vouch for."""
+        rec = self.origins.get(origin)
+        if rec is not None and step in rec.steps:
+            return  # another chunk of an update already taken
+        bound = self.train.staleness_bound_steps
+        front = (
+            self.run_front(own_step) + bound + (self.min_gap if self.train.mode == "outer" else 0)
+        )
+        if step > front:
+            raise PaceRefusal(f"step {step} is past the run's window (up to {front})")
+        if rec is None or rec.newest < 0:
+            return
+        if step < rec.newest - bound:
+            raise PaceRefusal(
+                f"step {step} is more than the staleness bound behind its newest {rec.newest}"
+            )
+        near = [s for s in rec.steps if abs(s - step) < self.min_gap]
+        if near:
+            raise PaceRefusal(
+                f"step {step} is within one send interval ({self.min_gap}) of its step {near[0]}"
+            )
+
+    def take_step(self, origin: str, step: int) -> None:
+        rec = self.record(origin)
+        if step in rec.steps:
+            return
+        rec.steps.add(step)
+        rec.newest = max(rec.newest, step)
+        _insert_step(rec.step_list, step, self.train.staleness_bound_steps)
+        floor = rec.newest - self.train.staleness_bound_steps
+        if len(rec.steps) > len(rec.step_list):
+            rec.steps = set(rec.step_list)
+            rec.taken_sq = {k: v for k, v in rec.taken_sq.items() if k[0] >= floor}
+
+    def reference_sq(self, bucket: int, alive: Container[str]) -> float | None:
+        """The lower median of the running squared norms of one update in ``bucket``
+        over this replica and the origins ``alive``; None while nothing is known."""
+        found = [
+            r.norms[bucket].value()
+            for name, r in self.origins.items()
+            if bucket in r.norms and name in alive
+        ]
+        own = self.own_norms.get(bucket)
+        found.append(None if own is None else own.value())
+        norms = sorted(v for v in found if v is not None)
+        return norms[(len(norms) - 1) // 2] if norms else None
+
+    def scale(
+        self,
+        origin: str,
+        step: int,
+        bucket: int,
+        positions: torch.Tensor | None,
+        start: int,
+        values: torch.Tensor,
+        alive: Container[str],
+    ) -> float:
+        """The factor (0 to 1) this chunk's values are taken at: its update's norm
+        clipped against the reference, times its origin's agreement weight. Records
+        what was taken."""
+        rec = self.record(origin)
+        flat = values.float()
+        sq = float(torch.dot(flat, flat))
+        key = (step, bucket)
+        before = rec.taken_sq.get(key, 0.0)
+        factor = 1.0
+        ref = self.reference_sq(bucket, alive)
+        if ref is not None:
+            room = max(0.0, self.train.influence_clip_ratio**2 * ref - before)
+            if sq > room:
+                factor = math.sqrt(room / sq) if sq > 0.0 else 0.0
+                rec.clipped += 1
+        taken = factor * factor * sq
+        rec.taken_sq[key] = before + taken
+        if before == 0.0:
+            rec.updates_seen += 1
+        rec.norms.setdefault(bucket, UpdateNorm()).add(step, taken)
+        cos = self.sketch.cosine(bucket, positions, start, values)
+        if cos is not None:
+            rec.agreement = (1 - AGREEMENT_EMA) * rec.agreement + AGREEMENT_EMA * cos
+        return factor * self.agreement_weight(rec)
+
+    def agreement_weight(self, rec: OriginRecord) -> float:
+        """1 while an origin agrees with this replica's direction on average, falling to
+        0 at ``-influence_disagreement``."""
+        if rec.updates_seen < AGREEMENT_MIN_UPDATES or rec.agreement >= 0.0:
+            return 1.0
+        band = self.train.influence_disagreement
+        if band <= 0.0:
+            return 1.0
+        return max(0.0, 1.0 + rec.agreement / band)

@@ -1,0 +1,150 @@
+"""A member's trainer against the update rule (core.replica.influence): three honest
+replicas and one member that publishes what it likes, chunks well formed and signed
+by itself. Replicas hand each other payloads directly, seeded, with no network; each
+attack runs beside the same run without the member, and the honest replica is held
+against that clean twin."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from ciuic_p2p.config import TrainSection
+from ciuic_p2p.core.replica.messages import PayloadKind, encode_presence, run_id_of
+from ciuic_p2p.core.replica.rule import RefusedChunk, Replica
+from tests.train.test_replica import TRAIN, replica
+
+HONEST = ("p0", "p1", "p2")
+LIAR = "p3"
+STEPS = 40
+
+
+def _flat(r: Replica) -> torch.Tensor:
+    return torch.cat([b.detach().flatten().clone() for b in r.buckets])
+
+
+def _introduce(reps: list[Replica], names: list[str]) -> None:
+    for r in reps:
+        r.set_alive(names)
+        for other in names:
+            if other != r.peer:
+                r.receive(other, encode_presence(PayloadKind.JOIN, run_id_of("run")))
+
+
+def _progress(r: Replica, direction: torch.Tensor, gen: torch.Generator) -> None:
+    """An optimizer's step: the run's shared direction plus this replica's own noise."""
+    with torch.no_grad():
+        at = 0
+        for b in r.buckets:
+            n = b.numel()
+            b.add_((direction[at : at + n] + 0.5 * torch.randn(n, generator=gen)).view_as(b) * 0.01)
+            at += n
+
+
+def _run(attack: str | None, train: TrainSection = TRAIN) -> tuple[Replica, Replica]:
+    """Run the honest replicas (and the liar, when ``attack``); the first honest one."""
+    gen = torch.Generator().manual_seed(5)
+    honest = [replica(i, train=train) for i in range(3)]
+    liar = replica(3, train=train)
+    names = [*HONEST, LIAR] if attack else list(HONEST)
+    _introduce([*honest, liar] if attack else honest, names)
+    direction = torch.randn(_flat(honest[0]).numel(), generator=gen)
+    fresh = 0  # a fresh step number for every update, from the run's start on
+    for _ in range(STEPS):
+        sent: list[tuple[str, bytes]] = []
+        for r in honest:
+            _progress(r, direction, gen)
+            if r.local_step():
+                sent += [(r.peer, p) for p in r.encode_update(r.take_update(), r.step)]
+        if attack:
+            liar.local_step()
+            for _copy in range(5):  # fresh step numbers, many per honest step
+                fresh += 1
+                with torch.no_grad():
+                    at = 0
+                    for b in liar.buckets:
+                        n = b.numel()
+                        if attack == "flip":  # the others' progress, sign-flipped x5
+                            push = -5.0 * direction[at : at + n] * 0.01
+                        else:  # one fixed direction, x10
+                            push = 10.0 * torch.ones(n) * 0.01
+                        b.add_(push.view_as(b))
+                        at += n
+                taken = liar.take_update()
+                sent += [(LIAR, p) for p in liar.encode_update(taken, fresh, replicas=1)]
+        for r in honest:
+            for origin, p in sent:
+                if origin != r.peer:
+                    with contextlib.suppress(RefusedChunk):
+                        r.receive(origin, p)
+            r.settle()
+    return honest[0], liar
+
+
+def _moved_by_liar(attack: str, train: TrainSection = TRAIN) -> tuple[float, Replica]:
+    clean, _ = _run(None, train)
+    attacked, _ = _run(attack, train)
+    start = _flat(replica(0, train=train))
+    progress = float((_flat(clean) - start).norm())
+    return float((_flat(attacked) - _flat(clean)).norm()) / progress, attacked
+
+
+def test_sign_flipped_copies_claiming_a_run_of_one_and_fresh_steps_move_a_replica_its_share() -> (
+    None
+):
+    moved, attacked = _moved_by_liar("flip")
+    assert torch.isfinite(_flat(attacked)).all()
+    # Unbounded, the member's 200 updates at weight 1 moved the replica ~100x the
+    # run's whole progress; bounded, it gets one update per step at about its share.
+    assert moved < 1.5, moved
+    assert attacked.stats.refused["pace"] > 0
+    assert attacked.stats.weight_raised > 0
+    assert attacked.stats.clipped > 0
+
+
+def test_a_fixed_direction_pushed_at_ten_times_moves_a_replica_its_share() -> None:
+    moved, attacked = _moved_by_liar("push")
+    assert torch.isfinite(_flat(attacked)).all()
+    assert moved < 1.5, moved
+
+
+def test_an_origin_working_against_the_run_loses_its_weight_where_asked() -> None:
+    train = dataclasses.replace(TRAIN, influence_disagreement=0.1)
+    attacked_moved, attacked = _moved_by_liar("flip", train)
+    bound = attacked.intake.influence
+    liar_weight = bound.agreement_weight(bound.origins[LIAR])
+    honest_weights = [bound.agreement_weight(bound.origins[p]) for p in HONEST[1:]]
+    assert liar_weight == 0.0, bound.origins[LIAR].agreement
+    assert honest_weights == [1.0, 1.0]
+    assert attacked_moved < _moved_by_liar("flip")[0]
+
+
+def test_an_origin_refused_again_and_again_is_set_aside() -> None:
+    train = dataclasses.replace(TRAIN, set_aside_refusals=8, set_aside_steps=100)
+    r = replica(0, train=train)
+    _introduce([r], ["p0", LIAR])
+    liar = replica(3, train=train)
+    for _ in range(4):  # this replica's own updates: the norm bound's reference
+        with torch.no_grad():
+            for b in r.buckets:
+                b.add_(0.01)
+        r.local_step()
+        r.encode_update(r.take_update(), r.step)
+    with torch.no_grad():
+        for b in liar.buckets:
+            b.add_(1e4)  # far over update_norm_max_ratio
+    payloads = liar.encode_update(liar.take_update(), 1)
+    reasons = []
+    for step in range(12):
+        for p in payloads:
+            try:
+                r.receive(LIAR, p)
+            except RefusedChunk as exc:
+                reasons.append(exc.reason)
+        r.local_step()
+        payloads = liar.encode_update(liar.take_update(), 100 + step)
+    assert "norm" in reasons and "set_aside" in reasons
+    assert LIAR in r.stats.set_aside
+    assert LIAR not in r.blocking()
