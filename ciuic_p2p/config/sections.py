@@ -429,12 +429,14 @@ class TrainSection:
     chunks (of the same bucket) is refused: a faulty node cannot blow up the model."""
     norm_warmup_chunks: int = 10
     """Own chunks seen before the norm bound applies."""
-    influence_clip_ratio: float = 3.0
+    influence_clip_ratio: float = 8.0
     """One peer update (an origin, a step, a bucket) is taken at most at this times
     the lower median of the running update norms of this replica and the origins it
     hears: one member moves a replica by about its honest share, whatever it sends
-    (docs/concepts/security.md). 2 clipped honest synthetic updates in
-    tests/train/test_outer.py and left the replicas apart; 3 did not."""
+    (docs/concepts/security.md). An update that merged k steps is held to k times
+    that. 2 and 3 clipped honest updates (synthetic ones in tests/train/test_outer.py,
+    torchrun's two ranks per node in tests/train/test_localranks.py) and left the
+    replicas apart; 8 did not."""
     influence_disagreement: float = 0.0
     """An origin whose updates' running cosine with this replica's own recent updates
     falls below zero loses weight, linearly, down to none at minus this (0: off, the

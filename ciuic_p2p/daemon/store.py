@@ -204,16 +204,16 @@ class StoreService:
         raise StoreError(fetch.error or f"nobody holds {name!r}")
 
     async def get_any(
-        self, name: str, min_version: int = 0, writer: str | None = None
+        self, name: str, min_version: int = 0, writer: str | None = None, patient: bool = True
     ) -> tuple[bytes, Fetch]:
         """``name`` as a user asks for it: of ``writer`` (a peer ID or a member's node
         name, see :meth:`writer_of`) if given; else this node's own version, else the
         newest of any writer. ``fetch.writer`` says whose it is."""
         if writer:
-            return await self.get(name, min_version, writer=self.writer_of(writer))
+            return await self.get(name, min_version, writer=self.writer_of(writer), patient=patient)
         with contextlib.suppress(StoreError):
             return await self.get(name, min_version, writer=self.writer, patient=False)
-        return await self.get(name, min_version)
+        return await self.get(name, min_version, patient=patient)
 
     def writer_of(self, who: str) -> str:
         """The peer ID of ``who``: a peer ID, a member's node name, or "self"."""

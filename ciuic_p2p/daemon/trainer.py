@@ -479,7 +479,8 @@ class TrainerServer:
                 raise StoreError("GET's writers are not a list of peer IDs")
             if name != self.state_name and not writer and allowed is None:
                 # A user's object: this node's own version, else the newest of any.
-                data, fetch = await self.store.get_any(name, min_version)
+                patient = bool(request.get("patient", True))
+                data, fetch = await self.store.get_any(name, min_version, patient=patient)
             else:
                 data, fetch = await self.store.get(
                     name,

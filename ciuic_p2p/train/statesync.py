@@ -86,7 +86,9 @@ class StateKeeper:
 
     def _window(self) -> RunWindow | None:
         announced = {k: p.step for k, p in self.replica.peers.items()}
-        return run_window(announced, self.config.train.staleness_bound_steps)
+        bound = self.config.train.staleness_bound_steps
+        behind = max(bound, self.config.store.state_version_slack_steps)
+        return run_window(announced, bound, behind)
 
     def _ask_state(self, writers: set[str], held_ok: bool) -> int:
         """Ask the daemon for a state of the run written by one of ``writers``, no

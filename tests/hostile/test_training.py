@@ -96,9 +96,10 @@ def test_sign_flipped_copies_claiming_a_run_of_one_and_fresh_steps_move_a_replic
 ):
     moved, attacked = _moved_by_liar("flip")
     assert torch.isfinite(_flat(attacked)).all()
-    # Unbounded, the member's 200 updates at weight 1 moved the replica ~100x the
-    # run's whole progress; bounded, it gets one update per step at about its share.
-    assert moved < 1.5, moved
+    # Unbounded, the member's 200 updates at weight 1 moved the replica 24x the run's
+    # whole progress; bounded, one update per step at most influence_clip_ratio (8)
+    # times an honest one's norm, at weight 1/3: about 2x.
+    assert moved < 3.0, moved
     assert attacked.stats.refused["pace"] > 0
     assert attacked.stats.weight_raised > 0
     assert attacked.stats.clipped > 0
@@ -107,7 +108,7 @@ def test_sign_flipped_copies_claiming_a_run_of_one_and_fresh_steps_move_a_replic
 def test_a_fixed_direction_pushed_at_ten_times_moves_a_replica_its_share() -> None:
     moved, attacked = _moved_by_liar("push")
     assert torch.isfinite(_flat(attacked)).all()
-    assert moved < 1.5, moved
+    assert moved < 3.0, moved  # 47x unbounded
 
 
 def test_an_origin_working_against_the_run_loses_its_weight_where_asked() -> None:

@@ -81,7 +81,7 @@ def _ledger(sync: MeshSync) -> dict[str, object]:
     s: dict[str, object] = dict(sync.stats)
     keys = ("peer", "step", "start_step", "applied_by_origin", "held_by_state_by_origin",
             "refused_by_origin", "sent_by_origin", "chunks_sent", "residual_norm",
-            "excused", "restored")  # fmt: skip
+            "excused", "restored", "clipped", "weight_raised", "refused")  # fmt: skip
     return {k: s[k] for k in keys}
 
 

@@ -66,31 +66,33 @@ AGREEMENT_MIN_UPDATES = 4
 
 
 class UpdateNorm:
-    """The running squared norm of one update in one bucket: an update spans several
-    chunks, so each update's total is folded into the mean when the next one starts."""
+    """The running squared norm of one update in one bucket, per step it covers: an
+    update spans several chunks, so each update's total is folded into the mean when
+    the next one starts; an update that merged k steps (a back-off, a round) counts
+    its norm over k, as correlated steps add up."""
 
-    __slots__ = ("mean_sq", "step", "total_sq")
+    __slots__ = ("covered", "mean_sq", "step", "total_sq")
 
     def __init__(self) -> None:
         self.mean_sq: float | None = None
         self.step = -1
         self.total_sq = 0.0
+        self.covered = 1
 
-    def add(self, step: int, sq: float) -> None:
+    def add(self, step: int, sq: float, covered: int) -> None:
         if step != self.step:
             if self.step >= 0:
+                per_step = self.total_sq / self.covered**2
                 m = self.mean_sq
-                self.mean_sq = (
-                    self.total_sq if m is None else (1 - NORM_EMA) * m + NORM_EMA * self.total_sq
-                )
-            self.step, self.total_sq = step, 0.0
+                self.mean_sq = per_step if m is None else (1 - NORM_EMA) * m + NORM_EMA * per_step
+            self.step, self.total_sq, self.covered = step, 0.0, max(1, covered)
         self.total_sq += sq
 
     def value(self) -> float | None:
-        """The running mean, or the first update's total while it is the only one."""
+        """The running mean per step, or the first update's while it is the only one."""
         if self.mean_sq is not None:
             return self.mean_sq
-        return self.total_sq if self.step >= 0 else None
+        return self.total_sq / self.covered**2 if self.step >= 0 else None
 
 
 @dataclass(slots=True)
@@ -217,9 +219,11 @@ class InfluenceBound:
         values: torch.Tensor,
     ) -> None:
         """One own sent chunk (encoder thread)."""
+        covered = self._covered(self.own_steps, step)
         _insert_step(self.own_steps, step, self.train.staleness_bound_steps)
         flat = values.float()
-        self.own_norms.setdefault(bucket, UpdateNorm()).add(step, float(torch.dot(flat, flat)))
+        norm = self.own_norms.setdefault(bucket, UpdateNorm())
+        norm.add(step, float(torch.dot(flat, flat)), covered)
         self.sketch.add(bucket, positions, start, values)
 
     def replicas_seen(self, step: int) -> int:
@@ -287,11 +291,6 @@ class InfluenceBound:
             raise PaceRefusal(
                 f"step {step} is more than the staleness bound behind its newest {rec.newest}"
             )
-        near = [s for s in rec.steps if abs(s - step) < self.min_gap]
-        if near:
-            raise PaceRefusal(
-                f"step {step} is within one send interval ({self.min_gap}) of its step {near[0]}"
-            )
 
     def take_step(self, origin: str, step: int) -> None:
         rec = self.record(origin)
@@ -338,8 +337,10 @@ class InfluenceBound:
         before = rec.taken_sq.get(key, 0.0)
         factor = 1.0
         ref = self.reference_sq(bucket, alive)
+        covered = self._covered(rec.step_list, step)
         if ref is not None:
-            room = max(0.0, self.train.influence_clip_ratio**2 * ref - before)
+            cap = self.train.influence_clip_ratio**2 * ref * covered**2
+            room = max(0.0, cap - before)
             if sq > room:
                 factor = math.sqrt(room / sq) if sq > 0.0 else 0.0
                 rec.clipped += 1
@@ -347,11 +348,24 @@ class InfluenceBound:
         rec.taken_sq[key] = before + taken
         if before == 0.0:
             rec.updates_seen += 1
-        rec.norms.setdefault(bucket, UpdateNorm()).add(step, taken)
+        rec.norms.setdefault(bucket, UpdateNorm()).add(step, taken, covered)
         cos = self.sketch.cosine(bucket, positions, start, values)
         if cos is not None:
             rec.agreement = (1 - AGREEMENT_EMA) * rec.agreement + AGREEMENT_EMA * cos
         return factor * self.agreement_weight(rec)
+
+    def _covered(self, steps: list[int], step: int) -> int:
+        """The steps an update of ``step`` covers: since the one before it in
+        ``steps`` (one send interval for a first), at most the longest merge an honest
+        replica makes (its ``max_send_interval_steps``, or a round)."""
+        i = bisect.bisect_left(steps, step)
+        gap = step - steps[i - 1] if i > 0 else self.min_gap
+        longest = (
+            self.train.inner_steps
+            if self.train.mode == "outer"
+            else self.train.max_send_interval_steps
+        )
+        return max(1, min(gap, longest))
 
     def agreement_weight(self, rec: OriginRecord) -> float:
         """1 while an origin agrees with this replica's direction on average, falling to

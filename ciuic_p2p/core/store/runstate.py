@@ -37,13 +37,19 @@ class RunWindow:
     bound: int
 
 
-def run_window(announced: Mapping[str, int], bound: int) -> RunWindow | None:
-    """The window of the replicas' announced steps (None: no replica announced one)."""
+def run_window(
+    announced: Mapping[str, int], bound: int, behind: int | None = None
+) -> RunWindow | None:
+    """The window of the replicas' announced steps (None: no replica announced one):
+    ``bound`` ahead of the run, ``behind`` (default ``bound``) behind it. A state
+    behind the run is no lever (the joiner takes the chunks since, held for it; a
+    restarted daemon's prefetched state is that), one ahead of it is."""
     if not announced:
         return None
     steps = sorted(announced.values())
     step = steps[(len(steps) - 1) // 2]
-    return RunWindow(step, max(0, step - bound), step + bound, dict(announced), bound)
+    low = max(0, step - (bound if behind is None else behind))
+    return RunWindow(step, low, step + bound, dict(announced), bound)
 
 
 def state_refusal(window: RunWindow, version: int, applied: object) -> str | None:
