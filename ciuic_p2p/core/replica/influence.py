@@ -16,9 +16,9 @@ and a fresh step number (the replay window takes every new number). The bounds:
   a new step must lie within the staleness bound ahead of the run (the lower median of
   the newest steps of this replica and the origins it has taken updates from, so one
   origin cannot carry the window), within the bound behind the origin's own newest
-  (chunks may come out of order; no more), and at least one send interval away from
-  every step already taken from it. An origin therefore gets one update per send
-  interval of the run's progress, as an honest one sends.
+  (chunks may come out of order; no more). An origin therefore gets at most one
+  update per step of the run's progress (a final send may follow the last by one step,
+  so no wider gap is asked), each held to its norm per step covered below.
 - **Norm.** Each update (one origin, one step, one bucket) is clipped to
   ``influence_clip_ratio`` times the lower median, over the origins and this replica,
   of their running update norms in that bucket (CenteredClip's idea with a robust
