@@ -15,10 +15,11 @@ and a fresh step number (the replay window takes every new number). The bounds:
 - **Pace.** An origin's update steps are its own clock, so they are held to the run's:
   a new step must lie within the staleness bound ahead of the run (the lower median of
   the newest steps of this replica and the origins it has taken updates from, so one
-  origin cannot carry the window), within the bound behind the origin's own newest
-  (chunks may come out of order; no more). An origin therefore gets at most one
-  update per step of the run's progress (a final send may follow the last by one step,
-  so no wider gap is asked), each held to its norm per step covered below.
+  origin cannot carry the window), and each step is taken once. An origin therefore
+  gets at most one update per step of the run's progress (a final send may follow the
+  last by one step, so no wider gap is asked), each held to its norm per step covered
+  below; steps behind its newest are taken too (repair brings honest chunks late),
+  each clipped as one step's update.
 - **Norm.** Each update (one origin, one step, one bucket) is clipped to
   ``influence_clip_ratio`` times the lower median, over the origins and this replica,
   of their running update norms in that bucket (CenteredClip's idea with a robust
@@ -285,12 +286,10 @@ class InfluenceBound:
         )
         if step > front:
             raise PaceRefusal(f"step {step} is past the run's window (up to {front})")
-        if rec is None or rec.newest < 0:
-            return
-        if step < rec.newest - bound:
-            raise PaceRefusal(
-                f"step {step} is more than the staleness bound behind its newest {rec.newest}"
-            )
+        # No floor behind the origin's newest: repair brings honest chunks dozens of
+        # steps late (a bound of the staleness bound refused them in
+        # tests/train/test_embedded.py). A late step is taken once (the replay window)
+        # and clipped as one step's update.
 
     def take_step(self, origin: str, step: int) -> None:
         rec = self.record(origin)
