@@ -219,6 +219,8 @@ def validate(cfg: Sections) -> None:
         (t.norm_warmup_chunks >= 1, "train.norm_warmup_chunks", "must be >= 1"),
         (1.0 <= t.influence_clip_ratio <= 100.0, "train.influence_clip_ratio",
          "must be in [1, 100]"),
+        (1.0 <= t.influence_clip_ratio_rounds <= 100.0, "train.influence_clip_ratio_rounds",
+         "must be in [1, 100]"),
         (0.0 <= t.influence_disagreement <= 1.0, "train.influence_disagreement",
          "must be in [0, 1]"),
         (1 <= t.influence_window_sends <= 10_000, "train.influence_window_sends",

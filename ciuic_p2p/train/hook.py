@@ -307,6 +307,9 @@ class MeshSync:
                 "decode_s": ch.decode_s,
                 "wait_s": self.wait_s,
                 "hook_s": self.hook_s,
+                "clipped": r.stats.clipped,
+                "weight_raised": r.stats.weight_raised,
+                "set_aside": dict(r.stats.set_aside),
             }
 
     def _wait_while_blocked(self) -> None:
@@ -518,6 +521,9 @@ class MeshSync:
             "clipped": s.clipped,
             "weight_raised": s.weight_raised,
             "set_aside": dict(s.set_aside),
+            "agreement_by_origin": {
+                k: round(o.agreement, 3) for k, o in r.intake.influence.origins.items()
+            },
             "last_refusal": s.last_refusal,
             "staleness_p50": s.staleness_quantile(0.5),
             "staleness_p99": s.staleness_quantile(0.99),

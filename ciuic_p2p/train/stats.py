@@ -36,6 +36,7 @@ class SyncStats(TypedDict):
     clipped: int
     weight_raised: int
     set_aside: dict[str, int]
+    agreement_by_origin: dict[str, float]
     last_refusal: str
     staleness_p50: int
     staleness_p99: int
@@ -90,6 +91,8 @@ STATS_DOC: dict[str, str] = {
     "weight_raised": "peer update chunks that claimed a smaller run than this replica "
     "saw, weighted by what it saw",
     "set_aside": "origins set aside after repeated refusals, and until which step of this replica",
+    "agreement_by_origin": "each origin's running agreement with this replica's own "
+    "direction (-1 to 1; below 0 it loses weight where `train.influence_disagreement` is set)",
     "last_refusal": "the last refusal's message",
     "staleness_p50": "median steps between a peer's update and this replica's step when "
     "it was applied",

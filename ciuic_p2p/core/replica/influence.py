@@ -21,19 +21,26 @@ and a fresh step number (the replay window takes every new number). The bounds:
   below; steps behind its newest are taken too (repair brings honest chunks late),
   each clipped as one step's update.
 - **Norm.** Each update (one origin, one step, one bucket) is clipped to
-  ``influence_clip_ratio`` times the lower median, over the origins and this replica,
+  ``influence_clip_ratio`` (``influence_clip_ratio_rounds`` for outer rounds) times
+  the lower median, over the origins and this replica,
   of their running update norms in that bucket (CenteredClip's idea with a robust
   centre; the running norms are of what was taken, after clipping, so an origin cannot
   raise its own reference). This replica's own updates count among them, so with one
-  honest peer and one liar the liar is held to this replica's own scale.
+  honest peer and one liar the liar is held to this replica's own scale. All of an
+  origin's updates together are held to the same ratio per step the run's front
+  advances (a budget per origin and bucket, saved up to one longest merge, more for
+  an update behind the front): fresh step numbers buy a member nothing.
 - **Direction.** A bounded norm still lets a member spend its share against the run: a
   sign-flipped copy of an honest update cancels it. Each update is compared with this
   replica's own recent updates (the sum of its last sends, in a count sketch of
-  ``SKETCH_SIZE`` cells: a cosine estimate at O(k) per chunk with no dense buffer), and
-  an origin whose running agreement turns negative loses weight, down to none at
-  ``-influence_disagreement``. Honest replicas' updates agree on average (one loss,
-  data of one distribution); a flipped copy disagrees as much as the original agreed.
-  Off by default until measured on honest runs.
+  ``SKETCH_SIZE`` cells: a cosine estimate at O(k) per chunk with no dense buffer, on
+  the cells the chunk touches), and an origin whose running agreement turns negative
+  loses weight, down to none at ``-influence_disagreement``. Honest replicas' updates
+  agree on average (one loss, data of one distribution: +0.2 between digits
+  replicas); a flipped copy disagrees as much as the original agreed (-0.35). An
+  origin whose updates weigh nothing is not counted among the replicas N every chunk
+  is weighted by (:meth:`InfluenceBound.counted`): else it would still dilute every
+  honest update by N/(N+1).
 - **Set aside.** An origin refused ``set_aside_refusals`` times within a window of
   ``staleness_bound_steps`` steps is set aside for ``set_aside_steps`` steps: its
   payloads are refused unread, and the caller says so (with how to revoke it).
@@ -48,7 +55,7 @@ from __future__ import annotations
 import bisect
 import collections
 import math
-from collections.abc import Container
+from collections.abc import Container, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -118,6 +125,9 @@ class OriginRecord:
     """Chunks taken at less than their full norm."""
     weight_raised: int = 0
     """Chunks whose claimed replica count was raised."""
+    budget: dict[int, tuple[float, int]] = field(default_factory=dict)
+    """Per bucket: the norm it may still move this replica by, and the run's front
+    (this replica's vouched step) when that was last topped up."""
 
 
 class DirectionSketch:
@@ -144,18 +154,22 @@ class DirectionSketch:
     def cosine(
         self, bucket: int, positions: torch.Tensor | None, start: int, values: torch.Tensor
     ) -> float | None:
-        """The estimated cosine between these values and the recent own updates; None
-        when there are none yet."""
+        """The estimated cosine between these values and the recent own updates on the
+        coordinates they touch; None when there are none yet. On those coordinates
+        only: a sparse chunk touches 1% of a bucket, and a cosine against the whole
+        of the own updates would be diluted by the rest (an exact flip of the own
+        direction read as -0.1, not -1)."""
         if self.sends[bucket] == 0:
             return None
         own = self.cells[bucket].sum(0)
-        own_norm = float(torch.linalg.vector_norm(own))
-        if own_norm == 0.0:
-            return None
         index, sign = _cells(positions, start, values)
         theirs = torch.zeros_like(own).index_add_(0, index, values.float() * sign)
         norm = float(torch.linalg.vector_norm(theirs))
         if norm == 0.0 or not math.isfinite(norm):
+            return None
+        touched = torch.zeros_like(own).index_fill_(0, index, 1.0)
+        own_norm = float(torch.linalg.vector_norm(own * touched))
+        if own_norm == 0.0:
             return None
         return float(torch.dot(own, theirs)) / (own_norm * norm)
 
@@ -205,9 +219,25 @@ class InfluenceBound:
         )
         self.origins: dict[str, OriginRecord] = {}
         self.own_norms: dict[int, UpdateNorm] = {}
-        self.sketch = DirectionSketch(buckets, device, train.influence_window_sends)
+        # A round's pseudo-gradient against the own last one or two: a window of
+        # rounds spans much of a run, whose direction turns (honest DiLoCo replicas
+        # read as disagreeing against 16 rounds: -0.28 to +0.18; against one, 0 to 0.2).
+        self.sketch = DirectionSketch(
+            buckets, device, 1 if train.mode == "outer" else train.influence_window_sends
+        )
         self.own_steps: list[int] = []
         """This replica's own update steps, sorted, within the bound of the newest."""
+        self.clip_ratio = (
+            train.influence_clip_ratio_rounds
+            if train.mode == "outer"
+            else train.influence_clip_ratio
+        )
+        """``influence_clip_ratio``, or its value for rounds in outer mode."""
+        self.burst_steps = self.min_gap + (
+            train.inner_steps if train.mode == "outer" else train.max_send_interval_steps
+        )
+        """Steps' worth of norm an origin may save up: the longest merge an honest
+        replica makes and one send more (repair brings a late update beside the next)."""
 
     # -- this replica's own side ----------------------------------------------------------
 
@@ -236,8 +266,21 @@ class InfluenceBound:
         lo = step - self.train.staleness_bound_steps
         seen = int(_any_within(self.own_steps, lo, step))
         for rec in self.origins.values():
-            seen += _any_within(rec.step_list, lo, step)
+            seen += _any_within(rec.step_list, lo, step) and not self.weightless(rec)
         return seen
+
+    def weightless(self, rec: OriginRecord) -> bool:
+        """An origin whose updates weigh nothing here (set aside, or its direction
+        against the run's): it is no replica in the count every chunk is weighted by,
+        or a member that joins to work against the run would dilute every honest
+        update by N/(N+1) even once its own weigh nothing."""
+        return rec.aside_until > rec.newest or self.agreement_weight(rec) == 0.0
+
+    def counted(self, names: Iterable[str]) -> int:
+        """How many of these replicas count towards N (not :meth:`weightless`)."""
+        return sum(
+            1 for n in names if (rec := self.origins.get(n)) is None or not self.weightless(rec)
+        )
 
     # -- an origin's updates --------------------------------------------------------------
 
@@ -325,10 +368,12 @@ class InfluenceBound:
         start: int,
         values: torch.Tensor,
         alive: Container[str],
+        own_step: int = 0,
     ) -> float:
         """The factor (0 to 1) this chunk's values are taken at: its update's norm
-        clipped against the reference, times its origin's agreement weight. Records
-        what was taken."""
+        clipped against the reference, and against what the origin may still move
+        this replica by as the run's front advances (whatever its step numbers say),
+        times its origin's agreement weight. Records what was taken."""
         rec = self.record(origin)
         flat = values.float()
         sq = float(torch.dot(flat, flat))
@@ -338,10 +383,12 @@ class InfluenceBound:
         ref = self.reference_sq(bucket, alive)
         covered = self._covered(rec.step_list, step)
         if ref is not None:
-            cap = self.train.influence_clip_ratio**2 * ref * covered**2
+            cap = self.clip_ratio**2 * ref * covered**2
             room = max(0.0, cap - before)
             if sq > room:
                 factor = math.sqrt(room / sq) if sq > 0.0 else 0.0
+            factor = self._spend(rec, bucket, step, factor, sq, ref, own_step)
+            if factor < 1.0:
                 rec.clipped += 1
         taken = factor * factor * sq
         rec.taken_sq[key] = before + taken
@@ -352,6 +399,36 @@ class InfluenceBound:
         if cos is not None:
             rec.agreement = (1 - AGREEMENT_EMA) * rec.agreement + AGREEMENT_EMA * cos
         return factor * self.agreement_weight(rec)
+
+    def _spend(
+        self,
+        rec: OriginRecord,
+        bucket: int,
+        step: int,
+        factor: float,
+        sq: float,
+        ref: float,
+        own_step: int,
+    ) -> float:
+        """``factor`` lowered to what the origin's budget in ``bucket`` allows, and the
+        budget spent: ``influence_clip_ratio`` times the reference norm per step the
+        run's front advances (as this replica vouches for it), saved up to
+        ``burst_steps`` steps' worth plus as many as this update lies behind the
+        front (a replica catching up after a partition or a restore sends a backlog
+        at once). A member's fresh step numbers ahead of the run buy it nothing: only
+        the run's progress does, so one origin moves this replica by at most the ratio
+        times an honest step's norm per step, however it numbers and splits them."""
+        per_step = self.clip_ratio * math.sqrt(ref)
+        front = self.run_front(own_step)
+        cap = per_step * (self.burst_steps + max(0, front - step))
+        left, since = rec.budget.get(bucket, (cap, front))
+        left = min(cap, left + max(0, front - since) * per_step)
+        norm = factor * math.sqrt(sq)
+        if norm > left:
+            factor = left / math.sqrt(sq) if sq > 0.0 else 0.0
+            norm = left
+        rec.budget[bucket] = (left - norm, max(since, front))
+        return factor
 
     def _covered(self, steps: list[int], step: int) -> int:
         """The steps an update of ``step`` covers: since the one before it in

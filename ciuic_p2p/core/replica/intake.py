@@ -175,7 +175,13 @@ class Intake:
 
     @property
     def weight(self) -> float:
-        return 1.0 / max(1, self.roster.replicas)
+        return 1.0 / self.replicas
+
+    @property
+    def replicas(self) -> int:
+        """N as this replica weights by it: itself and the other replicas, less those
+        whose updates weigh nothing here (core.replica.influence)."""
+        return 1 + self.influence.counted(self.roster.peers)
 
     def chunk_weight(self, h: ChunkHeader) -> float:
         """The weight an update chunk gets here: the one its origin gave it (the same
@@ -418,6 +424,7 @@ class Intake:
             h.range_start,
             values,
             self.roster.mesh_alive,
+            step,
         )
         if factor < 1.0:
             self.stats.clipped += 1
@@ -496,7 +503,7 @@ class Intake:
             )
 
     def _mix(self, h: ChunkHeader, values: torch.Tensor, mine: torch.Tensor) -> None:
-        mix = self.train.consensus_mix / max(1, self.roster.replicas - 1)
+        mix = self.train.consensus_mix / max(1, self.replicas - 1)
         with torch.no_grad():
             diff = values.sub(mine).mul_(mix)
         self.parameters.add_slice(h.bucket, h.range_start, diff)

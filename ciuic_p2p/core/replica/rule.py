@@ -206,7 +206,7 @@ class Replica:
 
     @property
     def replicas(self) -> int:
-        return self.roster.replicas
+        return self.intake.replicas
 
     @property
     def joined(self) -> list[str]:
