@@ -76,7 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     put.add_argument("file")
     put.add_argument("--local", action="store_true", help="hold it on this node only")
     get = store_sub.add_parser(
-        "get", help="fetch NAME into FILE: this node's version, else the newest of any writer"
+        "get",
+        help="fetch NAME into FILE: this node's version, else that of the name's first "
+        "writer held here, else the newest of any writer",
     )
     get.add_argument("name")
     get.add_argument("file")

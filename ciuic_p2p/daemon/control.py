@@ -8,8 +8,9 @@ One JSON object per line each way. Requests: ``{"cmd": "status"}``, ``{"cmd":
 ``{"cmd": "store_put", "name", "path", "local"}`` (hold the file's bytes, and have
 ``store.replicas`` members hold them unless ``local``), ``{"cmd": "store_get", "name",
 "path", "min_version", "writer"}`` (fetch into the file, atomically, the version of
-``writer``, a peer ID or node name; without one this node's own, else the newest of
-any writer; the answer's ``writer`` says whose it is). Every answer has
+``writer``, a peer ID or node name; without one this node's own, else that of the
+name's first writer held here, else the newest of any writer; the answer's
+``writer`` says whose it is). Every answer has
 ``"ok"``; a failure has ``"error"`` with a sentence for the user. A request line is
 at most 64 KiB. The socket is created with mode 0600: only the daemon's user (and
 root) may steer it.

@@ -207,12 +207,21 @@ class StoreService:
         self, name: str, min_version: int = 0, writer: str | None = None, patient: bool = True
     ) -> tuple[bytes, Fetch]:
         """``name`` as a user asks for it: of ``writer`` (a peer ID or a member's node
-        name, see :meth:`writer_of`) if given; else this node's own version, else the
-        newest of any writer. ``fetch.writer`` says whose it is."""
+        name, see :meth:`writer_of`) if given; else this node's own version, else that
+        of the writer whose version this node has held longest (the name's first writer
+        here: a member that writes the same name later, however far ahead, does not
+        take it over), else the newest of any writer. ``fetch.writer`` says whose it
+        is."""
         if writer:
             return await self.get(name, min_version, writer=self.writer_of(writer), patient=patient)
         with contextlib.suppress(StoreError):
             return await self.get(name, min_version, writer=self.writer, patient=False)
+        first = next(iter(self.holder.objects.get(name, ())), None)
+        if first is not None:
+            with contextlib.suppress(StoreError):
+                return await self.get(
+                    name, min_version, writer=first.manifest.writer, patient=False
+                )
         return await self.get(name, min_version, patient=patient)
 
     def writer_of(self, who: str) -> str:

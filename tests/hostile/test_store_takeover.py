@@ -62,6 +62,15 @@ async def test_a_member_cannot_replace_another_writers_object_with_a_far_version
         await until(lambda: all(answered(n) for n in honest_names), 20, "every HOLD answered")
         for name in honest_names:
             assert stores[name].counters["store_holds_refused"] >= 1, name
+        # While the member is there with its far version: a plain get on a node that
+        # holds the writer's copy (and has none of its own) returns the name's first
+        # writer's version, not the newest of any writer (the member's, before).
+        writer = stores["writer"].writer
+        holding = [n for n in ("a", "b") if stores[n].holder.newest(NAME, writer) is not None]
+        assert holding
+        for name in holding:
+            data, fetch = await stores[name].get_any(NAME)
+            assert data == honest and fetch.writer == writer, name
         await mesh.daemons["mallory"].leave()
         gone = mesh.peer("mallory")
         await until(
@@ -70,7 +79,6 @@ async def test_a_member_cannot_replace_another_writers_object_with_a_far_version
             "mallory is gone everywhere",
         )
 
-        writer = stores["writer"].writer
         for name in honest_names:
             data, fetch = await stores[name].get_any(NAME)
             assert data == honest, name
