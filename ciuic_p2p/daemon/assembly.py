@@ -307,6 +307,10 @@ class NodeAssembly:
         if self.audit is not None:
             self.audit.checkpoint(path, step, digest)
 
+    def origin_set_aside(self, origin: str, until_step: int, run: str) -> None:
+        if self.audit is not None:
+            self.audit.origin_set_aside(origin, until_step, run)
+
     def admission(self, peer: bytes | None, address: Address, reason: str) -> None:
         if self.audit is None:
             return

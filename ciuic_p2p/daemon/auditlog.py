@@ -12,6 +12,8 @@ one signed entry (``traffic`` is the exception: chunks are summed per origin by
 - ``traffic``: from, to, received and forwarded ({origin: {chunks, bytes}}), part, parts
 - ``served_state``: name, version, to, bytes
 - ``checkpoint``: path, step, digest
+- ``origin_set_aside``: origin, until_step, run: this node's trainer set an origin
+  aside after repeated refusals (core.replica.influence)
 - ``repaired``: file, offset, dropped_bytes, dropped_blake2b (a torn line cut at open)
 - ``pruned``: files, through_seq, head: the oldest files were deleted to keep the
   directory under ``max_dir_bytes``; the chain now starts after ``through_seq``, whose
@@ -212,6 +214,10 @@ class AuditLog:
     def checkpoint(self, path: str | Path, step: int, digest: str | bytes) -> None:
         hex_digest = digest.hex() if isinstance(digest, bytes) else _clip(digest)
         self._write("checkpoint", {"path": _clip(path), "step": step, "digest": hex_digest})
+
+    def origin_set_aside(self, origin: str, until_step: int, run: str) -> None:
+        data = {"origin": _clip(origin), "until_step": until_step, "run": _clip(run)}
+        self._write("origin_set_aside", data)
 
     def tick(self) -> None:
         """Write the traffic of an interval that has ended (the daemon's timer calls it;

@@ -188,6 +188,15 @@ TRAINER_FIGURES = {
 }
 
 
+TRAINER_COUNTS = {
+    "clipped": "Peer update chunks the trainer took at less than their norm or weight "
+    "(one origin's influence bounded: docs/concepts/security.md).",
+    "weight_raised": "Peer update chunks that claimed a smaller run than the trainer saw.",
+}
+MAX_SET_ASIDE_REPORTED = 256
+"""Origins set aside that a trainer's report may name (the rest are dropped)."""
+
+
 class TrainingProgress:
     """Training progress per origin (this node's trainer included), fed by
     daemon.trainer with the header of each chunk it signs or verifies."""
@@ -204,14 +213,34 @@ class TrainingProgress:
         """The run the attached trainer trains (its HELLO): the ``run`` label."""
         self.rounds = RoundTimes()
         """How long the rounds (steps) of updates take to gather here."""
+        self.set_aside: dict[str, int] = {}
+        """Origins the trainer set aside (core.replica.influence), until which of its
+        steps."""
 
-    def report(self, figures: dict[str, object]) -> None:
+    def report(self, figures: dict[str, object]) -> list[tuple[str, int]]:
         """The trainer's own totals (its encoder thread, its decoding reader, its waits
-        and the hook's time), as it sends them with each stats request."""
-        for key in TRAINER_FIGURES:
+        and the hook's time, its influence counters), as it sends them with each stats
+        request; the origins it set aside since the last report (origin, until step)."""
+        for key in (*TRAINER_FIGURES, *TRAINER_COUNTS):
             value = figures.get(key)
             if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
                 self.trainer[key] = float(value)
+        aside = figures.get("set_aside")
+        if not isinstance(aside, dict):
+            return []
+        fresh: list[tuple[str, int]] = []
+        for origin, until in list(aside.items())[:MAX_SET_ASIDE_REPORTED]:
+            if (
+                isinstance(origin, str)
+                and len(origin) <= 64
+                and isinstance(until, int)
+                and not isinstance(until, bool)
+                and 0 <= until < 1 << 62
+                and self.set_aside.get(origin) != until
+            ):
+                self.set_aside[origin] = until
+                fresh.append((origin, until))
+        return fresh
 
     def observe(
         self, origin: str, incarnation: int, step: int, now_s: float, update: bool = True
@@ -244,6 +273,7 @@ class TrainingProgress:
                 "steps_per_s": None if per_s is None else round(per_s, 3),
                 "staleness_steps": max(0, reference - step),
                 "age_s": round(now_s - seen_s, 3),
+                "set_aside_until": self.set_aside.get(origin),
             }
         return out
 
@@ -654,6 +684,21 @@ class DaemonCollector(Collector):
             if t is not None and key in t.trainer:
                 family.add_metric([run], t.trainer[key])
             yield family
+        for key, text in TRAINER_COUNTS.items():
+            family = CounterMetricFamily("ciuic_trainer_chunks_" + key, text, labels=["run"])
+            if t is not None and key in t.trainer:
+                family.add_metric([run], t.trainer[key])
+            yield family
+        aside = GaugeMetricFamily(
+            "ciuic_trainer_origins_set_aside",
+            "Origins the trainer set aside after repeated refusals (each until a step of "
+            "its own; `ciuic-node ca revoke` removes a member for good).",
+            labels=["run"],
+        )
+        if t is not None:
+            own = max((r.step or 0 for r in t.origins.values()), default=0)
+            aside.add_metric([run], float(sum(1 for u in t.set_aside.values() if u > own)))
+        yield aside
 
     def _faults(self) -> Iterator[Metric]:
         d = self.daemon

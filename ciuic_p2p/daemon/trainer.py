@@ -101,6 +101,9 @@ class CheckpointListener(Protocol):
     def checkpoint_written(self, path: str, step: int, digest: str) -> None:
         """The trainer wrote a checkpoint (the audit log records it)."""
 
+    def origin_set_aside(self, origin: str, until_step: int, run: str) -> None:
+        """The trainer set an origin aside (the audit log records it)."""
+
 
 class TrainerServer:
     """The daemon's end of the trainer socket. The composition root (daemon.assembly)
@@ -331,7 +334,15 @@ class TrainerServer:
             self._publish(body)
         elif ftype is TrainerFrame.STATS_REQUEST:
             if len(body):
-                self.progress.report(parse_json(body))
+                for origin, until in self.progress.report(parse_json(body)):
+                    log.warning(
+                        "origin_set_aside",
+                        origin=origin,
+                        until_step=until,
+                        hint="ciuic-node ca revoke removes a member for good",
+                    )
+                    if self.checkpoints is not None:
+                        self.checkpoints.origin_set_aside(origin, until, self.progress.run)
             self._write(
                 json_frame(
                     TrainerFrame.STATS,

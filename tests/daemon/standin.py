@@ -77,7 +77,7 @@ class StandInTrainer:
         assert self._writer is not None
         self._writer.write(frame_header(TrainerFrame.PUBLISH, len(payload)) + payload)
 
-    def report(self, figures: dict[str, float]) -> None:
+    def report(self, figures: dict[str, object]) -> None:
         """What the hook sends with each stats request (its own timings)."""
         assert self._writer is not None
         self._writer.write(json_frame(TrainerFrame.STATS_REQUEST, figures))

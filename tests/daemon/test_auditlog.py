@@ -66,13 +66,17 @@ def test_entries_record_what_happened_with_owner_only_files(tmp_path: Path) -> N
     log.refused("10.0.0.3:7946", "certificate revoked")
     log.served_state("state/run1", 40, "ciuicpeer", 1234)
     log.checkpoint(tmp_path / "ckpt", 40, b"\x01" * 32)
+    log.origin_set_aside("ciuicliar", 1040, "run1")
     log.stopped("SIGTERM")
     log.close()
     got = entries(directory)
     # The open sums go before "stopped": it is the last entry.
     assert [e.kind for e in got] == [
-        "started", "admitted", "served_state", "checkpoint", "refusals", "stopped"
+        "started", "admitted", "served_state", "checkpoint", "origin_set_aside", "refusals",
+        "stopped",
     ]  # fmt: skip
+    assert got[4].data == {"origin": "ciuicliar", "until_step": 1040, "run": "run1"}
+    del got[4]
     assert got[0].data["public_key"] == KEY.public_key.hex()
     assert got[1].data == {"peer": "ciuicpeer", "address": "10.0.0.2:7946"}
     assert got[2].data == {"name": "state/run1", "version": 40, "to": "ciuicpeer", "bytes": 1234}
@@ -82,7 +86,7 @@ def test_entries_record_what_happened_with_owner_only_files(tmp_path: Path) -> N
     assert stat.S_IMODE(directory.stat().st_mode) == 0o700
     assert stat.S_IMODE((directory / "audit-000001.jsonl").stat().st_mode) == 0o600
     report = verify_directory(directory, KEY.public_key)
-    assert report.ok and report.last_seq == log.last_seq == 6 and report.head == log.head
+    assert report.ok and report.last_seq == log.last_seq == 7 and report.head == log.head
 
 
 def test_traffic_is_one_entry_per_interval_not_per_chunk(tmp_path: Path) -> None:

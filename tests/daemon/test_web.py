@@ -137,8 +137,20 @@ async def test_metrics_of_a_running_mesh_carry_every_family_with_per_peer_labels
                     t.publish(step)
                 await mesh.until(lambda s=step: steps_seen().get(ids[1]) == s, 15)
             await mesh.until(settled, 15)
-            trainers[0].report({"step": 5, "encode_s": 1.5, "decode_s": 0.25, "hook_s": 2.0})
+            trainers[0].report(
+                {
+                    "step": 5,
+                    "encode_s": 1.5,
+                    "decode_s": 0.25,
+                    "hook_s": 2.0,
+                    "clipped": 7,
+                    "weight_raised": 3,
+                    # One origin set aside; two entries a trainer should not send.
+                    "set_aside": {ids[1]: 1005, "x" * 100: 9, "y": -1},
+                }
+            )
             await mesh.until(lambda: "encode_s" in servers[0].progress.trainer, 15)
+            assert servers[0].progress.set_aside == {ids[1]: 1005}
 
             status, text = await scrape(port, "/metrics")
             assert status == 200
@@ -169,6 +181,12 @@ async def test_metrics_of_a_running_mesh_carry_every_family_with_per_peer_labels
                 (sample,) = families[f"ciuic_trainer_{name}_seconds"].samples
                 assert sample.value == value
             assert not families["ciuic_trainer_wait_seconds"].samples  # not reported
+            (clipped,) = families["ciuic_trainer_chunks_clipped"].samples
+            assert clipped.value == 7
+            (raised,) = families["ciuic_trainer_chunks_weight_raised"].samples
+            assert raised.value == 3
+            (aside,) = families["ciuic_trainer_origins_set_aside"].samples
+            assert aside.value == 1
             signed = {s.name: s.value for s in families["ciuic_chunk_sign_seconds"].samples}
             assert signed["ciuic_chunk_sign_seconds_count"] == 5
             assert families["ciuic_chunk_sign_seconds"].type == "histogram"
@@ -203,6 +221,8 @@ async def test_metrics_of_a_running_mesh_carry_every_family_with_per_peer_labels
             assert len(page_data["links"]) == 3  # every pair of a 3-node mesh
             assert set(page_data["traffic"]) == others
             assert page_data["training"][daemons[1].peer_id]["step"] == 5
+            assert page_data["training"][daemons[1].peer_id]["set_aside_until"] == 1005
+            assert page_data["training"][a.peer_id]["set_aside_until"] is None
             # A member that left has no per-peer series any more.
             gone = daemons[2]
             await gone.leave()
