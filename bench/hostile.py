@@ -32,9 +32,21 @@ its CPU time in a window as long just before it, as a fraction of one core (the
 target is at most 0.25), and the p50 of the honest updates' delay to a's trainer in
 both windows (``victim_update_p50_ms``, ``baseline_update_p50_ms``).
 
-    python bench/hostile.py --json            # the whole run, about 10 minutes
+Then the training section (bench/hostile_training.py): three honest daemons with
+digits trainers and one member whose trainer attacks (sign-flipped copies with and
+without a ``replicas`` claim, x5, a fixed direction at x10, a forged state at an absurd
+and at a plausible version before a joiner), each beside the same run without the
+member; a store replacement on real daemons; false link costs with every copy dropped
+on the simulator's 11-city WAN. Its headline figures (``honest_loss_over_clean_max``,
+``honest_accuracy_drop_max``, ``honest_trainer_crashes``, ``joiner_took_forged_state``,
+``store_objects_replaced``, ``relay_delivery_p90_over_clean``) are printed at the top
+level beside ``flood_victim_core_fraction``.
+
+    python bench/hostile.py --json            # the whole run, about 20 minutes
     python bench/hostile.py --json --quick    # smaller floods, 3 s settles (a smoke run)
     python bench/hostile.py --json --only certificate_flood   # one attack (or several, a,b)
+    python bench/hostile.py --json --only flip_x5,store_replacement   # training rows
+    python bench/hostile.py --json --no-training   # the daemon attacks only
 """
 
 from __future__ import annotations
@@ -100,6 +112,9 @@ from tests.hostile.attack import (  # noqa: E402
     source_hosts,
 )
 from tests.transport.rawclient import RawClient  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "bench"))
+import hostile_training  # noqa: E402
 
 NAMES = ["a", "b", "c"]
 RUN = "hostile-bench"
@@ -660,18 +675,37 @@ def main() -> int:
     ap.add_argument("--settle-s", type=float, help="wait after each attack (30; quick: 3)")
     ap.add_argument("--keep", type=Path, help="keep the daemons' state and logs here")
     ap.add_argument("--only", help="run only these attacks (names, comma-separated)")
+    ap.add_argument("--no-training", action="store_true", help="skip the training section")
+    ap.add_argument(
+        "--train-steps", type=int, default=hostile_training.STEPS, help="training section's steps"
+    )
     args = ap.parse_args()
     settle = args.settle_s if args.settle_s is not None else (3.0 if args.quick else 30.0)
     workdir = args.keep or Path(tempfile.mkdtemp(prefix="ciuic-hostile-"))
     only = None if args.only is None else set(args.only.split(","))
-    bench = Bench(workdir, args.quick, settle, only)
-    result = asyncio.run(bench.run())
+    training_names = {a.name for a in hostile_training.ATTACKS} | {
+        "store_replacement",
+        "false_links",
+    }
+    result: dict[str, Any] = {}
+    if only is None or only - training_names:
+        bench = Bench(workdir, args.quick, settle, None if only is None else only - training_names)
+        result = asyncio.run(bench.run())
+    if not args.no_training and (only is None or only & training_names):
+        chosen = None if only is None else sorted(only & training_names)
+        training = hostile_training.training_section(
+            chosen, steps=args.train_steps, keep=args.keep / "training" if args.keep else None
+        )
+        result["training"] = training
+        for key in hostile_training.HEADLINE:
+            if key in training:
+                result[key] = training[key]
     result["machine"] = f"{os.cpu_count()} cores"
     if args.json:
         print(json.dumps(result))
     else:
         print(json.dumps(result, indent=1))
-    ok = result["daemons_running"] == len(NAMES) and result["false_dead"] == 0
+    ok = result.get("daemons_running", len(NAMES)) == len(NAMES) and not result.get("false_dead")
     return 0 if ok else 1
 
 
