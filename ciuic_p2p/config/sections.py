@@ -446,13 +446,18 @@ class TrainSection:
     the run and the direction weight still hold a member there."""
     influence_disagreement: float = 0.1
     """An origin whose updates' running cosine with this replica's own recent updates
-    (on the coordinates each touches) falls below zero loses weight, linearly, down to
-    none at minus this; an origin whose updates weigh nothing is not counted among the
-    replicas N that every chunk is weighted by (0: off). Honest digits replicas agree
-    at about +0.2, a sign-flipped copy at -0.35 (bench/hostile.py)."""
-    influence_window_sends: int = 16
+    (on the coordinates each touches) falls below zero beyond its noise (the running
+    mean plus two standard errors) loses weight, linearly, down to none at minus this;
+    an origin whose updates weigh nothing is not counted among the replicas N that
+    every chunk is weighted by, and its consensus fragments are not mixed (0: off).
+    Honest digits replicas agree at about +0.13, a sign-flipped copy at -0.36 to -0.57
+    (bench/hostile.py)."""
+    influence_window_sends: int = 4
     """The own updates the direction is taken from: the last one to two windows of
-    this many sends (in outer mode, of one send: a round)."""
+    this many sends (in outer mode, of one send: a round). Short, because near a
+    minimum with momentum a replica's recent steps overshoot and the others' next ones
+    point back: against 16 to 32 sends honest replicas read as disagreeing (-0.2 to
+    -0.6) and lost half their weight; against 4 to 8, +0.06 to +0.1."""
     set_aside_refusals: int = 32
     """An origin whose payloads are refused this many times within
     ``staleness_bound_steps`` steps is set aside (0: never)."""

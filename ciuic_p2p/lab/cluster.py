@@ -495,6 +495,13 @@ class LocalCluster:
                         proc.kill()
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         proc.wait(5)
+        # A caller's reader may have left early (a failed wait): its pipes close here,
+        # or a later test's garbage collection reports them as leaked.
+        for proc in procs:
+            for pipe in (proc.stdout, proc.stderr):
+                if pipe is not None:
+                    with contextlib.suppress(OSError):
+                        pipe.close()
         self.trainers.clear()
 
     def __enter__(self) -> LocalCluster:

@@ -41,11 +41,18 @@ def _config() -> Config:
     return dataclasses.replace(
         base,
         node=dataclasses.replace(base.node, listen_port=0),
-        # Density 1 and no consensus mix: the update rule is then exact (replicas that
-        # applied the same chunks are equal up to INT8 rounding), so whatever a late
-        # joiner's state sync gets wrong shows in the consensus distance.
+        # Density 1, no consensus mix and no influence bounds (each receiver scales a
+        # peer's chunk by its own judgement, which the mix would even out): the update
+        # rule is then exact (replicas that applied the same chunks are equal up to
+        # INT8 rounding), so whatever a late joiner's state sync gets wrong shows in
+        # the consensus distance.
         codec=dataclasses.replace(base.codec, density=1.0, dense_below_numel=0),
-        train=dataclasses.replace(base.train, consensus_interval_steps=0),
+        train=dataclasses.replace(
+            base.train,
+            consensus_interval_steps=0,
+            influence_clip_ratio=100.0,
+            influence_disagreement=0.0,
+        ),
         store=dataclasses.replace(base.store, piece_bytes=16384, query_timeout_s=1.0),
     )
 

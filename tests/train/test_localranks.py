@@ -57,7 +57,11 @@ CONFIG = """
 [codec]
 density = 1.0
 [train]
+# The exact rule: no consensus mix, and no influence bounds (each receiver scales a
+# peer's chunk by its own judgement, which the mix, off here, would even out).
 consensus_interval_steps = 0
+influence_clip_ratio = 100.0
+influence_disagreement = 0.0
 """
 
 

@@ -37,7 +37,12 @@ and a fresh step number (the replay window takes every new number). The bounds:
   the cells the chunk touches), and an origin whose running agreement turns negative
   loses weight, down to none at ``-influence_disagreement``. Honest replicas' updates
   agree on average (one loss, data of one distribution: +0.2 between digits
-  replicas); a flipped copy disagrees as much as the original agreed (-0.35). An
+  replicas); a flipped copy disagrees as much as the original agreed (-0.35). Near a
+  minimum honest updates are mostly noise and their cosines swing +-0.4 around 0
+  (an honest regression replica's running agreement drifted to -0.18), so the weight
+  is taken from the agreement's upper confidence bound (its running mean plus
+  ``AGREEMENT_Z`` standard errors): only an origin that disagrees beyond its own
+  noise loses weight; flipping noise moves nothing the norm bound does not hold. An
   origin whose updates weigh nothing is not counted among the replicas N every chunk
   is weighted by (:meth:`InfluenceBound.counted`): else it would still dilute every
   honest update by N/(N+1).
@@ -71,6 +76,13 @@ NORM_EMA = 0.1
 AGREEMENT_EMA = 0.1
 AGREEMENT_MIN_UPDATES = 4
 """Updates of an origin seen before its agreement changes its weight."""
+AGREEMENT_Z = 2.0
+"""Standard errors of its running cosine an origin's agreement is given before its
+weight falls: consecutive cosines are correlated (momentum), so a running mean of
+noise strays further than independent samples would; 2 kept honest regression
+replicas at weight 1 where 0 cut them to none half the time."""
+_EMA_SE = math.sqrt(AGREEMENT_EMA / (2.0 - AGREEMENT_EMA))
+"""A running mean's standard error per unit of its samples' deviation."""
 
 
 class UpdateNorm:
@@ -117,6 +129,9 @@ class OriginRecord:
     taken_sq: dict[tuple[int, int], float] = field(default_factory=dict)
     """(step, bucket) -> squared norm of what was taken of that update so far."""
     agreement: float = 0.0
+    """The running mean of its updates' cosines with this replica's direction."""
+    agreement_sq: float = 0.0
+    """The running mean of their squares (the cosines' spread)."""
     updates_seen: int = 0
     refusals: collections.deque[int] = field(default_factory=collections.deque)
     """This replica's steps at its recent refusals."""
@@ -125,6 +140,9 @@ class OriginRecord:
     """Chunks taken at less than their full norm."""
     weight_raised: int = 0
     """Chunks whose claimed replica count was raised."""
+    drift_sq: dict[int, float] = field(default_factory=dict)
+    """Per bucket: the mean square of its latest consensus fragment's difference from
+    this replica's parameters of the same step, per element."""
     budget: dict[int, tuple[float, int]] = field(default_factory=dict)
     """Per bucket: the norm it may still move this replica by, and the run's front
     (this replica's vouched step) when that was last topped up."""
@@ -398,7 +416,36 @@ class InfluenceBound:
         cos = self.sketch.cosine(bucket, positions, start, values)
         if cos is not None:
             rec.agreement = (1 - AGREEMENT_EMA) * rec.agreement + AGREEMENT_EMA * cos
+            rec.agreement_sq = (1 - AGREEMENT_EMA) * rec.agreement_sq + AGREEMENT_EMA * cos * cos
         return factor * self.agreement_weight(rec)
+
+    def mix_scale(self, origin: str, bucket: int, diff_sq: float, alive: Container[str]) -> float:
+        """The factor (0 to 1) a consensus fragment's pull is taken at: its mean square
+        difference from this replica's parameters (``diff_sq``, per element) clipped to
+        the clip ratio times the lower median of the origins' latest differences in
+        ``bucket``, times its agreement weight (none for an origin that weighs
+        nothing). Honest fragments differ by the replicas' drift, alike from every
+        origin (a replica that drifted sees every origin far, and mixes); without the
+        clip a member pulled every fragment by ``consensus_mix / (N - 1)`` of up to
+        ``params_distance_max_ratio`` of the parameters' scale, every round, in a
+        direction of its choosing. The latest difference, not a running mean: the mix
+        shrinks the drift it measures round by round, and a mean of the larger past
+        let a member pull by the drift of rounds ago. As seen, not as mixed: the lower
+        median over the origins already keeps one from setting the reference, and an
+        honest origin clipped once would otherwise stay clipped."""
+        rec = self.record(origin)
+        rec.drift_sq[bucket] = diff_sq
+        found = sorted(
+            r.drift_sq[bucket]
+            for name, r in self.origins.items()
+            if bucket in r.drift_sq and (name in alive or r is rec)
+        )
+        ref = found[(len(found) - 1) // 2]
+        factor = 1.0
+        if diff_sq > self.clip_ratio**2 * ref:
+            factor = self.clip_ratio * math.sqrt(ref / diff_sq)
+            rec.clipped += 1
+        return 0.0 if self.weightless(rec) else factor
 
     def _spend(
         self,
@@ -444,11 +491,18 @@ class InfluenceBound:
         return max(1, min(gap, longest))
 
     def agreement_weight(self, rec: OriginRecord) -> float:
-        """1 while an origin agrees with this replica's direction on average, falling to
-        0 at ``-influence_disagreement``."""
-        if rec.updates_seen < AGREEMENT_MIN_UPDATES or rec.agreement >= 0.0:
-            return 1.0
+        """1 while an origin's agreement with this replica's direction is not below 0
+        beyond its noise (:meth:`agreement_bound`), falling to 0 at
+        ``-influence_disagreement``."""
         band = self.train.influence_disagreement
-        if band <= 0.0:
+        if rec.updates_seen < AGREEMENT_MIN_UPDATES or band <= 0.0:
             return 1.0
-        return max(0.0, 1.0 + rec.agreement / band)
+        upper = agreement_bound(rec)
+        return 1.0 if upper >= 0.0 else max(0.0, 1.0 + upper / band)
+
+
+def agreement_bound(rec: OriginRecord) -> float:
+    """The upper confidence bound of an origin's agreement: its running mean plus
+    ``AGREEMENT_Z`` standard errors of that mean."""
+    spread = math.sqrt(max(0.0, rec.agreement_sq - rec.agreement * rec.agreement))
+    return rec.agreement + AGREEMENT_Z * _EMA_SE * spread

@@ -371,7 +371,7 @@ class Intake:
             return
         self._check_params(origin, h, values, mine)
         self._check_once(self._params, origin, h)
-        self._mix(h, values, mine)
+        self._mix(origin, h, values, mine)
 
     def _apply_update(
         self, item: Prepared, h: ChunkHeader, state: PeerState | None, step: int
@@ -502,10 +502,17 @@ class Intake:
                 PayloadKind.PARAMS,
             )
 
-    def _mix(self, h: ChunkHeader, values: torch.Tensor, mine: torch.Tensor) -> None:
+    def _mix(self, origin: str, h: ChunkHeader, values: torch.Tensor, mine: torch.Tensor) -> None:
         mix = self.train.consensus_mix / max(1, self.replicas - 1)
         with torch.no_grad():
-            diff = values.sub(mine).mul_(mix)
+            diff = values.sub(mine)
+            diff_sq = float(torch.dot(diff.float(), diff.float())) / max(1, diff.numel())
+            factor = self.influence.mix_scale(origin, h.bucket, diff_sq, self.roster.mesh_alive)
+            if factor < 1.0:
+                self.stats.clipped += 1
+            if factor <= 0.0:
+                return
+            diff.mul_(mix * factor)
         self.parameters.add_slice(h.bucket, h.range_start, diff)
         self.stats.params_mixed += 1
 
