@@ -84,3 +84,8 @@ class SignatureError(CodecError):
 
 class ReplayedChunkError(CodecError):
     """A chunk already received from its origin arrived again."""
+
+
+class LayoutMismatchError(CiuicError):
+    """The replicas this one hears of its run train another model (parameter names,
+    shapes or order), and none trains its own: it would only ever train alone."""

@@ -4,6 +4,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -211,3 +212,19 @@ def test_a_members_address_cannot_write_escapes_to_the_terminal(
     _print_peers({"members": [hostile]})
     out = capsys.readouterr().out
     assert "\x1b" not in out and "\x07" not in out and "\\x1b" in out
+
+
+@pytest.mark.parametrize("join", ["127.0.0.1", "127.0.0.1:notaport", "127.0.0.1:70000", ":7946"])
+def test_run_refuses_a_join_address_that_can_never_work(tmp_path: Path, join: str) -> None:
+    """Retried forever before, as a warning; ``ciuic-node join`` refused the same at
+    once. Before the credentials: the first thing wrong is the first said."""
+    started = time.monotonic()
+    result = subprocess.run(
+        [ciuic_node(), "run", "--join", join, "--state-dir", str(tmp_path)],
+        capture_output=True, text=True, check=False, timeout=60,
+    )  # fmt: skip
+    elapsed = time.monotonic() - started
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip().count("\n") == 0 and "--join" in result.stderr
+    assert "HOST:PORT" in result.stderr and "Traceback" not in result.stderr
+    print(f"--join {join!r}: exit 2 after {elapsed:.2f} s")

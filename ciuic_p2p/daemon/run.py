@@ -29,7 +29,13 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
 from ciuic_p2p.addresses import format_address, parse_address
 from ciuic_p2p.admission import Trust, load_certificate, load_crl
-from ciuic_p2p.config import Config, load_layered, runtime_dir, trainer_socket_path
+from ciuic_p2p.config import (
+    Config,
+    WebSection,
+    load_layered,
+    runtime_dir,
+    trainer_socket_path,
+)
 from ciuic_p2p.daemon.assembly import NodeAssembly
 from ciuic_p2p.daemon.service import NodeService
 from ciuic_p2p.errors import AdmissionError, CiuicError, ConfigError, TransientError
@@ -57,7 +63,12 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cert", help="node certificate (default STATE_DIR/node.pem)")
     p.add_argument("--ca", help="cluster CA certificate (default STATE_DIR/ca.pem)")
     p.add_argument("--crl", help="revocation list (default STATE_DIR/revoked.pem if present)")
-    p.add_argument("--join", metavar="HOST:PORT", help="join the mesh through this member")
+    p.add_argument(
+        "--join",
+        metavar="HOST:PORT",
+        help="join the mesh through this member (retried while it does not answer; "
+        "an address that is not HOST:PORT exits 2)",
+    )
     p.add_argument(
         "--control", help="control socket path (default control.sock in node.runtime_dir)"
     )
@@ -72,7 +83,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         metavar="PORT",
         help="status page and metrics port (web.port, default 7947; 0 picks a free one, "
-        "printed at start: for a second daemon on this host)",
+        "printed at start: for a second daemon on this host). A port given here, in "
+        "the config or the environment that is taken stops the daemon; the default "
+        "one taken leaves it without a page, said at start and in status",
     )
     p.add_argument("--emulate", metavar="SCENARIO", help=argparse.SUPPRESS)
     p.add_argument("--emulate-node", help=argparse.SUPPRESS)
@@ -96,6 +109,11 @@ def build_config(args: argparse.Namespace) -> Config:
         except ValueError as exc:
             raise ConfigError(f"--listen: {exc}") from None
         changes |= {"listen_host": host, "listen_port": port}
+    if args.join:
+        try:  # retried forever otherwise: no address of this shape can ever answer
+            parse_address(args.join)
+        except ValueError as exc:
+            raise ConfigError(f"--join: {exc}; give a member's HOST:PORT") from None
     if args.advertise:
         changes["advertise_host"] = args.advertise
     for flag, key in (("name", "name"), ("region", "region"), ("state_dir", "state_dir")):
@@ -247,7 +265,8 @@ async def serve(args: argparse.Namespace) -> int:
     if config.audit.enabled:
         node.open_audit()
     if config.web.enabled:
-        await _start_web(node, sockets / "web.token")
+        explicit = args.web_port is not None or config.web.port != WebSection().port
+        await _start_web(node, sockets / "web.token", required=explicit)
     announce(
         log, "listening", f"{daemon.peer_id} listening on {address}", peer=daemon.peer_id,
         address=address,
@@ -258,17 +277,23 @@ async def serve(args: argparse.Namespace) -> int:
     return await service.run([args.join] if args.join else [])
 
 
-async def _start_web(node: NodeAssembly, token_path: Path) -> None:
+async def _start_web(node: NodeAssembly, token_path: Path, *, required: bool) -> None:
+    """The page and metrics. On a port the operator chose (``--web-port``, the config
+    or the environment) a failure stops the daemon: they asked for that port and
+    would look for the page there. On the default port, metrics are not worth
+    refusing to train for: the daemon says so loudly, in ``status`` too, and runs on."""
     web = node.config.web
     try:
         port = await node.start_web(token_path)
     except OSError as exc:
-        # Metrics are not worth refusing to train for: say so loudly, run on.
         where = f"{web.listen_host}:{web.port}"
         error = (
             f"cannot listen on {where}: {exc.strerror or exc} (another daemon on this "
             "host? give this one --web-port PORT, 0 for any free port)"
         )
+        if required:
+            await node.close()
+            raise CiuicError(f"web: {error}") from None
         log.error("web_unavailable", error=error)
         node.web_status = {"error": error}
         return

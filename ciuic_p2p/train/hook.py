@@ -51,6 +51,7 @@ from ciuic_p2p.core.replica.schedule import (
     StepFacts,
     WaitForEncoder,
 )
+from ciuic_p2p.errors import LayoutMismatchError
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel, LocalDaemon
 from ciuic_p2p.train.encoder import Encoder, ThreadGate, flatten_parameters
@@ -60,6 +61,13 @@ from ciuic_p2p.train.stats import SyncStats
 
 __all__ = ["MeshSync", "flatten_parameters"]
 
+LAYOUT_GRACE_S = 3.0
+"""How long a replica that heard a replica of its run with another parameter layout
+waits to hear one of its own model before it stops (:class:`LayoutMismatchError`):
+two trainers of different models in one run both stop within seconds, whatever
+``min_replicas`` is, instead of each training alone for the whole run. A replica
+that hears one of its own model never stops for another's claim: a member can then
+stop only a trainer that had nobody to train with."""
 JOIN_ANSWER_WAIT_S = 5.0
 FIRST_ANSWER_WAIT_S = 3.0
 """How long attach listens for a run's replicas that are already training, when the
@@ -157,6 +165,8 @@ class MeshSync:
         self._layout_said_at = -1.0
         self.layout_mismatch: str | None = None
         """The last JOIN of this run refused for another parameter layout."""
+        self._layout_mismatch_at: float | None = None
+        """When the first was refused (monotonic s)."""
         self._early: list[Any] = []
         """Peer chunks that arrived before the state was restored, applied after it
         (applied before, they went into weights the restored state then replaced)."""
@@ -225,6 +235,7 @@ class MeshSync:
                     left_s=round(deadline - told),
                     members_alive=len(self.channel.alive),
                 )
+            self._check_layout()
             if time.monotonic() > deadline or self.channel.closed:
                 raise ChannelError(
                     f"only {self.replica.replicas} of {count} replicas of this run joined "
@@ -250,6 +261,7 @@ class MeshSync:
         # starts its scan, not beside it (on a busy host the two fought for the cores
         # and for the gate).
         self._apply_arrived()
+        self._check_layout()
         r = self.replica
         update_due = r.local_step()
         facts = self._facts(update_due=update_due, params_due=r.wants_params())
@@ -389,6 +401,19 @@ class MeshSync:
         r.settle()  # and flushes what was applied
         return n
 
+    def _check_layout(self) -> None:
+        """Raise :class:`LayoutMismatchError` when replicas of this run with another
+        layout were heard ``LAYOUT_GRACE_S`` ago and none with this one's since."""
+        at = self._layout_mismatch_at
+        if at is None or time.monotonic() - at < LAYOUT_GRACE_S:
+            return
+        if any(p.reported or p.applied for p in self.replica.peers.values()):
+            return
+        raise LayoutMismatchError(
+            f"{self.layout_mismatch}; none of this run's replicas heard in "
+            f"{LAYOUT_GRACE_S:g} s trains this model, so this one would train alone"
+        )
+
     def _between_steps(self) -> None:
         r = self.replica
         for action in self.schedule.between_steps(self._facts()):
@@ -415,6 +440,8 @@ class MeshSync:
                 # Named when attach gives up and logged now; never fatal at once: the
                 # claim is another member's, who must not be able to stop this one.
                 self.layout_mismatch = str(exc)
+                if self._layout_mismatch_at is None:
+                    self._layout_mismatch_at = now
                 log.error("layout_mismatch", step=r.step, error=str(exc))
                 return 0
             if exc.set_aside_until is not None:
@@ -477,6 +504,19 @@ class MeshSync:
         while not all_in() and time.monotonic() < deadline and not ch.closed:
             ch.wait_any(0.05)
         complete = all_in()
+        reached = r.stats.applied + sum(p.held_by_state for p in r.peers.values())
+        if reached == 0 and (r.peers or self.layout_mismatch is not None):
+            # Replicas of this run were there, and nothing of theirs reached the model:
+            # a run that "finished" alone must not look like one that trained together.
+            log.error(
+                "no_peer_update_applied",
+                step=r.step,
+                replicas_seen=len(r.peers),
+                refused=dict(r.stats.refused),
+                layout_mismatch=self.layout_mismatch,
+                hint="this replica trained alone: see the refusals and the daemon's log",
+            )
+            complete = False
         r.settle(everything=True)
         if self.encoder.idle.wait(limit):  # late joiners and a restart start from here
             self.state.hand_state(write_checkpoint_too=self.state.checkpoint_path is not None)

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from ciuic_p2p.admission import ClusterCA, Trust, load_certificate, write_pem
-from ciuic_p2p.config import SECTIONS, Config, config_from_toml, load_config
+from ciuic_p2p.config import SECTIONS, Config, WebSection, config_from_toml, load_config
 from ciuic_p2p.config.example import example_toml
 from ciuic_p2p.daemon.assembly import bare_daemon
 from ciuic_p2p.daemon.control import request
@@ -324,9 +324,35 @@ def test_two_daemons_on_one_host_each_get_a_page_with_web_port(fleet: Fleet) -> 
     for name, url in zip("ab", urls, strict=True):  # the chosen port, printed at start
         events = [json.loads(line) for line in fleet.logs[name].read_text().splitlines()]
         assert any(e["event"] == "web_started" and e.get("url") == url for e in events)
-    # A third on a taken port runs on, without a page, and says what to do.
+    # A third given a taken port stops at once and says what to do: its operator
+    # asked for the page there.
     taken = min(ports)
     fleet.start("c", "--listen", f"127.0.0.1:{base + 2}", "--web-port", str(taken))
-    fleet.wait(lambda: bool(web("c")), 60, "c up, its page tried")
-    error = web("c")["error"]
-    assert f"cannot listen on 127.0.0.1:{taken}" in error and "--web-port" in error
+    code = fleet.procs["c"].wait(60)
+    said = fleet.logs["c"].read_text()
+    assert code == 2, said[-2000:]
+    assert f"cannot listen on 127.0.0.1:{taken}" in said and "--web-port" in said
+
+
+def test_a_taken_default_web_port_is_said_at_start_and_in_status(fleet: Fleet) -> None:
+    """Only the default port: the daemon trains on without a page, and says so."""
+    default = WebSection().port
+    holder = socket.socket()
+    try:
+        holder.bind(("127.0.0.1", default))
+        holder.listen()
+    except OSError:
+        pass  # taken already, by someone else: as good for this test
+    try:
+        # The fleet gives every daemon port 0; this one the default, as if unset.
+        fleet.start(
+            "a", "--listen", f"127.0.0.1:{free_port_block(1)}",
+            env={"CIUIC_WEB_PORT": str(default)},
+        )  # fmt: skip
+        fleet.wait(lambda: bool((fleet.status("a") or {}).get("web")), 60, "a up")
+        status = fleet.status("a") or {}
+        assert f"cannot listen on 127.0.0.1:{default}" in status["web"]["error"]
+        events = [json.loads(line) for line in fleet.logs["a"].read_text().splitlines()]
+        assert any(e["event"] == "web_unavailable" for e in events)
+    finally:
+        holder.close()
