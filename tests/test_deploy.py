@@ -1,18 +1,28 @@
 """deploy/: the Prometheus scrape job, alert rules and Grafana dashboard we ship name
 only metrics a daemon serves (docs/reference/metrics.md, itself checked against a
-running daemon's collector) and parse as their tools read them. Where ``promtool`` is
-installed, it checks the rules and a live daemon's exposition too."""
+running daemon's collector) and parse as their tools read them. ``promtool`` checks
+every rules file, the scrape job and a live scrape of a daemon with a trainer attached:
+where it is not installed those tests skip, except in CI (``CI`` set: .ci/run installs
+Debian's ``prometheus`` package), where they fail."""
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
+import urllib.request
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
+
+from ciuic_p2p.config import load_layered
+from ciuic_p2p.train.attach import attach
+from tests.daemon.fleet import Fleet, free_port_block
 
 REPO = Path(__file__).resolve().parents[1]
 DEPLOY = REPO / "deploy"
@@ -37,9 +47,24 @@ def served_metrics() -> set[str]:
     return names
 
 
+def rules_files() -> list[Path]:
+    """Every Prometheus rules file under deploy/ (YAML with top-level ``groups``)."""
+    found = [
+        p
+        for p in sorted(DEPLOY.rglob("*.y*ml"))
+        if isinstance(doc := yaml.safe_load(p.read_text()), dict) and "groups" in doc
+    ]
+    assert DEPLOY / "prometheus/ciuic-alerts.yml" in found
+    return found
+
+
 def expressions() -> list[tuple[str, str]]:
-    rules = yaml.safe_load((DEPLOY / "prometheus/ciuic-alerts.yml").read_text())
-    out = [(r["alert"], r["expr"]) for g in rules["groups"] for r in g["rules"]]
+    out = []
+    for path in rules_files():
+        rules = yaml.safe_load(path.read_text())
+        out += [
+            (r.get("alert") or r["record"], r["expr"]) for g in rules["groups"] for r in g["rules"]
+        ]
     dash = json.loads((DEPLOY / "grafana/ciuic-dashboard.json").read_text())
     out += [(p["title"], t["expr"]) for p in dash["panels"] for t in p["targets"]]
     return out
@@ -64,13 +89,131 @@ def test_every_rule_has_a_severity_and_a_summary_and_the_scrape_job_loads_them()
     assert scrape["scrape_configs"][0]["job_name"] == "ciuic"
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool is not installed")
-def test_promtool_accepts_the_rules() -> None:
+def promtool() -> str:
+    """promtool's path; skips the test where it is not installed, fails it in CI."""
+    found = shutil.which("promtool")
+    if found is None:
+        why = "promtool is not installed (Debian: apt-get install prometheus)"
+        if os.environ.get("CI", "").lower() not in ("", "0", "false"):
+            pytest.fail(f"{why}; .ci/run installs it, CI must run these checks")
+        pytest.skip(why)
+    return found
+
+
+def check(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    """``promtool check ARGS``; its output printed (pytest -s shows it)."""
     done = subprocess.run(
-        ["promtool", "check", "rules", str(DEPLOY / "prometheus/ciuic-alerts.yml")],
+        [promtool(), "check", *args],
+        input=stdin,
         check=False,
         capture_output=True,
         text=True,
         timeout=60,
     )
+    print(f"promtool check {args[0]}: exit {done.returncode}\n{done.stdout}{done.stderr}")
+    return done
+
+
+@pytest.mark.parametrize("path", rules_files(), ids=lambda p: str(p.relative_to(DEPLOY)))
+def test_promtool_accepts_the_rules(path: Path) -> None:
+    done = check("rules", str(path))
     assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout
+
+
+def test_promtool_accepts_the_scrape_job_and_the_rules_it_loads() -> None:
+    done = check("config", str(DEPLOY / "prometheus/scrape.yml"))
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+TRAINED_STEPS = 30
+
+
+@pytest.mark.processes
+def test_promtool_accepts_a_live_scrape_of_a_daemon_with_a_trainer(tmp_path: Path) -> None:
+    """A `ciuic-node run` daemon, a real trainer (a tiny model in this process) attached
+    for a few dozen steps; its /metrics, trainer families included, passes promtool's
+    lint (names, HELP and TYPE, counters' _total)."""
+    promtool()  # before starting anything
+    fleet = Fleet(tmp_path / "fleet")
+    fleet.start("a", "--listen", f"127.0.0.1:{free_port_block(1)}")
+    try:
+
+        def web_url() -> str | None:
+            status = fleet.status("a")
+            url = (status or {}).get("web", {}).get("url")
+            return url if isinstance(url, str) else None
+
+        fleet.wait(lambda: web_url() is not None, 60, "daemon and its web endpoint up")
+        metrics_url = f"{web_url()}metrics"  # open to local users: no token
+
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sync = attach(
+            model,
+            opt,
+            run="promtool",
+            socket_path=fleet.root / "a" / "trainer.sock",
+            config=load_layered(None, {}),
+            checkpoint_dir="",
+            handle_sigterm=False,
+        )
+        try:
+            for _ in range(TRAINED_STEPS):
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sync.step()
+            assert sync.finish(30)
+        finally:
+            sync.close()
+
+        scraped = ""
+
+        def trainer_reported() -> bool:
+            """The trainer's own step seen and its figures (hook_s...) reported."""
+            nonlocal scraped
+            with urllib.request.urlopen(metrics_url, timeout=10) as response:
+                assert response.status == 200
+                scraped = response.read().decode()
+            samples = {
+                s.name: s.value
+                for f in text_string_to_metric_families(scraped)
+                if f.name.startswith("ciuic_trainer_")
+                for s in f.samples
+            }
+            return (
+                samples.get("ciuic_trainer_step") == TRAINED_STEPS
+                and "ciuic_trainer_hook_seconds_total" in samples
+            )
+
+        fleet.wait(trainer_reported, 30, "the trainer's figures in /metrics")
+    finally:
+        fleet.stop_all()
+
+    trainer = {
+        f.name: f
+        for f in text_string_to_metric_families(scraped)
+        if f.name.startswith("ciuic_trainer_")
+    }
+    for name in (
+        "step",
+        "steps_per_second",
+        "encode_seconds",
+        "decode_seconds",
+        "wait_seconds",
+        "hook_seconds",
+        "chunks_clipped",
+        "chunks_weight_raised",
+        "origins_set_aside",
+    ):
+        family = trainer.get("ciuic_trainer_" + name)
+        assert family is not None and family.samples, f"ciuic_trainer_{name} not in the scrape"
+        assert all(s.labels["run"] == "promtool" for s in family.samples), name
+
+    families = list(text_string_to_metric_families(scraped))
+    print(f"scraped {len(families)} families, {len(trainer)} of them ciuic_trainer_*")
+    done = check("metrics", stdin=scraped)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert not (done.stdout + done.stderr).strip()  # no lint complaint either
