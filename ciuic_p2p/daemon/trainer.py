@@ -147,6 +147,8 @@ class TrainerServer:
         )
         """(droppable, the run it is of or None, frame parts) per held delivery."""
         self._held_bytes = 0
+        self._closing = False
+        """The daemon is stopping: a trainer cut off now is not gone (no GONE)."""
         self._prefetch: asyncio.Task[None] | None = None
         self.prefetch_info: dict[str, Any] | None = None
         """What the prefetch of a restarted daemon did (timing, version, donors)."""
@@ -236,7 +238,18 @@ class TrainerServer:
         self._tasks.append(asyncio.get_running_loop().create_task(self._client(reader, writer)))
 
     async def close(self) -> None:
-        """Close the socket and this server's tasks (the store is the assembly's)."""
+        """Close the socket and this server's tasks (the store is the assembly's). The
+        trainer is not gone with its daemon: it goes on stepping and reconnects to the
+        daemon that comes back (train.channel), so its replicas hear no GONE; they see
+        the member leave, and keep its account until it is back."""
+        self._closing = True
+        if self.writer is not None and not self.writer.is_closing():
+            log.warning(
+                "stopping_with_trainer",
+                run=self.progress.run,
+                hint="the trainer goes on and reconnects when a daemon serves "
+                f"{self.path or 'its socket'} again",
+            )
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -286,7 +299,12 @@ class TrainerServer:
                 self._held.clear()
                 self._held_bytes = 0
                 self._prefetch_usable = False
-                if self._run_id is not None and not self._done and self.daemon.node is not None:
+                if (
+                    self._run_id is not None
+                    and not self._done
+                    and not self._closing
+                    and self.daemon.node is not None
+                ):
                     # The trainer went away mid-run: its replicas stop waiting for it.
                     self.daemon.broadcast(encode_presence(PayloadKind.GONE, self._run_id))
                     counters["trainer_gone"] += 1

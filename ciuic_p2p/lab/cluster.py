@@ -260,6 +260,18 @@ class LocalCluster:
             if proc in self.trainers:
                 self.trainers.remove(proc)
 
+    def stop_daemon(self, name: str, grace_s: float = 30.0) -> int:
+        """SIGTERM the node's daemon alone, as ``systemctl stop`` does, its trainers
+        left running; its exit status."""
+        proc = self.daemons[name]
+        with contextlib.suppress(OSError):
+            proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            return proc.wait(10)
+
     def restart(self, name: str, timeout_s: float = 60.0) -> float:
         """Start the node's daemon again (same key and state: a higher incarnation) and
         join it through another live member; seconds it took."""

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -49,10 +50,43 @@ class ChannelError(CiuicError):
     """The daemon could not be reached, refused the trainer, or went away."""
 
 
+class DaemonAway(ChannelError):
+    """The daemon is away (restarting); the channel reconnects when it is back."""
+
+
+RECONNECT_INTERVAL_S = 0.2
+REJOIN_WAIT_S = 30.0
+"""How long a reconnected channel waits for its daemon to see another member before
+it sends what it kept (a node alone in its mesh sends at once after this)."""
+PENDING_MAX_BYTES = 256 << 20
+"""What the trainer keeps of its publishes while its daemon is away (the hook stops
+taking updates then: only those already encoded wait here)."""
+
+
 class DaemonChannel:
-    def __init__(self, sock: socket.socket) -> None:
+    """One trainer's connection to its daemon. Made by :meth:`connect` (a socket
+    path), a channel outlives its daemon's restart: when the daemon goes away it is
+    ``away``, keeps what the trainer publishes meanwhile, connects again when a
+    daemon serves the path, says HELLO for the same run, and sends what it kept."""
+
+    def __init__(self, sock: socket.socket, path: Path | None = None) -> None:
         self.sock = sock
         self.sock.setblocking(True)
+        self.path = path
+        """The socket path to reconnect to; None: a channel that ends with its daemon
+        (an embedded one)."""
+        self.away = False
+        """The daemon went away and the channel is reconnecting."""
+        self.away_since: float | None = None
+        self.reconnects = 0
+        self.away_s = 0.0
+        """Time spent away, over every absence (s)."""
+        self._run: str | None = None
+        self._closing = False
+        self._pending: collections.deque[bytes | memoryview] = collections.deque()
+        self._pending_bytes = 0
+        self.dropped_while_away = 0
+        """Publishes dropped past ``PENDING_MAX_BYTES`` while away."""
         self._send_lock = threading.Lock()
         self._cond = threading.Condition()
         self.deliveries: collections.deque[Any] = collections.deque()
@@ -73,8 +107,14 @@ class DaemonChannel:
         self._ids = itertools.count(1)
         self.error: str | None = None
         self.closed = False
-        self._thread = threading.Thread(target=self._read_loop, name="ciuic-channel", daemon=True)
-        self._thread.start()
+        self._thread = self._start_reader(sock)
+
+    def _start_reader(self, sock: socket.socket) -> threading.Thread:
+        thread = threading.Thread(
+            target=self._read_loop, args=(sock,), name="ciuic-channel", daemon=True
+        )
+        thread.start()
+        return thread
 
     @classmethod
     def connect(cls, path: str | Path, timeout_s: float = 10.0) -> DaemonChannel:
@@ -82,8 +122,9 @@ class DaemonChannel:
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                sock.connect(str(Path(path).expanduser()))
-                return cls(sock)
+                where = Path(path).expanduser()
+                sock.connect(str(where))
+                return cls(sock, where)
             except (FileNotFoundError, ConnectionRefusedError) as exc:
                 if time.monotonic() > deadline:
                     sock.close()
@@ -101,21 +142,20 @@ class DaemonChannel:
     def _send(self, *parts: bytes | memoryview) -> None:
         if self.closed:
             raise ChannelError(self.error or "the daemon connection is closed")
+        if self.away:
+            raise DaemonAway(f"the daemon is away ({self.error})")
         with self._send_lock:
-            views = [memoryview(p).cast("B") for p in parts]
+            sock = self.sock
             try:
-                while views:
-                    sent = self.sock.sendmsg(views)
-                    while views and sent >= len(views[0]):
-                        sent -= len(views[0])
-                        views.pop(0)
-                    if views and sent:
-                        views[0] = views[0][sent:]
+                _send_all(sock, parts)
             except OSError as exc:
-                self._fail(f"the daemon connection broke: {exc.strerror or exc}")
-                raise ChannelError(self.error or "closed") from None
+                self._lost(sock, f"the daemon connection broke: {exc.strerror or exc}")
+                if self.closed:
+                    raise ChannelError(self.error or "closed") from None
+                raise DaemonAway(f"the daemon is away ({self.error})") from None
 
     def hello(self, run: str, timeout_s: float = 10.0) -> dict[str, Any]:
+        self._run = run
         self._send(json_frame(TrainerFrame.HELLO, {"run": run}))
         self.wait(lambda: self.welcome is not None, timeout_s)
         if self.welcome is None:
@@ -124,8 +164,24 @@ class DaemonChannel:
             raise ChannelError(f"the daemon refused this trainer: {self.welcome['error']}")
         return self.welcome
 
+    def pending_full(self) -> bool:
+        """Whether what is kept for the daemon's return nears its bound: the hook then
+        stops taking updates from the model (the residual keeps them, merged)."""
+        return self._pending_bytes >= PENDING_MAX_BYTES // 2
+
     def publish(self, payload: bytes | memoryview) -> None:
-        self._send(frame_header(TrainerFrame.PUBLISH, len(payload)), payload)
+        """Send ``payload`` to the run; while the daemon is away, keep it (bounded) and
+        send it once the channel is back: an update taken from the model is never lost
+        to a restart."""
+        try:
+            self._send(frame_header(TrainerFrame.PUBLISH, len(payload)), payload)
+        except DaemonAway:
+            with self._cond:
+                if self._pending_bytes + len(payload) > PENDING_MAX_BYTES:
+                    self.dropped_while_away += 1
+                    return
+                self._pending.append(payload)
+                self._pending_bytes += len(payload)
 
     def send_direct(self, peer: str, payload: bytes | memoryview) -> None:
         prefix = peer_prefix(peer)
@@ -135,7 +191,8 @@ class DaemonChannel:
 
     def checkpoint_written(self, path: Path, step: int, digest: str) -> None:
         body = {"path": str(Path(path).resolve()), "step": step, "digest": digest}
-        self._send(json_frame(TrainerFrame.CHECKPOINT, body))
+        with contextlib.suppress(DaemonAway):  # the file is written; the news can wait
+            self._send(json_frame(TrainerFrame.CHECKPOINT, body))
 
     def put_parts(
         self, name: str, version: int, data: bytes | bytearray | memoryview, compat: bytes
@@ -238,10 +295,11 @@ class DaemonChannel:
     def request_stats(self, report: dict[str, Any] | None = None) -> None:
         """Ask for statistics; the answer lands in ``stats`` when it comes. ``report``
         tells the daemon this trainer's own figures (its metrics export them)."""
-        if report is None:
-            self._send(frame_header(TrainerFrame.STATS_REQUEST, 0))
-        else:
-            self._send(json_frame(TrainerFrame.STATS_REQUEST, report))
+        with contextlib.suppress(DaemonAway):  # asked again after the next step
+            if report is None:
+                self._send(frame_header(TrainerFrame.STATS_REQUEST, 0))
+            else:
+                self._send(json_frame(TrainerFrame.STATS_REQUEST, report))
 
     def fetch_stats(self, timeout_s: float = 5.0) -> dict[str, Any]:
         with self._cond:
@@ -283,20 +341,100 @@ class DaemonChannel:
             if not self.deliveries and not self.direct and not self.closed:
                 self._cond.wait(timeout_s)
 
-    def _read_loop(self) -> None:
+    def _read_loop(self, sock: socket.socket) -> None:
         reader = TrainerFrameReader()
         try:
             while True:
-                data = self.sock.recv(1 << 20)
+                data = sock.recv(1 << 20)
                 if not data:
-                    self._fail("the daemon closed the trainer socket")
+                    self._lost(sock, "the daemon closed the trainer socket")
                     return
                 for ftype, body in reader.feed(data):
                     self._on_frame(ftype, body)
         except (OSError, TrainWireError) as exc:
-            self._fail(f"trainer socket: {exc}")
+            self._lost(sock, f"trainer socket: {exc}")
         except Exception as exc:  # e.g. out of device memory while decoding: never die silently
             self._fail(f"trainer socket reader failed: {exc!r}")
+
+    def _lost(self, sock: socket.socket, why: str) -> None:
+        """The connection ``sock`` ended: away and reconnecting where the channel can
+        (a path, a run said, not being closed), else closed for good."""
+        with self._cond:
+            if sock is not self.sock or self.away or self.closed:
+                return  # an old connection's reader, or already seen
+            if self.path is None or self._run is None or self._closing:
+                self._fail(why)
+                return
+            self.error = why
+            self.away = True
+            self.away_since = time.monotonic()
+            self._cond.notify_all()
+        threading.Thread(target=self._reconnect, name="ciuic-reconnect", daemon=True).start()
+
+    def _reconnect(self) -> None:
+        """Connect again until a daemon serves the path and welcomes this run."""
+        assert self.path is not None and self._run is not None
+        while not self._closing:
+            sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                sock.connect(str(self.path))
+            except OSError:
+                sock.close()
+                time.sleep(RECONNECT_INTERVAL_S)
+                continue
+            with self._cond:
+                self.welcome = None
+            reader = self._start_reader(sock)
+            try:
+                _send_all(sock, [json_frame(TrainerFrame.HELLO, {"run": self._run})])
+            except OSError:
+                sock.close()
+                time.sleep(RECONNECT_INTERVAL_S)
+                continue
+            self.wait(lambda: self.welcome is not None, 10.0)
+            welcome = self.welcome
+            if welcome is None:
+                with contextlib.suppress(OSError):
+                    sock.close()
+                continue
+            if "error" in welcome:
+                self._fail(f"the daemon refused this trainer on reconnecting: {welcome['error']}")
+                return
+            # A daemon just started serves its trainer before it has rejoined the mesh:
+            # what it broadcasts then reaches nobody, and the others' logs of its new
+            # session start after it. Kept publishes wait for a member to be there.
+            self.wait(functools.partial(self._others_alive, str(welcome.get("peer", ""))),
+                      REJOIN_WAIT_S)  # fmt: skip
+            self._back(sock, reader)
+            return
+
+    def _others_alive(self, me: str) -> bool:
+        return any(member != me for member in self.alive)
+
+    def _back(self, sock: socket.socket, reader: threading.Thread) -> None:
+        with self._send_lock:
+            old, self.sock, self._thread = self.sock, sock, reader
+            with contextlib.suppress(OSError):
+                old.close()
+            with self._cond:
+                pending, self._pending = list(self._pending), collections.deque()
+                self._pending_bytes = 0
+            try:
+                for payload in pending:
+                    _send_all(sock, [frame_header(TrainerFrame.PUBLISH, len(payload)), payload])
+            except OSError as exc:
+                with self._cond:  # gone again at once: keep them for the next try
+                    self._pending.extendleft(reversed(pending))
+                    self._pending_bytes = sum(len(p) for p in self._pending)
+                self.error = f"the daemon connection broke: {exc.strerror or exc}"
+                threading.Thread(target=self._reconnect, daemon=True).start()
+                return
+        with self._cond:
+            if self.away_since is not None:
+                self.away_s += time.monotonic() - self.away_since
+            self.away, self.away_since = False, None
+            self.reconnects += 1
+            self._cond.notify_all()
 
     def _on_frame(self, ftype: TrainerFrame, body: memoryview) -> None:
         item: Any = None
@@ -350,6 +488,7 @@ class DaemonChannel:
             self._cond.notify_all()
 
     def close(self) -> None:
+        self._closing = True
         with self._cond:
             self.closed = True
             self._cond.notify_all()
@@ -357,3 +496,15 @@ class DaemonChannel:
             self.sock.shutdown(socket.SHUT_RDWR)
         self.sock.close()
         self._thread.join(timeout=5)
+
+
+def _send_all(sock: socket.socket, parts: Sequence[bytes | memoryview]) -> None:
+    """Send ``parts`` whole, one ``sendmsg`` at a time (buffers gathered, not joined)."""
+    views = [memoryview(p).cast("B") for p in parts]
+    while views:
+        sent = sock.sendmsg(views)
+        while views and sent >= len(views[0]):
+            sent -= len(views[0])
+            views.pop(0)
+        if views and sent:
+            views[0] = views[0][sent:]

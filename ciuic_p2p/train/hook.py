@@ -68,6 +68,10 @@ two trainers of different models in one run both stop within seconds, whatever
 ``min_replicas`` is, instead of each training alone for the whole run. A replica
 that hears one of its own model never stops for another's claim: a member can then
 stop only a trainer that had nobody to train with."""
+REJOIN_WINDOW_S = 30.0
+"""After its daemon came back, how long a replica says JOIN again (asking for answers)
+whenever the daemon's members change: the daemon rejoins the mesh after it serves
+its trainer."""
 JOIN_ANSWER_WAIT_S = 5.0
 FIRST_ANSWER_WAIT_S = 3.0
 """How long attach listens for a run's replicas that are already training, when the
@@ -167,6 +171,9 @@ class MeshSync:
         """The last JOIN of this run refused for another parameter layout."""
         self._layout_mismatch_at: float | None = None
         """When the first was refused (monotonic s)."""
+        self._away_said = False
+        self._reconnects_seen = 0
+        self._rejoin_until = 0.0
         self._early: list[Any] = []
         """Peer chunks that arrived before the state was restored, applied after it
         (applied before, they went into weights the restored state then replaced)."""
@@ -264,11 +271,21 @@ class MeshSync:
         self._check_layout()
         r = self.replica
         update_due = r.local_step()
-        facts = self._facts(update_due=update_due, params_due=r.wants_params())
+        params_due = r.wants_params()
+        if self._daemon_away():
+            # Updates go on as usual while the daemon is away: the channel keeps them
+            # and sends them when it is back, each of its own step (one merged update
+            # of a hundred steps was refused for its norm). Near the channel's bound,
+            # nothing more is taken: the residual keeps it, merged.
+            params_due = False
+            if self.channel.pending_full():
+                update_due = False
+        facts = self._facts(update_due=update_due, params_due=params_due)
         for action in self.schedule.after_step(facts, time.monotonic()):
             self._carry_out(action)
         self._between_steps()  # after the update: a snapshot never delays it
-        self._wait_while_blocked()
+        if not self.channel.away:  # away, the others cannot be heard: never wait for them
+            self._wait_while_blocked()
         self.hook_s += time.perf_counter() - t0
 
     def _facts(self, *, update_due: bool = False, params_due: bool = False) -> StepFacts:
@@ -277,7 +294,7 @@ class MeshSync:
             update_due=update_due,
             params_due=params_due,
             encoder_idle=self.encoder.idle.is_set(),
-            snapshot_wanted=self.channel.snapshot_wanted.is_set(),
+            snapshot_wanted=self.channel.snapshot_wanted.is_set() and not self.channel.away,
             ready=self._ready,
             checkpointing=self.state.checkpoint_path is not None,
             round_end=update_due and self.replica.outer is not None,
@@ -388,6 +405,8 @@ class MeshSync:
         if ch.alive is not self._alive_seen:
             self._alive_seen = ch.alive
             r.set_alive(ch.alive)
+            if time.monotonic() < self._rejoin_until:
+                ch.publish(self._join(ask=True))
         n = 0
         for arrived in ch.take_deliveries():
             if not self._ready and _is_chunk(arrived):
@@ -400,6 +419,32 @@ class MeshSync:
             n += self._apply_one(arrived)
         r.settle()  # and flushes what was applied
         return n
+
+    def _daemon_away(self) -> bool:
+        """Whether the daemon is away (restarting), saying so once per absence; when
+        it is back, this replica says JOIN again: the new daemon's mesh and the other
+        replicas learn where it stands."""
+        ch = self.channel
+        if ch.away:
+            if not self._away_said:
+                self._away_said = True
+                log.warning(
+                    "daemon_away",
+                    step=self.replica.step,
+                    error=ch.error,
+                    hint="training goes on; updates are kept and sent when a daemon "
+                    "serves the trainer socket again",
+                )
+            return True
+        if ch.reconnects != self._reconnects_seen:
+            self._reconnects_seen = ch.reconnects
+            self._away_said = False
+            log.info("daemon_back", step=self.replica.step, away_s=round(ch.away_s, 3))
+            # The daemon that came back may not have rejoined the mesh yet: say JOIN,
+            # asking for answers, each time its members change for a while.
+            self._rejoin_until = time.monotonic() + REJOIN_WINDOW_S
+            ch.publish(self._join(ask=True))
+        return False
 
     def _check_layout(self) -> None:
         """Raise :class:`LayoutMismatchError` when replicas of this run with another
@@ -437,8 +482,8 @@ class MeshSync:
                 if now - self._layout_said_at >= 1.0:  # at most once a second, whoever asks
                     self._layout_said_at = now
                     self.channel.publish(self._join())
-                # Named when attach gives up and logged now; never fatal at once: the
-                # claim is another member's, who must not be able to stop this one.
+                # Logged now, fatal only after LAYOUT_GRACE_S with no replica of this
+                # model heard (_check_layout): the claim is another member's.
                 self.layout_mismatch = str(exc)
                 if self._layout_mismatch_at is None:
                     self._layout_mismatch_at = now
@@ -456,7 +501,10 @@ class MeshSync:
                     "ITS_CERT.pem, then hand revoked.pem to every node)",
                 )
             elif exc.reason != "set_aside":  # counted; said once when it was set aside
-                log.warning("chunk_refused", step=r.step, reason=exc.reason, error=str(exc))
+                # A duplicate is the mesh's at-least-once delivery (a relay's repair, a
+                # leaving daemon's resend), not a fault: counted, not warned about.
+                level = log.debug if exc.reason == "duplicate" else log.warning
+                level("chunk_refused", step=r.step, reason=exc.reason, error=str(exc))
             return 0
 
     def _apply_early(self) -> None:
@@ -480,6 +528,11 @@ class MeshSync:
         r = self.replica
         ch = self.channel
         limit = self.config.train.finish_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + limit
+        # A daemon restarting when the run ends: wait for it (within the timeout), or
+        # the last updates and DONE would go nowhere.
+        ch.wait(lambda: not ch.away, limit)
+        self._daemon_away()
         if not self.finished:
             self.finished = True
             enc = self.encoder
@@ -500,7 +553,6 @@ class MeshSync:
                 for p in r.peers.values()
             )
 
-        deadline = time.monotonic() + limit
         while not all_in() and time.monotonic() < deadline and not ch.closed:
             ch.wait_any(0.05)
         complete = all_in()

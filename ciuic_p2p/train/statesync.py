@@ -20,7 +20,7 @@ from ciuic_p2p.core.replica.schedule import ReplicaSchedule
 from ciuic_p2p.core.store.runstate import RunWindow, run_window, state_refusal
 from ciuic_p2p.core.store.statefile import StateFormatError, pack_state, unpack_state
 from ciuic_p2p.logsetup import get_logger
-from ciuic_p2p.train.channel import ChannelError, DaemonChannel
+from ciuic_p2p.train.channel import ChannelError, DaemonAway, DaemonChannel
 from ciuic_p2p.train.checkpoint import Checkpoint, load_newest, write_checkpoint
 from ciuic_p2p.train.encoder import Encoder
 
@@ -243,8 +243,11 @@ class StateKeeper:
             self.schedule.checkpointed(time.monotonic())
 
         def job() -> None:
-            self.channel.put_parts(self.state_name, step, blob, compat)
-            self.snapshots_sent += 1
+            try:
+                self.channel.put_parts(self.state_name, step, blob, compat)
+                self.snapshots_sent += 1
+            except DaemonAway:
+                pass  # restarting: the next snapshot goes to the daemon that comes back
             if path is not None:
                 digest = write_checkpoint(path, step, blob, compat)
                 self.checkpoints_written += 1

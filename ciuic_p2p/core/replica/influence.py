@@ -60,7 +60,7 @@ from __future__ import annotations
 import bisect
 import collections
 import math
-from collections.abc import Container, Iterable
+from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -124,6 +124,9 @@ class OriginRecord:
     step_list: list[int] = field(default_factory=list)
     """The same steps, sorted."""
     newest: int = -1
+    claimed: int = -1
+    """The newest update step its chunks said, taken or not: where it says it is, one
+    voice in :meth:`InfluenceBound.run_front`'s median."""
     norms: dict[int, UpdateNorm] = field(default_factory=dict)
     """Per bucket: the running squared norm of one of its updates, as taken."""
     taken_sq: dict[tuple[int, int], float] = field(default_factory=dict)
@@ -229,9 +232,19 @@ class PaceRefusal(Exception):
 class InfluenceBound:
     """The bounds of the module docstring for one replica."""
 
-    def __init__(self, train: TrainSection, buckets: int, device: torch.device, me: str) -> None:
+    def __init__(
+        self,
+        train: TrainSection,
+        buckets: int,
+        device: torch.device,
+        me: str,
+        announced: Callable[[], Iterable[tuple[str, int]]] = tuple,
+    ) -> None:
         self.train = train
         self.me = me
+        self.announced = announced
+        """The run's replicas and the step each is known to be at (the roster's: its
+        newest chunk or the step its JOIN said), for :meth:`run_front`."""
         self.min_gap = max(
             1, train.inner_steps if train.mode == "outer" else train.send_interval_steps
         )
@@ -332,15 +345,28 @@ class InfluenceBound:
 
     def run_front(self, own_step: int) -> int:
         """The run's newest step as this replica can vouch for it: the lower median of
-        its own step and the newest update step of each origin taken from."""
-        steps = sorted([own_step, *(r.newest for r in self.origins.values() if r.newest >= 0)])
+        its own step and each origin's newest, taken from it, said by its chunks or
+        announced by it (a JOIN): after a gap (its daemon restarted, a partition) the
+        updates taken are old, and a front of them alone refused every honest update
+        ahead of it as ``pace`` and set the run's replicas aside. One origin's claim
+        cannot carry the median."""
+        newest = {
+            name: max(r.newest, r.claimed)
+            for name, r in self.origins.items()
+            if max(r.newest, r.claimed) >= 0
+        }
+        for name, step in self.announced():
+            if step > newest.get(name, -1):
+                newest[name] = step
+        steps = sorted([own_step, *newest.values()])
         return steps[(len(steps) - 1) // 2]
 
     def check_pace(self, origin: str, step: int, own_step: int) -> None:
         """Raise :class:`PaceRefusal` for an update step this replica cannot vouch for."""
-        rec = self.origins.get(origin)
-        if rec is not None and step in rec.steps:
+        rec = self.record(origin)
+        if step in rec.steps:
             return  # another chunk of an update already taken
+        rec.claimed = max(rec.claimed, step)
         bound = self.train.staleness_bound_steps
         front = (
             self.run_front(own_step) + bound + (self.min_gap if self.train.mode == "outer" else 0)

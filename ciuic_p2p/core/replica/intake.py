@@ -168,7 +168,11 @@ class Intake:
         self._updates = ReplayWindow(window_steps=1 << 16)
         self._params = ReplayWindow(window_steps=1 << 16)
         self.influence = InfluenceBound(
-            train, len(parameters.buckets), parameters.device, roster.me
+            train,
+            len(parameters.buckets),
+            parameters.device,
+            roster.me,
+            announced=lambda: ((name, p.step) for name, p in roster.peers.items()),
         )
         self.floors: dict[str, int] = {}
         """Per origin: update steps at or below this are in the restored state."""

@@ -51,6 +51,11 @@ class Roster:
         """JOINs (step, ask) of members not yet known alive here (at most one per
         member), taken when they are."""
         self._gone: set[str] = set()
+        self.departed: dict[str, PeerState] = {}
+        """Replicas whose member left the mesh with their trainer still on (a daemon
+        restarting, a partition): their accounts, taken up again when they are back, so
+        that what they sent before and after adds up to what their DONE says. Bounded
+        by the members ever seen alive; dropped on GONE."""
 
     @property
     def replicas(self) -> int:
@@ -62,7 +67,7 @@ class Roster:
         self.mesh_alive = set(members) - {self.me}
         for name in list(self.peers):
             if name not in self.mesh_alive:
-                del self.peers[name]
+                self.departed[name] = self.peers.pop(name)
         for name in [n for n in self.early_joins if n in self.mesh_alive]:
             joined = self.replica(name)
             if joined is not None:
@@ -75,7 +80,8 @@ class Roster:
         removed replica does not bring it back)."""
         state = self.peers.get(origin)
         if state is None and origin in self.mesh_alive and origin not in self._gone:
-            state = self.peers[origin] = PeerState()
+            back = self.departed.pop(origin, None)
+            state = self.peers[origin] = back if back is not None else PeerState()
             self.joined.append(origin)
         return state
 
@@ -95,6 +101,7 @@ class Roster:
         """Its trainer went away (GONE): no longer a replica, until it joins again."""
         self._gone.add(origin)
         self.peers.pop(origin, None)
+        self.departed.pop(origin, None)
 
     def _take_join(
         self, origin: str, joined: PeerState, origin_step: int, ask: bool, step: int

@@ -1,0 +1,81 @@
+"""A daemon restarted under its trainer (``systemctl restart``: SIGTERM, then start):
+the trainer never exits, keeps stepping while its daemon is away, keeps what it
+publishes meanwhile, reconnects when a daemon serves its socket again, and the others
+take its updates (separate processes, real QUIC on loopback). Before, the trainer
+died with ``ChannelError: the daemon closed the trainer socket``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from ciuic_p2p.core.replica.rule import consensus_distance
+from ciuic_p2p.lab.cluster import LocalCluster
+from tests.train.test_recovery import Watch, _all
+
+pytestmark = pytest.mark.processes
+
+CONFIG = """
+[codec]
+density = 0.05
+[train]
+consensus_interval_steps = 16
+"""
+
+
+def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path) -> None:
+    names = ["n0", "n1", "n2"]
+    out = tmp_path / "out"
+    stop = tmp_path / "stop"
+    with LocalCluster(None, names, tmp_path / "c", CONFIG) as cluster:
+        cluster.start()
+        watch = Watch()
+        args = ["--task", "digits", "--steps", "6000", "--world", "3", "--step-s", "0.02",
+                "--run", "restart", "--evals", "1", "--stop-file", str(stop)]  # fmt: skip
+        for rank, name in enumerate(names):
+            watch.lines.add(name, cluster.spawn_trainer(name, rank, args, out))
+        victim = names[2]
+        watch.until(lambda: min(watch.step(n) for n in names) >= 100, 240, "step 100")
+        code = cluster.stop_daemon(victim)
+        stopped_at = watch.step(victim)
+        # Its trainer goes on stepping while its daemon is away.
+        watch.until(lambda: watch.step(victim) >= stopped_at + 50, 60, "steps while away")
+        cluster.restart(victim)
+        back_at = watch.step(victim)
+        watch.until(
+            lambda: min(watch.step(n) for n in names) >= back_at + 100, 120, "after the restart"
+        )
+        stop.touch()
+        watch.until(lambda: all(watch.last(n, "done") is not None for n in names), 300, "the end")
+        watch.lines.close()
+        logs = {n: (cluster.state_dir(n) / "daemon.log").read_text() for n in names}
+    assert code == 0
+    assert len(_all(watch, victim, "attached")) == 1  # one trainer life: it never exited
+    results = [json.loads((out / f"result-{r}.json").read_text()) for r in range(3)]
+    keys = ("peer", "step", "replicas", "chunks_sent", "applied_from", "sent_by_origin",
+            "refused")  # fmt: skip
+    brief = [{k: r["sync"].get(k) for k in keys} for r in results]
+    print(json.dumps(brief))
+    mine = results[2]["sync"]
+    for theirs in results[:2]:
+        # What it sent before, while and after its daemon was away reached the others
+        # (kept by its channel, sent once its daemon was back in the mesh), but for
+        # the first few of its daemon's new session (measured: 8 of 646 chunks).
+        assert theirs["sync"]["sent_by_origin"][mine["peer"]] == mine["chunks_sent"]
+        assert theirs["sync"]["applied_from"][mine["peer"]] >= 0.95 * mine["chunks_sent"]
+        # Not yet: what the others sent while its daemon was down never reaches it
+        # (a third of theirs here); the consensus mix brings it back to them.
+        assert mine["applied_from"][theirs["sync"]["peer"]] > 0
+    trainer_logs = [(out / f"trainer-{r}.log").read_text() for r in range(3)]
+    assert not any("duplicate" in text for text in [*trainer_logs, *logs.values()])
+    assert "daemon_away" in trainer_logs[2] and "daemon_back" in trainer_logs[2]
+    assert "stopping_with_trainer" in logs[victim]
+    params = [torch.load(out / f"params-{r}.pt") for r in range(3)]
+    distance = consensus_distance(params)
+    print(f"consensus distance after the restart: {distance:.4f}")
+    # Measured 0.099: the updates it missed while away; not yet held against the
+    # same run without the restart.
+    assert distance <= 0.2, distance
