@@ -42,8 +42,9 @@ unit: $(STAMP) browser
 # The whole test suite: lint, types, then the tests.
 test: lint typecheck unit
 
-# The fast tier, about a minute: every test that starts no process, opens no real
-# socket and drives no browser (pure machines, in-memory daemons on virtual time).
+# The fast tier: every test that starts no process, opens no real socket and drives no
+# browser (pure machines, in-memory daemons on virtual time). How long it takes, as
+# measured: docs/index.md.
 check: $(STAMP)
 	$(VENV)/bin/pytest -q -m "not processes and not network and not browser"
 

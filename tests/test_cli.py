@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -14,6 +19,8 @@ from ciuic_p2p.cli import main
 from ciuic_p2p.cli.control import _print_peers
 
 pytestmark = pytest.mark.processes
+
+CLI_REFERENCE = Path(__file__).resolve().parents[1] / "docs" / "reference" / "cli.md"
 
 
 def ciuic_node() -> str:
@@ -228,3 +235,74 @@ def test_run_refuses_a_join_address_that_can_never_work(tmp_path: Path, join: st
     assert result.stderr.strip().count("\n") == 0 and "--join" in result.stderr
     assert "HOST:PORT" in result.stderr and "Traceback" not in result.stderr
     print(f"--join {join!r}: exit 2 after {elapsed:.2f} s")
+
+
+def stated_exit_status(case: str) -> int:
+    """The exit status docs/reference/cli.md's table gives for ``case``, a phrase of
+    its row."""
+    for line in CLI_REFERENCE.read_text(encoding="utf-8").splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and cells[0].isdigit() and case in cells[1]:
+            return int(cells[0])
+    raise AssertionError(f"docs/reference/cli.md states no exit status for {case!r}")
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    """A directory whose socket paths fit AF_UNIX's 108 bytes, which tmp_path may not."""
+    with tempfile.TemporaryDirectory(prefix="ciuic-cli-") as path:
+        yield Path(path)
+
+
+def stale_socket(directory: Path) -> Path:
+    """A control.sock left by a daemon that died: the file is there, nothing listens."""
+    path = directory / "control.sock"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.bind(str(path))
+    return path
+
+
+@pytest.mark.parametrize("command", ["status", "leave", "peers", "routes"])
+@pytest.mark.parametrize("where", ["no socket", "no daemon in the state dir", "stale socket"])
+def test_an_unreachable_daemon_exits_as_the_reference_says(
+    short_dir: Path, command: str, where: str
+) -> None:
+    socket_args = {
+        "no socket": ["--control", "/nonexistent/control.sock"],
+        "no daemon in the state dir": ["--state-dir", str(short_dir)],
+        "stale socket": ["--control", str(short_dir / "control.sock")],
+    }[where]
+    if where == "stale socket":
+        stale_socket(short_dir)
+    out = run_cli(command, *socket_args)
+    assert out.returncode == stated_exit_status("cannot be reached"), (command, out.stderr)
+    assert out.stderr.startswith("ciuic-node: error:") and out.stderr.count("\n") == 1
+
+
+def answer_once_with(path: Path, answer: dict[str, object]) -> threading.Thread:
+    """A stand-in daemon on ``path`` that answers one request with ``answer``."""
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(str(path))
+    server.listen(1)
+    server.settimeout(60)
+
+    def serve() -> None:
+        with server, server.accept()[0] as conn:
+            conn.makefile("rb").readline()
+            conn.sendall(json.dumps(answer).encode() + b"\n")
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.parametrize("command", ["status", "leave", "peers"])
+def test_a_daemon_that_refuses_the_request_exits_as_the_reference_says(
+    short_dir: Path, command: str
+) -> None:
+    path = short_dir / "control.sock"
+    server = answer_once_with(path, {"ok": False, "error": "not now"})
+    out = run_cli(command, "--control", str(path))
+    server.join(timeout=60)
+    assert out.returncode == stated_exit_status("answered with an error"), out.stderr
+    assert out.stderr == "ciuic-node: error: not now\n"

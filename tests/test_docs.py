@@ -188,3 +188,68 @@ def test_a_failing_document_ends_though_its_background_jobs_run(tmp_path: Path) 
     doc.write_text("```sh\nsleep 600 &\nfalse\n```\n")
     script, _ = script_of(doc)
     assert run_script(script, tmp_path / "work").returncode == 1
+
+
+README = REPO / "README.md"
+BENCHMARKS = REPO / "docs" / "benchmarks.md"
+SUMMARY = re.compile(r"^<!-- summary(?::[^>]*)? -->\n(.*?)^<!-- summary end -->$", re.M | re.S)
+RESULTS = re.compile(r"^<!-- results(?::[^>]*)? -->\n(.*?)^<!-- results end -->$", re.M | re.S)
+FIGURE = re.compile(r"\d[\d,]*(?:\.\d+)?")
+
+
+def marked(pattern: re.Pattern[str], doc: Path) -> str:
+    """The lines between ``doc``'s begin and end markers that ``pattern`` names."""
+    found = pattern.search(doc.read_text(encoding="utf-8"))
+    name = pattern.pattern.split()[1].split("(")[0]
+    assert found, f"{doc.relative_to(REPO)}: no <!-- {name} --> ... <!-- {name} end --> block"
+    return found.group(1)
+
+
+def test_the_readme_results_are_the_benchmarks_summary() -> None:
+    """One source: the README's results are docs/benchmarks.md's summary, its links
+    made relative to the README (docs/generate_reference.py copies it)."""
+    summary = marked(SUMMARY, BENCHMARKS)
+    assert marked(RESULTS, README) == summary.replace("](#", "](docs/benchmarks.md#")
+
+
+def test_every_figure_of_the_benchmarks_summary_is_measured_below_it() -> None:
+    """The summary quotes the sections, which give each figure's command and commit: a
+    number in the summary that no section holds was typed, not measured."""
+    text = BENCHMARKS.read_text(encoding="utf-8")
+    summary = marked(SUMMARY, BENCHMARKS)
+    body = FIGURE.findall(text.replace(summary, ""))
+    # Anchors (`#...-2026-12-03-...`) are names, not figures.
+    quoted = FIGURE.findall(re.sub(r"\]\([^)]*\)", "]", summary))
+    assert quoted and not [f for f in quoted if f not in body]
+
+
+PROCESS_WORDS = re.compile(
+    r"\bthe issue\b|\bissue's\b|\bissues? ?\d+|\bissue-\d+|\bthis stop\b|\bstop's\b"
+    r"|closing note|\bwas lent\b|\blent to\b|\bin one session\b",
+    re.I,
+)
+
+
+def test_the_docs_speak_to_users_not_of_the_projects_process() -> None:
+    """Who worked on what, under which ticket, is the commits' and the changelog's
+    history; a reader of the docs has none of that context."""
+    docs = [README, REPO / "CHANGELOG.md", *sorted((REPO / "docs").rglob("*.md"))]
+    found = [
+        f"{doc.relative_to(REPO)}:{n}: {m.group(0)!r}"
+        for doc in docs
+        for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1)
+        for m in PROCESS_WORDS.finditer(line)
+    ]
+    assert not found, "\n".join(found)
+
+
+def test_each_duration_the_contributor_notes_give_says_where_it_was_measured() -> None:
+    """How long a make target takes depends on the machine and grows with the suite:
+    a duration with no machine and date is a guess that goes stale unseen."""
+    notes = (REPO / "docs" / "index.md").read_text(encoding="utf-8")
+    items = notes.split("## For contributors", 1)[1].split("\n- ")
+    timed = [i for i in items if re.search(r"\bminutes?\b|\bseconds\b|\d s\b", i)]
+    for item in timed:
+        flat = " ".join(item.split())
+        assert re.search(r"on (?:2|two) cores|build machine", flat), flat
+        assert re.search(r"\b20\d\d-\d\d-\d\d\b", flat), flat
