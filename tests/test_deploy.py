@@ -164,7 +164,7 @@ def test_promtool_accepts_a_live_scrape_of_a_daemon_with_a_trainer(tmp_path: Pat
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
-                sync.step()
+                sync.step(loss=loss)  # carried to the daemon: ciuic_trainer_loss
             assert sync.finish(30)
         finally:
             sync.close()
@@ -186,6 +186,7 @@ def test_promtool_accepts_a_live_scrape_of_a_daemon_with_a_trainer(tmp_path: Pat
             return (
                 samples.get("ciuic_trainer_step") == TRAINED_STEPS
                 and "ciuic_trainer_hook_seconds_total" in samples
+                and "ciuic_trainer_loss" in samples
             )
 
         fleet.wait(trainer_reported, 30, "the trainer's figures in /metrics")
@@ -207,6 +208,7 @@ def test_promtool_accepts_a_live_scrape_of_a_daemon_with_a_trainer(tmp_path: Pat
         "chunks_clipped",
         "chunks_weight_raised",
         "origins_set_aside",
+        "loss",
     ):
         family = trainer.get("ciuic_trainer_" + name)
         assert family is not None and family.samples, f"ciuic_trainer_{name} not in the scrape"

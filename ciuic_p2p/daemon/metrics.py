@@ -216,6 +216,8 @@ class TrainingProgress:
         self.set_aside: dict[str, int] = {}
         """Origins the trainer set aside (core.replica.influence), until which of its
         steps."""
+        self.loss: float | None = None
+        """The training loss the trainer last gave ``sync.step(loss=...)``."""
 
     def report(self, figures: dict[str, object]) -> list[tuple[str, int]]:
         """The trainer's own totals (its encoder thread, its decoding reader, its waits
@@ -225,6 +227,9 @@ class TrainingProgress:
             value = figures.get(key)
             if isinstance(value, int | float) and not isinstance(value, bool) and value >= 0:
                 self.trainer[key] = float(value)
+        loss = figures.get("loss")
+        if isinstance(loss, int | float) and not isinstance(loss, bool) and math.isfinite(loss):
+            self.loss = float(loss)  # any finite number: a loss may be negative
         aside = figures.get("set_aside")
         if not isinstance(aside, dict):
             return []
@@ -274,6 +279,7 @@ class TrainingProgress:
                 "staleness_steps": max(0, reference - step),
                 "age_s": round(now_s - seen_s, 3),
                 "set_aside_until": self.set_aside.get(origin),
+                "loss": self.loss if origin == own else None,
             }
         return out
 
@@ -689,6 +695,14 @@ class DaemonCollector(Collector):
             if t is not None and key in t.trainer:
                 family.add_metric([run], t.trainer[key])
             yield family
+        loss = GaugeMetricFamily(
+            "ciuic_trainer_loss",
+            "The training loss this node's trainer last reported (sync.step(loss=...)).",
+            labels=["run"],
+        )
+        if t is not None and t.loss is not None:
+            loss.add_metric([run], t.loss)
+        yield loss
         aside = GaugeMetricFamily(
             "ciuic_trainer_origins_set_aside",
             "Origins the trainer set aside after repeated refusals (each until a step of "

@@ -173,6 +173,8 @@ class MeshSync:
         """When the first was refused (monotonic s)."""
         self._away_said = False
         self._reconnects_seen = 0
+        self._loss: float | torch.Tensor | None = None
+        """The newest loss given to :meth:`step`."""
         self._rejoin_until = 0.0
         self._early: list[Any] = []
         """Peer chunks that arrived before the state was restored, applied after it
@@ -256,9 +258,14 @@ class MeshSync:
 
     # -- the loop --------------------------------------------------------------------------
 
-    def step(self) -> None:
-        """Call once after each ``optimizer.step()``."""
+    def step(self, loss: float | torch.Tensor | None = None) -> None:
+        """Call once after each ``optimizer.step()``. ``loss`` (optional): this step's
+        training loss, carried to the daemon with the next statistics report (its
+        ``status``, page and ``ciuic_trainer_loss``); a tensor is read only then, so
+        a loss on a GPU costs no synchronisation at every step."""
         t0 = time.perf_counter()
+        if loss is not None:
+            self._loss = loss.detach() if isinstance(loss, torch.Tensor) else float(loss)
         if self._terminate:
             self._exit_on_sigterm()
         if self.channel.closed:
@@ -340,6 +347,8 @@ class MeshSync:
                 "weight_raised": r.stats.weight_raised,
                 "set_aside": dict(r.stats.set_aside),
             }
+            if self._loss is not None:
+                self._stats_report["loss"] = float(self._loss)
 
     def _wait_while_blocked(self) -> None:
         """Wait while a live replica is past the staleness bound behind, excusing it

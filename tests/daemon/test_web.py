@@ -25,7 +25,7 @@ from ciuic_p2p.admission import ClusterCA, Trust
 from ciuic_p2p.config import Config, WebSection
 from ciuic_p2p.core.mesh.members import State
 from ciuic_p2p.daemon.assembly import bare_daemon
-from ciuic_p2p.daemon.metrics import RouteWatch, StepRate
+from ciuic_p2p.daemon.metrics import RouteWatch, StepRate, TrainingProgress
 from ciuic_p2p.daemon.trainer import TrainerServer
 from ciuic_p2p.daemon.web import WebServer
 from ciuic_p2p.data import scenario_path
@@ -400,3 +400,18 @@ async def test_status_page_in_a_browser_shows_the_mesh_and_a_node_that_leaves() 
     assert not errors, errors
     data = shot.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+
+
+def test_a_trainers_reported_loss_is_range_checked_and_shown_on_its_own_row() -> None:
+    """The trainer's report is a member's local process's word: only a finite number
+    is taken as its loss (a string, a bool, inf or NaN leave the last one)."""
+    progress = TrainingProgress()
+    progress.observe("me", 1, 5, 0.0)
+    progress.observe("other", 1, 5, 0.0)
+    for bad in ("1.0", True, float("inf"), float("nan"), None):
+        progress.report({"loss": bad})
+        assert progress.loss is None, bad
+    progress.report({"loss": 0.25})
+    progress.report({"loss": float("nan")})
+    rows = progress.rows("me", 1.0)
+    assert rows["me"]["loss"] == 0.25 and rows["other"]["loss"] is None
