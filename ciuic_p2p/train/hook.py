@@ -337,7 +337,7 @@ class MeshSync:
             # Sent by the encoder thread with its next chunks: a send from this thread
             # wakes the daemon, which on a busy machine can take this thread's core
             # (5 ms a request measured with 4 nodes on 2 cores).
-            self._stats_report = {
+            report: dict[str, Any] = {
                 "step": r.step,
                 "encode_s": enc.busy_s,
                 "decode_s": ch.decode_s,
@@ -348,7 +348,9 @@ class MeshSync:
                 "set_aside": dict(r.stats.set_aside),
             }
             if self._loss is not None:
-                self._stats_report["loss"] = float(self._loss)
+                report["loss"] = float(self._loss)
+            # Whole, in one assignment: the encoder thread takes and clears it.
+            self._stats_report = report
 
     def _wait_while_blocked(self) -> None:
         """Wait while a live replica is past the staleness bound behind, excusing it
