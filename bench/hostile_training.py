@@ -314,37 +314,15 @@ def store_replacement(workdir: Path, seed: int = 0) -> dict[str, Any]:
             ("local", local_bytes),
         ):
             (workdir / name).write_bytes(data)
-        put = request(
-            cluster.control("a"),
-            {
-                "cmd": "store_put",
-                "name": "model/weights",
-                "path": str(workdir / "honest"),
-                "version": 1,
-            },
-            timeout_s=60,
-        )
-        forged = request(
-            cluster.control("m"),
-            {
-                "cmd": "store_put",
-                "name": "model/weights",
-                "path": str(workdir / "forged"),
-                "version": 10**12,
-            },
-            timeout_s=60,
-        )
-        own = request(
-            cluster.control("b"),
-            {
-                "cmd": "store_put",
-                "name": "model/weights",
-                "path": str(workdir / "local"),
-                "local": True,
-                "version": 1,
-            },
-            timeout_s=60,
-        )
+
+        def store_put(node: str, path: str, version: int, local: bool = False) -> dict[str, Any]:
+            body = {"cmd": "store_put", "name": "model/weights", "path": str(workdir / path),
+                    "version": version, **({"local": True} if local else {})}  # fmt: skip
+            return request(cluster.control(node), body, timeout_s=60)
+
+        put = store_put("a", "honest", 1)
+        forged = store_put("m", "forged", 10**12)
+        own = store_put("b", "local", 1, local=True)
         row["writer_held_by"] = len(put.get("held_by", []))
         row["member_held_by"] = len(forged.get("held_by", []))
         row["member_put"] = forged.get("error") or "ok"
@@ -493,6 +471,7 @@ if __name__ == "__main__":
     ap.add_argument("--step-s", type=float, default=0.1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--keep", type=Path, help="keep the runs' logs and state here")
+    ap.add_argument("--json", action="store_true", help="accepted: the printout is JSON")
     a = ap.parse_args()
     only = a.only.split(",") if a.only else None
     print(json.dumps(training_section(only, a.seed, a.steps, a.step_s, a.keep)))
