@@ -165,3 +165,23 @@ def test_a_member_that_keeps_sending_but_never_refutes_is_declared_dead_in_bound
         mesh.run_for(0.25)
         tokyo.heard(london, mesh.now)
     assert tokyo.deaths_withheld == MAX_DEATHS_WITHHELD
+
+
+def test_force_leave_takes_a_dead_member_as_left_and_refuses_a_live_one(mesh: SimMesh) -> None:
+    """``ciuic-node force-leave`` (serf's): a failed member is taken as departed on this
+    node's word; one that may still be alive, an unknown one or itself are refused."""
+    tokyo = mesh.nodes["Tokyo"]
+    assert tokyo.force_leave("London", mesh.now) is not None  # alive: refused
+    assert tokyo.force_leave("Atlantis", mesh.now) is not None  # unknown
+    assert tokyo.force_leave("Tokyo", mesh.now) is not None  # itself
+    assert tokyo.state_of("London") == State.ALIVE
+    mesh.kill("London")
+    mesh.run_until_true(lambda: mesh.all_mark("London"), limit_s=10)
+    assert tokyo.force_leave("London", mesh.now) is None
+    assert tokyo.state_of("London") == State.LEFT
+    mesh.run_for(60)  # nothing the others gossip (their Dead, its old Alive) undoes it
+    assert [e.state for e in mesh.member_events["Tokyo"] if e.node == "London"][-1] == State.LEFT
+    assert tokyo.state_of("London") == State.LEFT
+    assert tokyo.force_leave("London", mesh.now) is None  # again: nothing to do
+    mesh.start("London", join_through="Sydney")  # back, newer: taken back
+    mesh.run_until_true(lambda: tokyo.state_of("London") == State.ALIVE, limit_s=15)

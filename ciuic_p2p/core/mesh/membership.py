@@ -90,7 +90,13 @@ from ciuic_p2p.core.mesh.messages import (
     Update,
     update_size,
 )
-from ciuic_p2p.core.mesh.suspicion import Awareness, Suspicion
+from ciuic_p2p.core.mesh.suspicion import (
+    NACKS_MISSING,
+    PROBE_UNANSWERED,
+    SUSPECTED,
+    Awareness,
+    Suspicion,
+)
 
 MAX_DEATHS_WITHHELD = 3
 """Timeouts a suspicion may be extended by the suspect's traffic: a member that keeps
@@ -371,7 +377,7 @@ class Membership:
         s = self.settings
         if self._now - self._aware_refuted_at >= s.probe_interval_s * (s.awareness_max + 1):
             self._aware_refuted_at = self._now
-            self.awareness.apply(1)
+            self.awareness.apply(1, SUSPECTED)
         alive = self._self_alive()
         self.queue.put(alive)
         # Straight to a few members as well: the suspicion is already spreading.
@@ -673,7 +679,10 @@ class Membership:
             self.probes_answered_by_traffic += 1  # answered, late: not our links' fault
             return
         # Lifeguard: helpers that did not even send a nack point at our own links.
-        self.awareness.apply(probe.helpers - probe.nacks if probe.helpers else 1)
+        if probe.helpers:
+            self.awareness.apply(probe.helpers - probe.nacks, NACKS_MISSING)
+        else:
+            self.awareness.apply(1, PROBE_UNANSWERED)
         m = self.members.get(probe.target)
         if m is None:
             return
@@ -744,6 +753,27 @@ class Membership:
 
     def left_spread(self) -> bool:
         return self.leaving and not self.queue.pending("member:" + self.node)
+
+    def force_leave(self, node: str, now: float) -> str | None:
+        """Take a member that failed (declared dead) as departed now, on this node's
+        word (``ciuic-node force-leave``, serf's): it is no longer reconnected to,
+        gossiped to or shown as failed, and is forgotten with the departed after
+        ``dead_reap_s``. Nothing is gossiped: a departure counts only with its own
+        signature (module docstring), so each node forces its own. A member forced out
+        that comes back with a newer incarnation is taken back as one that left.
+        Why it was refused (None: done, or it had left already): one that may still be
+        alive (alive or suspected) is never forced out, nor an unknown one."""
+        self._now = now
+        if node == self.node:
+            return "that is this node itself: `leave` makes it leave"
+        m = self.members.get(node)
+        if m is None:
+            return f"{node} is not a member this node knows"
+        if m.state <= State.SUSPECT:
+            return f"{node} is {m.state.name.lower()}: only a failed (dead) member is forced out"
+        if m.state == State.DEAD:
+            self.table.set_state(m, State.LEFT, m.incarnation, now)
+        return None
 
     def _reconnect(self, now: float) -> None:
         dead = [

@@ -234,6 +234,17 @@ class MeshNode:
         self.membership.leave(now)
         self._settle(now)
 
+    def force_leave(self, node: str, now: float) -> str | None:
+        """Take a failed member as departed on this node's word (core.mesh.membership's
+        :meth:`~Membership.force_leave`); why not, None when done."""
+        refused = self.membership.force_leave(node, now)
+        self._settle(now)
+        return refused
+
+    def rtt_estimate_s(self, a: str, b: str) -> float | None:
+        """The pair's RTT by the Vivaldi coordinates alone (None: no coordinate)."""
+        return self.rttmap.estimate_s(a, b)
+
     def broadcast(
         self,
         payload: bytes,
@@ -291,6 +302,12 @@ class MeshNode:
     def health_score(self) -> int:
         """Lifeguard's local health: 0 when healthy (core.mesh.suspicion)."""
         return self.membership.awareness.score
+
+    @property
+    def health_reasons(self) -> dict[str, int]:
+        """What raised ``health_score`` since it was last 0, and by how much
+        (core.mesh.suspicion's ``PROBE_UNANSWERED``, ``NACKS_MISSING``, ``SUSPECTED``)."""
+        return dict(self.membership.awareness.reasons)
 
     def members(self) -> Mapping[str, Member]:
         """The member table, read-only: every member this node knows, in any state."""
