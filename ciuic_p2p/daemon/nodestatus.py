@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.link.keys import peer_id_of
 from ciuic_p2p.core.mesh.node import MeshNode
+from ciuic_p2p.core.mesh.suspicion import NACKS_MISSING, PROBE_UNANSWERED, SUSPECTED
 from ciuic_p2p.guard import Guard
 from ciuic_p2p.transport.base import LinkStats, Transport
 
@@ -104,6 +105,7 @@ def status(d: MeshDaemon) -> dict[str, Any]:
         "uptime_s": round(d.clock() - d.started_at, 1),
         "alive": len(node.view()),
         "health_score": node.health_score,
+        "health_reasons": health_reasons(node.health_reasons),
         "members": members,
         "banned": sorted(d.banned),
         "counters": dict(d.counters),
@@ -118,6 +120,25 @@ def status(d: MeshDaemon) -> dict[str, Any]:
         "strangers": strangers(d),
         **d.listener.status_sections(),
     }
+
+
+HEALTH_REASONS = {
+    PROBE_UNANSWERED: "{n} probe(s) of members unanswered, no helper to ask",
+    NACKS_MISSING: "{n} helper(s) silent about probes that failed: this node's own "
+    "links or CPU are the likely cause",
+    SUSPECTED: "suspected by members {n} time(s) (refuted): they find this node slow",
+}
+"""What each cause of a raised health score (core.mesh.suspicion) says to an operator."""
+
+
+def health_reasons(reasons: dict[str, int]) -> list[dict[str, Any]]:
+    """Why the health score is above 0, largest share first: each cause, how much it
+    added since the score was last 0, and a sentence for the page and ``status``."""
+    out = []
+    for reason, count in sorted(reasons.items(), key=lambda kv: (-kv[1], kv[0])):
+        text = HEALTH_REASONS.get(reason, reason + " ({n})").format(n=count)
+        out.append({"reason": reason, "count": count, "text": text})
+    return out
 
 
 def _rounded(value: float | None) -> int | None:

@@ -48,15 +48,31 @@ class Suspicion:
         return self.started_at + self.timeout_s()
 
 
+PROBE_UNANSWERED = "probe_unanswered"
+"""A probe went unanswered and no helper could be asked (the score rose by 1)."""
+NACKS_MISSING = "nacks_missing"
+"""A probe went unanswered and helpers asked to try did not even nack: our links."""
+SUSPECTED = "suspected"
+"""Members suspected this node, which had to refute it."""
+
+
 class Awareness:
-    """The local health multiplier: a score in [0, max_score)."""
+    """The local health multiplier: a score in [0, max_score), and what raised it."""
 
     def __init__(self, max_score: int) -> None:
         self.max_score = max(1, max_score)
         self.score = 0
+        self.reasons: dict[str, int] = {}
+        """Since the score was last 0: how much each cause (``PROBE_UNANSWERED``,
+        ``NACKS_MISSING``, ``SUSPECTED``) added to it. An operator asking why the
+        node is degraded reads this; it empties when the score is back to 0."""
 
-    def apply(self, delta: int) -> None:
+    def apply(self, delta: int, reason: str = "") -> None:
         self.score = min(self.max_score - 1, max(0, self.score + delta))
+        if self.score == 0:
+            self.reasons.clear()
+        elif delta > 0 and reason:
+            self.reasons[reason] = self.reasons.get(reason, 0) + delta
 
     def scale(self, value_s: float) -> float:
         return value_s * (self.score + 1)
