@@ -96,6 +96,8 @@ def config_md() -> str:
             shown = [
                 toml_value(getattr(getattr(p, section.name), f.name)) for p in presets.values()
             ]
+            if callable(f.default_factory):  # computed on each host (node.name: its name)
+                shown = [f"{f.default_factory.__name__}()"] * len(presets)
             lan = shown[1] if shown[1] != shown[0] else ""
             local = shown[2] if shown[2] != shown[0] else ""
             var = f"{ENV_PREFIX}{section.name.upper()}_{f.name.upper()}"

@@ -4,7 +4,8 @@ Import them from ``ciuic_p2p.config``."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import socket
+from dataclasses import dataclass, field
 from typing import Literal
 
 MAX_CHUNK_PAYLOAD_BYTES = 1 << 20
@@ -21,13 +22,21 @@ TrainMode = Literal["step", "outer"]
 OuterOptimizer = Literal["average", "nesterov"]
 
 
+def host_name() -> str:
+    """This host's name, kept to what a node name may be (printable ASCII, at most 64
+    characters: config.rules); ``node`` on a host without one."""
+    name = "".join(c for c in socket.gethostname() if c.isascii() and c.isprintable())
+    return name.strip()[:64].strip() or "node"
+
+
 @dataclass(frozen=True, slots=True)
 class NodeSection:
     """Who this node is and where it listens."""
 
-    name: str = "node"
+    name: str = field(default_factory=host_name)
     """Human-readable node name, unique within the mesh; gossiped to the members, who
-    show it beside the peer ID (status, peers, routes, the page, metrics)."""
+    show it beside the peer ID (status, peers, routes, the page, metrics). Default:
+    this host's name (two nodes on one host share it; their peer IDs tell them apart)."""
     region: str = ""
     """Free-form region label (e.g. ``aws:eu-central-1``); routing may use it as a hint."""
     listen_host: str = "127.0.0.1"

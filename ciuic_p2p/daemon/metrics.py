@@ -74,11 +74,15 @@ class StepRate:
     samples: collections.deque[tuple[float, int]] = field(
         default_factory=lambda: collections.deque(maxlen=RATE_SAMPLES)
     )
+    ended: str = ""
+    """Why this session is over: ``done`` (it finished the run: DONE), ``gone`` (it
+    went away mid-run: GONE, or our own trainer detached); empty while it trains."""
 
     def observe(self, incarnation: int, step: int, now_s: float) -> None:
         if incarnation != self.incarnation:  # a new trainer session counts from 1 again
             self.incarnation = incarnation
             self.samples.clear()
+            self.ended = ""
         elif self.samples and step <= self.samples[-1][1]:
             return  # more chunks of the same step, or a late (repaired) one
         self.samples.append((now_s, step))
@@ -202,7 +206,12 @@ class TrainingProgress:
     daemon.trainer with the header of each chunk it signs or verifies."""
 
     def __init__(self) -> None:
-        self.origins: dict[str, StepRate] = {}
+        self.runs: dict[bytes, dict[str, StepRate]] = {}
+        """Each run's origins (by run ID): runs share the mesh, so chunks of runs other
+        than ours pass here too, and one origin's steps of two runs never mix."""
+        self.run_id: bytes | None = None
+        """The run of this node's trainer (its HELLO, or the run it trained last)."""
+        self._last_run: bytes | None = None
         self.sign = Timing()
         """Signing the chunks our trainer publishes (the daemon's encode side)."""
         self.verify = Timing()
@@ -247,40 +256,99 @@ class TrainingProgress:
                 fresh.append((origin, until))
         return fresh
 
+    @property
+    def origins(self) -> dict[str, StepRate]:
+        """The origins of this node's run (no run of ours yet: of the run seen last)."""
+        run = self.run_id if self.run_id is not None else self._last_run
+        return self.runs.get(run, {}) if run is not None else {}
+
+    def trainer_attached(self, run: str, run_id: bytes, own: str) -> None:
+        """This node's trainer said which run it trains (HELLO): a new session."""
+        self.run, self.run_id = run[:64], run_id
+        rate = self.runs.get(run_id, {}).get(own)
+        if rate is not None:
+            rate.ended = ""
+
+    def ended(self, origin: str, run_id: bytes, why: str) -> None:
+        """``origin``'s trainer of ``run_id`` ended (``StepRate.ended``)."""
+        rate = self.runs.get(run_id, {}).get(origin)
+        if rate is not None:
+            rate.ended = why
+
     def observe(
-        self, origin: str, incarnation: int, step: int, now_s: float, update: bool = True
+        self,
+        origin: str,
+        incarnation: int,
+        step: int,
+        now_s: float,
+        update: bool = True,
+        run_id: bytes = b"",
     ) -> None:
-        """A chunk of ``origin``'s ``step`` passed (``update``: of an update, whose
-        round this node gathers; consensus fragments are not a round's)."""
-        rate = self.origins.get(origin)
+        """A chunk of ``origin``'s ``step`` of run ``run_id`` passed (``update``: of an
+        update, whose round this node gathers if it is of our run; consensus fragments
+        are not a round's)."""
+        origins = self.runs.setdefault(run_id, {})
+        self._last_run = run_id
+        rate = origins.get(origin)
         if rate is None:
-            rate = self.origins[origin] = StepRate()
+            rate = origins[origin] = StepRate()
         rate.observe(incarnation, step, now_s)
-        if update:
+        if update and self.run_id in (None, run_id):
             self.rounds.observe(origin, step, now_s)
 
-    def rows(self, own: str, now_s: float) -> dict[str, dict[str, float | int | None]]:
-        """Per origin: step, steps/s, staleness and age of the newest step seen.
+    def rows(self, own: str, now_s: float) -> dict[str, dict[str, float | int | str | None]]:
+        """Per origin of our run: step, steps/s, staleness and age of the newest step
+        seen, and ``state``: ``live``, or why it ended (``StepRate.ended``).
 
         Staleness is how many steps an origin's newest chunk here is behind our own
         trainer's newest (or, without one, the furthest origin's): chunks delivered,
         which the trainer applies between steps, so it is a lower bound of
         core.replica.rule's staleness of applied steps."""
-        steps = {o: r.step for o, r in self.origins.items() if r.step is not None}
+        return self._rows(self.origins, own, now_s, ours=True)
+
+    def _rows(
+        self, origins: dict[str, StepRate], own: str, now_s: float, ours: bool
+    ) -> dict[str, dict[str, float | int | str | None]]:
+        steps = {o: r.step for o, r in origins.items() if r.step is not None}
         reference = steps.get(own, max(steps.values(), default=0))
-        out: dict[str, dict[str, float | int | None]] = {}
-        for origin, rate in sorted(self.origins.items()):
+        out: dict[str, dict[str, float | int | str | None]] = {}
+        for origin, rate in sorted(origins.items()):
             step, seen_s, per_s = rate.step, rate.seen_s, rate.per_s(now_s)
             if step is None or seen_s is None:
                 continue
             out[origin] = {
                 "step": step,
-                "steps_per_s": None if per_s is None else round(per_s, 3),
+                # An ended trainer has no rate: its last one would read as live.
+                "steps_per_s": None if per_s is None or rate.ended else round(per_s, 3),
                 "staleness_steps": max(0, reference - step),
                 "age_s": round(now_s - seen_s, 3),
-                "set_aside_until": self.set_aside.get(origin),
-                "loss": self.loss if origin == own else None,
+                "set_aside_until": self.set_aside.get(origin) if ours else None,
+                "loss": self.loss if ours and origin == own else None,
+                "state": rate.ended or "live",
             }
+        return out
+
+    def runs_status(self, own: str, now_s: float) -> list[dict[str, object]]:
+        """Every run whose chunks passed here, ours first, then by the newest chunk:
+        its ID, its name where known (ours), and its trainers' rows (as ``rows``, with
+        ``state``: live, done or gone)."""
+        ours = self.run_id if self.run_id is not None else self._last_run
+
+        def newest(item: tuple[bytes, dict[str, StepRate]]) -> tuple[bool, float]:
+            seen = [r.seen_s for r in item[1].values() if r.seen_s is not None]
+            return item[0] != ours, -max(seen, default=0.0)
+
+        out: list[dict[str, object]] = []
+        for run_id, origins in sorted(self.runs.items(), key=newest):
+            is_ours = run_id == self.run_id
+            out.append(
+                {
+                    "run_id": run_id.hex(),
+                    "name": self.run if is_ours else "",
+                    "own": is_ours,
+                    "trainers": self._rows(origins, own, now_s, ours=is_ours),
+                }
+            )
         return out
 
 

@@ -38,6 +38,7 @@ from ciuic_p2p.config import (
 )
 from ciuic_p2p.daemon.assembly import NodeAssembly
 from ciuic_p2p.daemon.service import NodeService
+from ciuic_p2p.daemon.web import page_announcement
 from ciuic_p2p.errors import AdmissionError, CiuicError, ConfigError, TransientError
 from ciuic_p2p.guard import install_loop_handler
 from ciuic_p2p.identity import NodeKey
@@ -306,12 +307,8 @@ async def _start_web(node: NodeAssembly, token_path: Path, *, required: bool) ->
         "page": f"{url}#token={node.web.token}",
         "token_file": str(token_path),
     }
-    announce(
-        log,
-        "web_started",
-        f"status page {url} (its token in {token_path}; metrics at {url}metrics)",
-        url=url,
-    )
+    text, fields = page_announcement(url, node.web.token, token_path)
+    announce(log, "web_started", text, **fields)  # the token in a terminal only
 
 
 def run(args: argparse.Namespace) -> int:

@@ -179,6 +179,8 @@ class TrainerServer:
             run = (self.daemon.state_dir / RUN_FILE).read_text().strip() or None
         if run is not None:
             self._expected_run = run_id_of(run)
+            # The page and metrics show this run's trainers until one attaches.
+            self.progress.run, self.progress.run_id = run[:64], self._expected_run
         if run is None or not self.daemon.config.store.prefetch_state:
             return
         name = "state/" + run_id_of(run).hex()
@@ -308,6 +310,9 @@ class TrainerServer:
                     # The trainer went away mid-run: its replicas stop waiting for it.
                     self.daemon.broadcast(encode_presence(PayloadKind.GONE, self._run_id))
                     counters["trainer_gone"] += 1
+                if self._run_id is not None:  # the page shows it ended, with no rate
+                    why = "done" if self._done else "gone"
+                    self.progress.ended(self.daemon.peer_id, self._run_id, why)
                 self._run_id = None
 
     def _hello_frame(self, body: memoryview) -> None:
@@ -319,7 +324,7 @@ class TrainerServer:
             raise TrainWireError("HELLO names no run")
         self._run_id = self._expected_run = run_id_of(run)
         self.state_name = "state/" + self._run_id.hex()
-        self.progress.run = run[:64]  # the metrics' run label
+        self.progress.trainer_attached(run, self._run_id, d.peer_id)  # the metrics' run label
         self._remember_run(run)
         self._done = False
         self._sessions += 1
@@ -399,6 +404,8 @@ class TrainerServer:
         msg = decode_payload(body)
         if msg.kind in (PayloadKind.DONE, PayloadKind.JOIN, PayloadKind.GONE):
             self._done = self._done or msg.kind is PayloadKind.DONE
+            if msg.kind is PayloadKind.DONE and self._run_id is not None:
+                self.progress.ended(d.peer_id, self._run_id, "done")
             d.broadcast(bytes(body))
             return
         t0 = time.perf_counter()
@@ -409,7 +416,9 @@ class TrainerServer:
             raise TrainWireError(f"published chunk refused: {exc}") from None
         self.progress.sign.add(time.perf_counter() - t0)
         update = msg.kind is PayloadKind.UPDATE
-        self.progress.observe(d.peer_id, header.incarnation, header.step, d.clock(), update)
+        self.progress.observe(
+            d.peer_id, header.incarnation, header.step, d.clock(), update, header.run_id
+        )
         d.counters["chunks_published"] += 1
         if msg.kind is PayloadKind.PARAMS:
             if header.step != self.snapshot_step:
@@ -581,8 +590,11 @@ class TrainerServer:
             msg = decode_payload(delivery.payload)
             if msg.kind is PayloadKind.DONE:
                 run = decode_done(msg.body)[0]
+                self.progress.ended(delivery.origin, run, "done")
             elif msg.kind in (PayloadKind.JOIN, PayloadKind.GONE):
                 run = decode_presence(msg.body).run_id
+                if msg.kind is PayloadKind.GONE:
+                    self.progress.ended(delivery.origin, run, "gone")
             if msg.kind in (PayloadKind.UPDATE, PayloadKind.PARAMS):
                 # The mesh checked the origin's signature over the whole payload
                 # (core.mesh.broadcast): what is left is that the update is the origin's own.
@@ -598,6 +610,7 @@ class TrainerServer:
                     header.step,
                     delivery.at,
                     msg.kind is PayloadKind.UPDATE,
+                    run,
                 )
         except (TrainWireError, CiuicError) as exc:
             counters["deliveries_refused"] += 1

@@ -70,6 +70,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from ciuic_p2p.config import WebSection
+from ciuic_p2p.core.mesh.members import State
 from ciuic_p2p.daemon.metrics import DaemonCollector, RouteWatch, new_registry, traffic_by_peer
 from ciuic_p2p.daemon.node import MeshDaemon
 from ciuic_p2p.daemon.trainer import TrainerServer
@@ -207,6 +208,43 @@ class _Admitted(asyncio.Protocol):
         if self.inner is not None:
             self.server._connections.pop(self.inner, None)
             self.inner.connection_lost(exc)
+
+
+def trainers_by_peer(runs: list[dict[str, Any]], live: set[str]) -> dict[str, dict[str, Any]]:
+    """Each peer's trainer as the page's row shows it: of the run it trains (the one
+    its chunks came in last, a live trainer before an ended one), never another run's
+    step; ``run`` names it (``run_id`` where its name is not known here). A trainer of a
+    member no longer alive or suspected is shown ``left``, with no rate. Marks the
+    same rows of ``runs`` too."""
+    out: dict[str, dict[str, Any]] = {}
+    for run in runs:  # ours first, then by the newest chunk
+        for peer, row in run["trainers"].items():
+            if row["state"] == "live" and peer not in live:
+                row["state"], row["steps_per_s"] = "left", None
+            row["run"] = run["name"] or run["run_id"]
+            mine = out.get(peer)
+            if mine is None or (mine["state"] != "live" and row["state"] == "live"):
+                out[peer] = row
+    return out
+
+
+def page_announcement(url: str, token: str, token_path: Path) -> tuple[str, dict[str, str]]:
+    """What ``ciuic-node run`` says once the page is up: the line for a terminal, and
+    the fields of the JSON event. The terminal's line is the page's whole URL, token
+    included, to open as it is: whoever reads it started the daemon as its user, who
+    may read the token file anyway. The JSON event (journald, log shippers, read by
+    more than the daemon's user and group) gives the URL without the token, and where
+    the token is."""
+    text = (
+        f"status page {url}#token={token} (the token is also in {token_path}; "
+        f"metrics at {url}metrics)"
+    )
+    fields = {
+        "url": url,
+        "token_file": str(token_path),
+        "hint": f"open {url}#token=TOKEN, TOKEN from the file; `ciuic-node status` prints it",
+    }
+    return text, fields
 
 
 def write_token(path: Path, token: str) -> None:
@@ -406,13 +444,16 @@ class WebServer:
         self.routes.sample(routes)
         traffic = {peer: dataclasses.asdict(t) for peer, t in traffic_by_peer(d).items()}
         tree = node.tree(d.peer_id)
+        runs = [] if self.trainer is None else self.trainer.progress.runs_status(d.peer_id, now_s)
+        alive = {p for p, m in node.members().items() if m.state <= State.SUSPECT} | {d.peer_id}
         out.update(
             refresh_s=self.settings.refresh_s,
             clock_s=round(now_s, 3),
             links=links,
             tree=[[parent, child] for parent, children in tree.items() for child in children],
             traffic=traffic,
-            training={} if self.trainer is None else self.trainer.progress.rows(d.peer_id, now_s),
+            runs=runs,
+            training=trainers_by_peer(runs, alive),
             route_changes=dict(self.routes.changes),
         )
         if self.extra_status is not None:
