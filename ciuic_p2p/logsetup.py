@@ -16,6 +16,10 @@ Two processors guard every event, ours and the standard library's alike:
   the journal and hide everything else. An address is keyed by its host, not its
   port: a stranger that varies its source port is still one stranger.
 
+Taps (:func:`add_tap`: daemon.events, for ``ciuic-node monitor``) hear every event
+at ``info`` or above whatever ``log.level``: structlog filters at ``info`` at most and
+a processor after the taps (:class:`LevelGate`) drops what the level leaves out.
+
 Dropping never raises through the standard library: structlog's own events are
 dropped with ``structlog.DropEvent``, which its loggers catch, but a standard-library
 record (aioquic's, asyncio's "exception in callback") passes the limiter in a
@@ -26,6 +30,7 @@ stopped the daemon after a handful of repeated errors.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -158,6 +163,48 @@ class StdlibRateFilter(logging.Filter):
         return write
 
 
+EventTap = Callable[[dict[str, Any]], None]
+_taps: list[EventTap] = []
+"""Who hears every event logged in this process (daemon.events: ``ciuic-node monitor``)."""
+
+
+def add_tap(tap: EventTap) -> None:
+    """Hand ``tap`` a copy of every structlog event logged from now on at ``info`` or
+    above, whatever ``log.level`` (and debug ones at level ``debug``), secrets redacted,
+    before the rate limit. It is called on the thread that logs, and must not block
+    nor log."""
+    _taps.append(tap)
+
+
+def remove_tap(tap: EventTap) -> None:
+    with contextlib.suppress(ValueError):
+        _taps.remove(tap)
+
+
+def _tap(_logger: Any, method: str, event: MutableMapping[str, Any]) -> Any:
+    if _taps:
+        copy = {"level": "warning" if method == "warn" else method, **event}
+        for tap in list(_taps):
+            tap(copy)
+    return event
+
+
+class LevelGate:
+    """Drops events below ``log.level``: structlog's own filter is set at ``info`` at
+    most, so that the taps hear a node's membership changes at every level."""
+
+    def __init__(self, level: int) -> None:
+        self.level = level
+
+    def __call__(self, _logger: Any, method: str, event: MutableMapping[str, Any]) -> Any:
+        if _METHOD_LEVELS.get(method, logging.CRITICAL) < self.level:
+            raise structlog.DropEvent
+        return event
+
+
+_METHOD_LEVELS = {**_LEVELS, "warn": logging.WARNING, "exception": logging.ERROR,
+                  "critical": logging.CRITICAL}  # fmt: skip
+
 _json_output = False
 TRAINER_SCOPE = "ciuic"
 """The loggers a training process's set-up covers (every logger of this project)."""
@@ -190,7 +237,7 @@ def configure_logging(
         structlog.processors.TimeStamper(fmt="iso", utc=True),
     ]
     context = structlog.contextvars.merge_contextvars
-    shared: list[Any] = [context, redact_secrets, limiter, *stamp]
+    shared: list[Any] = [context, redact_secrets, _tap, LevelGate(level), limiter, *stamp]
     foreign: list[Any] = [
         context,
         structlog.stdlib.ExtraAdder(allow=["suppressed"]),
@@ -237,7 +284,7 @@ def configure_logging(
             structlog.stdlib.ProcessorFormatter.wrap_for_formatter,
         ],
         logger_factory=structlog.stdlib.LoggerFactory(),
-        wrapper_class=structlog.make_filtering_bound_logger(level),
+        wrapper_class=structlog.make_filtering_bound_logger(min(level, logging.INFO)),
         cache_logger_on_first_use=False,
     )
 

@@ -51,8 +51,10 @@ def cli_md() -> str:
         "may pass by itself (a port still held by a process that is exiting: systemd "
         "restarts the service); `demo`'s cluster failed |",
         "| 2 | a mistake to fix before trying again: a flag, a file, a key, a "
-        "certificate or a configuration; or a daemon that cannot be reached (none runs "
-        "at the control socket, the socket is stale, or none was found where the "
+        "certificate or a configuration; a request the daemon refused as a mistake "
+        "(`force-leave` of a member that is alive or unknown, `store rm` of another "
+        "writer's object or of one not held); or a daemon that cannot be reached (none "
+        "runs at the control socket, the socket is stale, or none was found where the "
         "configuration points) |",
         "",
     ]

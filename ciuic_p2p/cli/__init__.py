@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from cryptography import x509
 from cryptography.exceptions import InvalidSignature
@@ -38,30 +39,59 @@ def build_parser() -> argparse.ArgumentParser:
         ),
     )
     parser.add_argument("--version", action="version", version=f"ciuic-node {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", help="what to do")
 
-    keygen = sub.add_parser("keygen", help="create a node key; print its peer ID and public key")
+    keygen = command(
+        sub,
+        "keygen",
+        "create a node key; print its peer ID and public key",
+        "Create this node's Ed25519 key in a new file (mode 0600) and print its peer ID "
+        "and its public key in hex, which the cluster CA's `ca issue --key` takes.",
+    )
     keygen.add_argument("--out", required=True, help="key file to create (mode 0600)")
     keygen.add_argument("--force", action="store_true", help="overwrite an existing file")
 
-    ca = sub.add_parser("ca", help="cluster CA: admit and remove nodes")
-    ca_sub = ca.add_subparsers(dest="ca_command", metavar="ACTION", required=True)
-    ca_init = ca_sub.add_parser("init", help="create a cluster CA (ca.key, ca.pem) in DIR")
+    ca = command(
+        sub,
+        "ca",
+        "cluster CA: admit and remove nodes",
+        "The cluster's certificate authority: create it, issue node certificates, "
+        "revoke them. Keep the CA directory offline.",
+    )
+    ca_sub = ca.add_subparsers(
+        dest="ca_command", metavar="ACTION", required=True, help="what to do with the CA"
+    )
+    ca_init = command(ca_sub, "init", "create a cluster CA (ca.key, ca.pem) in DIR")
     ca_init.add_argument("--dir", required=True, help="directory for the CA (keep it offline)")
     ca_init.add_argument("--cluster", required=True, help="cluster name")
-    ca_issue = ca_sub.add_parser("issue", help="issue a node certificate for a node key")
+    ca_issue = command(
+        ca_sub,
+        "issue",
+        "issue a node certificate for a node key",
+        "Issue a certificate that admits the node whose key is given (its key file, "
+        "or the public key in hex that `keygen` printed: the node key need not leave "
+        "its machine).",
+    )
     ca_issue.add_argument("--dir", required=True, help="the CA directory")
     ca_issue.add_argument(
         "--key", required=True, help="the node's key file, or its public key in hex"
     )
     ca_issue.add_argument("--out", required=True, help="certificate file to write (PEM)")
     ca_issue.add_argument("--days", type=int, default=365, help="validity in days (365)")
-    ca_revoke = ca_sub.add_parser("revoke", help="add node certificates to the revocation list")
+    ca_revoke = command(ca_sub, "revoke", "add node certificates to the revocation list")
     ca_revoke.add_argument("--dir", required=True, help="the CA directory")
     ca_revoke.add_argument("certs", nargs="+", help="certificate files of the nodes to remove")
     ca_revoke.add_argument("--out", required=True, help="revocation list to write (PEM CRL)")
 
-    run = sub.add_parser("run", help="start the node daemon (joins a mesh with --join)")
+    run = command(
+        sub,
+        "run",
+        "start the node daemon (joins a mesh with --join)",
+        "Run the node daemon in the foreground: the config file, CIUIC_* variables and "
+        "these flags, in that order of precedence from last to first; credentials from "
+        "the state directory. SIGHUP (or `ciuic-node reload`) reloads, SIGTERM or "
+        "Ctrl+C leaves the mesh cleanly.",
+    )
     from ciuic_p2p.daemon.run import add_run_arguments  # noqa: PLC0415
 
     add_run_arguments(run)
@@ -69,30 +99,59 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_control_commands(sub)
 
-    store = sub.add_parser("store", help="the shared store: put and get named objects")
-    store_sub = store.add_subparsers(dest="store_command", required=True)
-    put = store_sub.add_parser("put", help="have the mesh hold FILE's bytes as NAME")
-    put.add_argument("name")
-    put.add_argument("file")
+    store = command(
+        sub,
+        "store",
+        "the shared store: put, get, list and remove named objects",
+        "The mesh's shared store, through the running daemon: each member holds named "
+        "objects, each writer's versions apart from the others'.",
+    )
+    store_sub = store.add_subparsers(
+        dest="store_command", metavar="ACTION", required=True, help="what to do"
+    )
+    put = command(store_sub, "put", "have the mesh hold FILE's bytes as NAME")
+    put.add_argument("name", metavar="NAME", help="the object's name")
+    put.add_argument("file", metavar="FILE", help="the file whose bytes to put")
     put.add_argument("--local", action="store_true", help="hold it on this node only")
-    get = store_sub.add_parser(
+    get = command(
+        store_sub,
         "get",
-        help="fetch NAME into FILE: this node's version, else that of the name's first "
+        "fetch NAME into FILE: this node's version, else that of the name's first "
         "writer held here, else the newest of any writer",
     )
-    get.add_argument("name")
-    get.add_argument("file")
-    get.add_argument("--min-version", type=int, default=0)
+    get.add_argument("name", metavar="NAME", help="the object's name")
+    get.add_argument("file", metavar="FILE", help="the file to write (replaced atomically)")
+    get.add_argument(
+        "--min-version", type=int, default=0, help="the oldest version to accept (0: any)"
+    )
     get.add_argument(
         "--writer", default="", help="the version written by this member (node name or peer ID)"
     )
-    for cmd in (put, get):
+    ls = command(
+        store_sub,
+        "ls",
+        "list the objects held on this node: name, writer, version, bytes",
+        "List the objects this node holds, its own and those it holds for other "
+        "writers: name, writer (`self` marks this node's), version and size.",
+    )
+    rm = command(
+        store_sub,
+        "rm",
+        "drop this node's own versions of NAME held here",
+        "Drop the versions of NAME that this node wrote from what it holds. Another "
+        "writer's object cannot be removed from the mesh (nobody's key but its "
+        "writer's speaks for it): asked for one, rm refuses and exits 2. Copies other "
+        "members hold of this node's object stay theirs.",
+    )
+    rm.add_argument("name", metavar="NAME", help="the object's name")
+    for cmd in (put, get, ls, rm):
         cmd.add_argument("--json", action="store_true", help="print JSON")
         add_socket_arguments(cmd)
 
-    emulate = sub.add_parser(
+    emulate = command(
+        sub,
         "emulate",
-        help="start emulated nodes on a WAN scenario as processes, measure, tear down",
+        "start emulated nodes on a WAN scenario as processes, measure, tear down",
     )
     emulate.add_argument(
         "scenario", help="shipped scenario (cities11, multicloud8, harsh, partition) or a file"
@@ -101,35 +160,54 @@ def build_parser() -> argparse.ArgumentParser:
     emulate.add_argument("--pings", type=int, default=5, help="pings per pair")
     emulate.add_argument("--json", action="store_true", help="print JSON")
 
-    netem = sub.add_parser(
+    netem = command(
+        sub,
         "netem",
-        help="run a scenario's nodes in network namespaces shaped by kernel netem (root)",
+        "run a scenario's nodes in network namespaces shaped by kernel netem (root)",
     )
     netem.add_argument("scenario", help="shipped scenario name or a file")
     netem.add_argument("--nodes", type=int, default=0, help="first N nodes (0: all)")
     netem.add_argument("--pings", type=int, default=5, help="pings per pair")
     netem.add_argument("--dry-run", action="store_true", help="print the ip/tc commands only")
 
-    demo = sub.add_parser(
+    demo = command(
+        sub,
         "demo",
-        help="train a model on N local nodes over the emulated 11-city WAN, beside a "
+        "train a model on N local nodes over the emulated 11-city WAN, beside a "
         "dense synchronous baseline; summary table and plot",
     )
     from ciuic_p2p.lab.demo import add_demo_arguments  # noqa: PLC0415
 
     add_demo_arguments(demo)
 
-    audit = sub.add_parser("audit", help="check the tamper-evident audit log")
+    audit = command(sub, "audit", "check the tamper-evident audit log")
     from ciuic_p2p.cli.audit import add_audit_arguments  # noqa: PLC0415
 
     add_audit_arguments(audit)
 
-    config = sub.add_parser("config", help="inspect configuration")
-    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
-    check = config_sub.add_parser("check", help="validate a TOML config file and print it")
+    config = command(sub, "config", "inspect configuration")
+    config_sub = config.add_subparsers(
+        dest="config_command", metavar="ACTION", required=True, help="what to do"
+    )
+    check = command(config_sub, "check", "validate a TOML config file and print it")
     check.add_argument("file", help="path of the TOML file")
-    config_sub.add_parser(
-        "example", help="print the annotated example config (every setting and its default)"
+    command(
+        config_sub, "example", "print the annotated example config (every setting and its default)"
+    )
+
+    from ciuic_p2p.cli.completion import add_completion_command  # noqa: PLC0415
+
+    add_completion_command(sub)
+    return parser
+
+
+def command(
+    sub: Any, name: str, text: str, description: str | None = None
+) -> argparse.ArgumentParser:
+    """A subcommand whose ``--help`` opens with ``description`` (by default its
+    one-line ``text``, which the parent's ``--help`` lists)."""
+    parser: argparse.ArgumentParser = sub.add_parser(
+        name, help=text, description=description or text[:1].upper() + text[1:] + "."
     )
     return parser
 
@@ -347,6 +425,10 @@ def _dispatch(args: argparse.Namespace) -> int | None:
         from ciuic_p2p.cli.control import steer  # noqa: PLC0415
 
         return steer(args)
+    if args.command == "completion":
+        from ciuic_p2p.cli.completion import completion_main  # noqa: PLC0415
+
+        return completion_main(build_parser(), args.shell)
     if args.command == "demo":
         from ciuic_p2p.lab.demo import run_demo  # noqa: PLC0415
 

@@ -20,7 +20,9 @@ from ciuic_p2p.daemon.auditlog import public_key_from, verify_directory
 
 def add_audit_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``audit`` actions to ``parser`` (the ``audit`` subcommand's parser)."""
-    sub = parser.add_subparsers(dest="audit_command", metavar="ACTION", required=True)
+    sub = parser.add_subparsers(
+        dest="audit_command", metavar="ACTION", required=True, help="what to do"
+    )
     verify = sub.add_parser(
         "verify",
         help="check that no audit entry was edited, deleted, inserted or reordered",

@@ -322,6 +322,13 @@ class MeshDaemon:
             log.warning("peer_banned", peer=peer)
         return refused
 
+    def force_leave(self, peer: str) -> str | None:
+        """Take a failed member as departed here (``ciuic-node force-leave``:
+        core.mesh.membership); why not, None when done."""
+        refused = self.mesh.force_leave(peer, self.clock())
+        self._pump()
+        return refused
+
     async def leave(self) -> None:
         """Tell the mesh we are leaving, wait (bounded) for it to spread, then close."""
         node = self.mesh
@@ -460,7 +467,14 @@ class MeshDaemon:
         if event.state in (State.DEAD, State.LEFT):
             self.listener.member_down(event.node)
         level = log.warning if event.state in (State.SUSPECT, State.DEAD) else log.info
-        level("member_" + event.state.name.lower(), peer=event.node, incarnation=event.incarnation)
+        m = self.mesh.members().get(event.node)
+        level(
+            "member_" + event.state.name.lower(),
+            peer=event.node,
+            incarnation=event.incarnation,
+            name=m.name if m is not None else "",
+            address=m.address if m is not None else "",
+        )
 
     async def _receive_loop(self) -> None:
         while True:

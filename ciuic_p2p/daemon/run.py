@@ -20,6 +20,7 @@ import dataclasses
 import datetime as dt
 import fcntl
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,17 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
         "the config or the environment that is taken stops the daemon; the default "
         "one taken leaves it without a page, said at start and in status",
     )
+    p.add_argument(
+        "--log-level",
+        choices=("debug", "info", "warning", "error"),
+        help="lowest level logged (log.level, default info)",
+    )
+    p.add_argument(
+        "--log-format",
+        choices=("auto", "json", "console"),
+        help="log output: JSON lines, readable console lines, or auto: JSON unless "
+        "stderr is a terminal (log.format)",
+    )
     p.add_argument("--emulate", metavar="SCENARIO", help=argparse.SUPPRESS)
     p.add_argument("--emulate-node", help=argparse.SUPPRESS)
     p.add_argument("--emulate-ports", type=int, help=argparse.SUPPRESS)
@@ -128,8 +140,15 @@ def build_config(args: argparse.Namespace) -> Config:
         if not 0 <= args.web_port <= 65535:
             raise ConfigError(f"--web-port: must be in [0, 65535], got {args.web_port}")
         web = dataclasses.replace(web, port=args.web_port)
+    log_section = config.log
+    if args.log_level or args.log_format:
+        log_section = dataclasses.replace(
+            log_section,
+            level=args.log_level or log_section.level,
+            format=args.log_format or log_section.format,
+        )
     return dataclasses.replace(
-        config, node=dataclasses.replace(node, **changes), train=train, web=web
+        config, node=dataclasses.replace(node, **changes), train=train, web=web, log=log_section
     )
 
 
@@ -143,9 +162,13 @@ def _credential(path: str | None, default: Path, what: str, how: str) -> Path:
 def load_credentials(
     args: argparse.Namespace, state_dir: Path
 ) -> tuple[NodeKey, x509.Certificate, Trust]:
+    key_path = Path(args.key) if args.key else state_dir / "node.key"
     key = NodeKey.load(
         _credential(
-            args.key, state_dir / "node.key", "node key", "create one with `ciuic-node keygen`"
+            args.key,
+            state_dir / "node.key",
+            "node key",
+            f"create one with `ciuic-node keygen --out {shlex.quote(str(key_path))}`",
         )
     )
     cert = load_certificate(

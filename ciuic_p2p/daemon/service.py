@@ -71,6 +71,8 @@ class NodeService:
         self._join_task: asyncio.Task[None] | None = None
         self._flag_seeds: list[str] = []
         self._exit_code = 0
+        if parts.control is not None:  # `reload` and `runs` on the control socket
+            parts.control.service, parts.control.trainers = self, parts.trainers
 
     def status(self) -> dict[str, Any]:
         return {
@@ -207,14 +209,17 @@ class NodeService:
     def _on_reload_signal(self) -> None:
         asyncio.get_running_loop().create_task(self.reload())
 
-    async def reload(self) -> None:
+    async def reload(self) -> dict[str, Any]:
+        """What SIGHUP does (and ``ciuic-node reload``); what it did: the reload count,
+        the keys changed, those that need a restart, the revocation list, or the error
+        that kept the old config."""
         self.notifier.reloading()
         try:
             new = self.reload_config()
         except CiuicError as exc:
             log.error("reload_failed", error=str(exc))
             self.notifier.ready(f"reload failed, old config kept: {exc}")
-            return
+            return {"reloads": self.reloads, "error": str(exc)}
         changed = _changed_keys(self.config, new)
         self.needs_restart = sorted(k for k in changed if not _reloadable(k))
         if new.log != self.config.log:
@@ -233,6 +238,12 @@ class NodeService:
             log.warning("reload_needs_restart", keys=self.needs_restart)
         log.info("reloaded", changed=sorted(changed), revocation_list=crl_note)
         self.notifier.ready(self._summary())
+        return {
+            "reloads": self.reloads,
+            "changed": sorted(changed),
+            "needs_restart": self.needs_restart,
+            "revocation_list": crl_note,
+        }
 
     def _reload_crl(self) -> str:
         transport = self.parts.daemon.transport

@@ -140,6 +140,7 @@ class StoreService:
             del self._held_waiters[key]
         if len(held) < min(wanted, len(members)):
             log.warning("store_put_underreplicated", name=name, held=held, wanted=wanted)
+        log.info("store_put", name=name, version=version, held_by=held)
         return manifest, held
 
     async def get(
@@ -223,6 +224,24 @@ class StoreService:
                     name, min_version, writer=first.manifest.writer, patient=False
                 )
         return await self.get(name, min_version, patient=patient)
+
+    def remove_own(self, name: str) -> int:
+        """Drop this node's own versions of ``name`` held here (``ciuic-node store
+        rm``); how many. Another writer's object cannot be removed from the mesh: a
+        name held here only as others' is refused, and the copies other members hold
+        of ours stay theirs."""
+        removed = self.holder.remove(name, self.writer)
+        if removed:
+            log.info("store_removed", name=name, versions=removed)
+            return removed
+        others = sorted({h.manifest.writer for h in self.holder.objects.get(name, ())})
+        if others:
+            raise StoreError(
+                f"{name} is held here only as another writer's ({', '.join(others)}): "
+                "a member removes only its own objects, and another's cannot be removed "
+                "from the mesh"
+            )
+        raise StoreError(f"no object {name!r} is held here")
 
     def writer_of(self, who: str) -> str:
         """The peer ID of ``who``: a peer ID, a member's node name, or "self"."""

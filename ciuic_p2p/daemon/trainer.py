@@ -165,6 +165,9 @@ class TrainerServer:
         only its deliveries are held (others' cannot push them out)."""
         self._done = False
         self._tasks: list[asyncio.Task[None]] = []
+        self._replicas: dict[str, tuple[bytes, str]] = {}
+        """Each origin whose run chunks or announcements were delivered here: (its run,
+        ``live``, ``ended`` after its DONE or ``gone`` after its GONE), for ``runs``."""
 
     async def start(self) -> None:
         if self.path is None:
@@ -292,6 +295,8 @@ class TrainerServer:
         finally:
             counters["trainer_sessions"] += 1
             self._sessions_ended += 1
+            if self.writer is writer and self._hello:
+                log.info("trainer_detached", run=self.progress.run, done=self._done)
             writer.close()
             if self.writer is writer:
                 self._parts.clear()  # half-sent objects go with their session
@@ -330,6 +335,7 @@ class TrainerServer:
         self._sessions += 1
         self._members = d.mesh.view()
         self._hello = True
+        log.info("trainer_attached", run=run[:64], session=self._sessions)
         self._write(
             json_frame(
                 TrainerFrame.WELCOME,
@@ -616,6 +622,7 @@ class TrainerServer:
             counters["deliveries_refused"] += 1
             log.warning("delivery_refused", origin=delivery.origin, reason=str(exc))
             return
+        self._note_replica(delivery.origin, run, msg.kind)
         if msg.kind is PayloadKind.JOIN and not self._attached():
             # A trainer that attaches later asks the replicas where they are then; an
             # old JOIN would tell it a step long past.
@@ -639,6 +646,45 @@ class TrainerServer:
         self._write(
             frame_header(TrainerFrame.DIRECT_IN, len(prefix) + len(payload)), prefix, payload
         )
+
+    def _note_replica(self, origin: str, run: bytes | None, kind: PayloadKind) -> None:
+        if run is None or (origin not in self._replicas and len(self._replicas) >= MAX_HELD):
+            return  # bounded by members in practice; by MAX_HELD whatever they send
+        state = {PayloadKind.DONE: "ended", PayloadKind.GONE: "gone"}.get(kind, "live")
+        self._replicas[origin] = (run, state)
+
+    def runs(self) -> list[dict[str, Any]]:
+        """The training runs this daemon knows (``ciuic-node runs``): its own trainer's
+        and those its peers' chunks and announcements named, each with its replicas
+        (origin daemons): their newest step seen here and whether they are live,
+        ended (DONE) or gone (GONE); this node's own: attached, detached or ended."""
+        d = self.daemon
+        steps = self.progress.rows(d.peer_id, d.clock())
+        replicas: dict[bytes, list[dict[str, Any]]] = collections.defaultdict(list)
+        for origin, (run, state) in self._replicas.items():
+            replicas[run].append({"peer": origin, "local": False, "state": state})
+        own = self._run_id or self._expected_run
+        if own is not None:
+            state = "attached" if self._attached() else "detached"
+            replicas[own].append(
+                {"peer": d.peer_id, "local": True, "state": "ended" if self._done else state}
+            )
+        out = []
+        for run, rows in sorted(replicas.items()):
+            for row in rows:
+                seen = steps.get(row["peer"]) or {}
+                row["step"], row["steps_per_s"] = seen.get("step"), seen.get("steps_per_s")
+                row["age_s"] = seen.get("age_s")
+            out.append(
+                {
+                    "run": run.hex(),
+                    "name": self.progress.run if run == own else "",
+                    "local": run == own,
+                    "live": any(r["state"] in ("live", "attached") for r in rows),
+                    "replicas": sorted(rows, key=lambda r: (not r["local"], r["peer"])),
+                }
+            )
+        return out
 
     def _attached(self) -> bool:
         return self.writer is not None and not self.writer.is_closing() and self._hello

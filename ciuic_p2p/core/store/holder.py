@@ -119,6 +119,19 @@ class Holder:
         self.objects[m.name] = [*versions, held]
         self._trim(m.name, now)
 
+    def remove(self, name: str, writer: str) -> int:
+        """Drop every version of ``name`` that ``writer`` wrote held here; how many.
+        Another writer's are kept (one writer's versions never touch another's). A
+        fetcher reading one is answered GONE at its next request, and tries a donor
+        that still holds it."""
+        versions = self.objects.get(name, [])
+        kept = [h for h in versions if h.manifest.writer != writer]
+        if kept:
+            self.objects[name] = kept
+        else:
+            self.objects.pop(name, None)
+        return len(versions) - len(kept)
+
     def bytes_held(self) -> int:
         return sum(len(h.data) for versions in self.objects.values() for h in versions)
 
