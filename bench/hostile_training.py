@@ -17,7 +17,9 @@ are compared at the same (final) step:
   noise and every per-origin floor with 10^12, and has the store hold it at version
   10^6 / at the run's step + 5, while it takes part as a replica of the run (its
   updates the mean of the honest ones, its state the forged one); then a joiner
-  (daemon j) attaches. ``joiner_took_forged_state``: the joiner restored the
+  (daemon j) attaches; ``forged_state_sneaky``: noise at the honest values' scale,
+  no floors, at the run's step + 5 (only other replicas' samples tell it apart).
+  ``joiner_took_forged_state``: the joiner restored the
   member's state (its writer), started past the run's window, or its first
   evaluation is the forged model's.
 
@@ -86,7 +88,7 @@ class Attack:
     liar: list[str]
     """trainer_liar's arguments."""
     forged_version: str = ""
-    """"absurd" or "plausible": forge the run's state and start a joiner."""
+    """"absurd", "plausible" or "sneaky": forge the run's state and start a joiner."""
 
 
 ATTACKS = [
@@ -99,6 +101,7 @@ ATTACKS = [
     # that brings nothing (which slows the run by its 1/N share).
     Attack("forged_state_absurd", [*ECHO], "absurd"),
     Attack("forged_state_plausible", [*ECHO], "plausible"),
+    Attack("forged_state_sneaky", [*ECHO], "sneaky"),
 ]
 
 
@@ -155,19 +158,21 @@ def _forge(cluster: LocalCluster, run: str, version: str, out: Path) -> dict[str
     if not answer.get("ok"):
         return {"forged": False, "error": answer.get("error")}
     data = got_path.read_bytes()
-    header, _ = read_header(data)
-    buckets = [
-        torch.randn(int(math.prod(entry[2]))) * 1e3
-        for entry in header["tensors"]
-        if str(entry[0]).startswith("bucket/")
-    ]
-    at = int(answer["version"]) + 5 if version == "plausible" else 10**6
-    forged, _ = pack_state(
-        int(str(header["layout"]), 16),
-        buckets,
-        None,
-        {"applied": dict.fromkeys(peers.values(), 10**12)},
-    )
+    header, start = read_header(data)
+    entries = [e for e in header["tensors"] if str(e[0]).startswith("bucket/")]
+    if version == "sneaky":  # noise of the honest values' scale, each bucket's own
+        scales = [
+            float(torch.frombuffer(bytearray(data[start + e[3] : start + e[3] + e[4]]),
+                                   dtype=torch.float32).std())
+            for e in entries
+        ]  # fmt: skip
+    else:
+        scales = [1e3] * len(entries)
+    buckets = [torch.randn(int(math.prod(e[2]))) * s for e, s in zip(entries, scales, strict=True)]
+    at = 10**6 if version == "absurd" else int(answer["version"]) + 5
+    # "sneaky": no floors at all, which no floor check can object to.
+    floors = {} if version == "sneaky" else dict.fromkeys(peers.values(), 10**12)
+    forged, _ = pack_state(int(str(header["layout"]), 16), buckets, None, {"applied": floors})
     path = out / "forged-state.bin"
     path.write_bytes(bytes(forged))
     put = request(
@@ -272,6 +277,8 @@ def run_once(
                 "writer": restored.get("writer"),
                 "start_step": attached.get("start_step"),
                 "refused": len(restored.get("refused", [])),
+                "refused_reasons": [r.get("reason") for r in restored.get("refused", [])],
+                "vouched": restored.get("vouched"),
                 "accuracy": jres.get("accuracy"),
                 "exit": joiner.proc.poll(),
             }

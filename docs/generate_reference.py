@@ -99,7 +99,8 @@ def config_md() -> str:
                 toml_value(getattr(getattr(p, section.name), f.name)) for p in presets.values()
             ]
             if callable(f.default_factory):  # computed on each host (node.name: its name)
-                shown = [f"{f.default_factory.__name__}()"] * len(presets)
+                factory = getattr(f.default_factory, "__name__", "default")
+                shown = [f"{factory}()"] * len(presets)
             lan = shown[1] if shown[1] != shown[0] else ""
             local = shown[2] if shown[2] != shown[0] else ""
             var = f"{ENV_PREFIX}{section.name.upper()}_{f.name.upper()}"

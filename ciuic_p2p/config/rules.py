@@ -254,6 +254,12 @@ def validate(cfg: Sections) -> None:
         (st.max_corrupt_per_donor >= 1, "store.max_corrupt_per_donor", "must be >= 1"),
         (st.state_version_slack_steps >= 0, "store.state_version_slack_steps", "must be >= 0"),
         (
+            0.0 < st.state_agreement_tolerance <= 2.0,
+            "store.state_agreement_tolerance",
+            "must be in (0, 2]",
+        ),
+        (1 <= st.state_vouchers <= 8, "store.state_vouchers", "must be in 1..8"),
+        (
             1 <= st.max_version_jump < 1 << 47,
             "store.max_version_jump",
             "must be between 1 and 2^47 - 1",

@@ -561,6 +561,13 @@ class StoreSection:
     state_version_slack_steps: int = 1000
     """State sync takes any replica's state at most this many steps behind the newest
     offered (the nearest of those, by RTT and load)."""
+    state_agreement_tolerance: float = 0.5
+    """A joiner takes a replica's state, where the run has two or more other replicas,
+    only when samples of the others' states agree with it: at least one, and no fewer
+    than disagree, within this relative distance (||a - b|| / max(||a||, ||b||) over
+    the sampled parameters; docs/concepts/security.md gives the honest distances)."""
+    state_vouchers: int = 4
+    """Other replicas a joiner asks for a sample of their state, at most."""
     max_version_jump: int = 100_000
     """Another writer's version of a name more than this above the newest version
     of it held here is not taken (a member's HOLD, a prefetched state): versions

@@ -156,6 +156,8 @@ class StoreService:
         writers: frozenset[str] | None = None,
         max_version: int = ANY_VERSION,
         root: bytes = ANY_ROOT,
+        spans: tuple[tuple[int, int], ...] = (),
+        one_writer: bool = False,
     ) -> tuple[bytes, Fetch]:
         """The newest version of ``name`` on the mesh (at least ``min_version``, at most
         ``max_version``) written by ``writer`` (a peer ID; None: any writer, or one of
@@ -165,7 +167,9 @@ class StoreService:
         new as every offer is returned without a transfer; with ``held_ok``, one held
         here of at least ``min_version`` is, without asking the mesh. ``patient``: wait
         (up to ``store.fetch_timeout_s``) for a holder to appear; otherwise fail as
-        soon as every member has said it holds none."""
+        soon as every member has said it holds none. ``spans``: only these (offset,
+        bytes) ranges of it, end to end; ``one_writer``: no striping over several
+        writers' compatible contents (core.store.fetch)."""
         d = self.daemon
         peers = [p for p in d.mesh.view() if p != d.peer_id and p not in exclude]
         if writer is not None:
@@ -192,6 +196,8 @@ class StoreService:
             max_version=max_version,
             root=root,
             verify=Manifest.verify,
+            spans=spans,
+            one_writer=one_writer,
         )
         if not (held_ok and local is not None and local.manifest.version >= min_version):
             await self._drive(fetch)
@@ -201,6 +207,10 @@ class StoreService:
         if local is not None and local.manifest.version >= min_version:
             fetch.version = local.manifest.version
             fetch.manifest = local.manifest
+            if spans:
+                if any(at + n > len(local.data) for at, n in spans):
+                    raise StoreError(f"{name!r} is shorter than the spans asked for")
+                return b"".join(bytes(local.data[at : at + n]) for at, n in spans), fetch
             return local.data, fetch
         raise StoreError(fetch.error or f"nobody holds {name!r}")
 

@@ -33,6 +33,7 @@ dropped when a session ends, so a new session never sees an old one's.
 from __future__ import annotations
 
 import asyncio
+import base64
 import collections
 import contextlib
 import os
@@ -74,7 +75,7 @@ from ciuic_p2p.daemon.metrics import TrainingProgress
 from ciuic_p2p.daemon.node import MeshDaemon
 from ciuic_p2p.daemon.store import StoreError, StoreService
 from ciuic_p2p.errors import CiuicError, CodecError
-from ciuic_p2p.identity import peer_id_of
+from ciuic_p2p.identity import PEER_ID_PREFIX, peer_id_of
 from ciuic_p2p.logsetup import get_logger
 
 MAX_WRITE_BUFFER = 64 * 1024 * 1024
@@ -91,6 +92,9 @@ MEMBERS_POLL_S = 0.05
 FRESH_SNAPSHOT_S = 5.0
 """A joiner's query is answered with a snapshot at most this old (else the trainer is
 asked for a new one first)."""
+MAX_SAMPLE_WRITERS = 8
+MAX_SAMPLE_BYTES = 64 * 1024
+"""A sample request's bounds: its answer (base64, per writer) fits one JSON frame."""
 MAX_PENDING_OBJECTS = 4
 """Objects a trainer may have in transfer, and sent but not put, at once (each at most
 ``store.max_object_bytes``)."""
@@ -362,32 +366,15 @@ class TrainerServer:
         elif ftype is TrainerFrame.PUBLISH:
             self._publish(body)
         elif ftype is TrainerFrame.STATS_REQUEST:
-            if len(body):
-                for origin, until in self.progress.report(parse_json(body)):
-                    log.warning(
-                        "origin_set_aside",
-                        origin=origin,
-                        until_step=until,
-                        hint="ciuic-node ca revoke removes a member for good",
-                    )
-                    if self.checkpoints is not None:
-                        self.checkpoints.origin_set_aside(origin, until, self.progress.run)
-            self._write(
-                json_frame(
-                    TrainerFrame.STATS,
-                    {
-                        "udp_bytes_sent": d.transport.udp_bytes_sent,
-                        "backlog_bytes": d.backlog_bytes(),
-                        "counters": dict(d.counters),
-                    },
-                )
-            )
+            self._stats_frame(body)
         elif ftype is TrainerFrame.PUT_PART:
             self._put_part(decode_part(body))
         elif ftype is TrainerFrame.GET_REQUEST:
             self._spawn(self._get(parse_json(body)))
         elif ftype is TrainerFrame.PUT_REQUEST:
             self._spawn(self._put(parse_json(body)))
+        elif ftype is TrainerFrame.SAMPLE_REQUEST:
+            self._spawn(self._sample(parse_json(body)))
         elif ftype is TrainerFrame.CHECKPOINT:
             info = parse_json(body)
             step, digest = info.get("step"), info.get("digest")
@@ -404,6 +391,29 @@ class TrainerServer:
                 d.counters["direct_unknown_peer"] += 1
         else:
             raise TrainWireError(f"a trainer does not send {ftype.name}")
+
+    def _stats_frame(self, body: memoryview) -> None:
+        d = self.daemon
+        if len(body):
+            for origin, until in self.progress.report(parse_json(body)):
+                log.warning(
+                    "origin_set_aside",
+                    origin=origin,
+                    until_step=until,
+                    hint="ciuic-node ca revoke removes a member for good",
+                )
+                if self.checkpoints is not None:
+                    self.checkpoints.origin_set_aside(origin, until, self.progress.run)
+        self._write(
+            json_frame(
+                TrainerFrame.STATS,
+                {
+                    "udp_bytes_sent": d.transport.udp_bytes_sent,
+                    "backlog_bytes": d.backlog_bytes(),
+                    "counters": dict(d.counters),
+                },
+            )
+        )
 
     def _publish(self, body: memoryview) -> None:
         d = self.daemon
@@ -536,6 +546,7 @@ class TrainerServer:
                     writer=self.store.writer_of(str(writer)) if writer else None,
                     writers=allowed,
                     max_version=int(request.get("max_version", ANY_VERSION)),  # type: ignore[call-overload]
+                    one_writer=bool(request.get("one_writer")),
                 )
         except (StoreError, ValueError, TypeError) as exc:
             self._result(rid, False, error=str(exc))
@@ -562,6 +573,35 @@ class TrainerServer:
             restarts=fetch.stats.restarts,
             prefetch=self.prefetch_info if name == self.state_name else None,
         )
+
+    async def _sample(self, request: dict[str, object]) -> None:
+        """Spans of the run's state as each of several writers holds it (their newest
+        version within the bounds asked), fetched in parallel: a joiner compares them
+        with the state it took (train.statesync). Answers every writer, with its
+        bytes (base64) or why not."""
+        rid = request.get("id")
+        try:
+            writers, spans, low, high = _sample_request(request, self.state_name)
+        except (StoreError, ValueError, TypeError) as exc:
+            self._result(rid, False, error=str(exc))
+            return
+
+        async def one(writer: str) -> dict[str, object]:
+            try:
+                data, fetch = await self.store.get(
+                    self.state_name, low, writer=writer, max_version=high, patient=False,
+                    spans=spans, one_writer=True,
+                )  # fmt: skip
+            except (StoreError, ValueError) as exc:
+                return {"writer": writer, "error": str(exc)}
+            return {
+                "writer": writer,
+                "version": fetch.version,
+                "data": base64.b64encode(data).decode("ascii"),
+            }
+
+        samples = await asyncio.gather(*(one(w) for w in writers))
+        self._result(rid, True, samples=list(samples))
 
     async def _put(self, request: dict[str, object]) -> None:
         rid = request.get("id")
@@ -717,3 +757,30 @@ class TrainerServer:
             if view != self._members:
                 self._members = view
                 self._write(json_frame(TrainerFrame.MEMBERS, {"alive": view}))
+
+
+def _sample_request(
+    request: dict[str, object], state_name: str
+) -> tuple[list[str], tuple[tuple[int, int], ...], int, int]:
+    """A SAMPLE_REQUEST's writers, spans and version bounds, each checked: a trainer's
+    request is input like any other."""
+    if request.get("name") != state_name:
+        raise StoreError("a sample is of this run's state only")
+    writers, spans = request.get("writers"), request.get("spans")
+    if (
+        not isinstance(writers, list)
+        or not 0 < len(writers) <= MAX_SAMPLE_WRITERS
+        or not all(isinstance(w, str) and w.startswith(PEER_ID_PREFIX) for w in writers)
+    ):
+        raise StoreError(f"a sample names 1..{MAX_SAMPLE_WRITERS} writers by peer ID")
+    if not isinstance(spans, list) or not all(
+        isinstance(s, list) and len(s) == 2 and all(type(x) is int for x in s) for s in spans
+    ):
+        raise StoreError("a sample's spans are [offset, bytes] pairs")
+    pairs = tuple((int(at), int(n)) for at, n in spans)
+    if sum(n for _, n in pairs) > MAX_SAMPLE_BYTES:
+        raise StoreError(f"a sample is at most {MAX_SAMPLE_BYTES} bytes per writer")
+    low, high = request.get("min_version", 0), request.get("max_version", ANY_VERSION)
+    if type(low) is not int or type(high) is not int or not 0 <= low <= high <= ANY_VERSION:
+        raise StoreError("a sample's version bounds are out of range")
+    return list(dict.fromkeys(writers)), pairs, low, high

@@ -5,6 +5,7 @@ what has arrived."""
 
 from __future__ import annotations
 
+import base64
 import collections
 import contextlib
 import functools
@@ -250,11 +251,13 @@ class DaemonChannel:
         writer: str | None = None,
         writers: list[str] | None = None,
         max_version: int | None = None,
+        one_writer: bool = False,
     ) -> int:
         """Start fetching ``name`` (see :meth:`get_object`; ``held_ok``: a version of at
         least ``min_version`` that the daemon holds will do; ``writers``: only versions
-        these peers wrote; ``max_version``: none above); the request's ID, for
-        :meth:`answered` and :meth:`object_got`."""
+        these peers wrote; ``max_version``: none above; ``one_writer``: all of it one
+        writer's, not striped over several writers' compatible states); the request's
+        ID, for :meth:`answered` and :meth:`object_got`."""
         body: dict[str, Any] = {
             "name": name,
             "min_version": min_version,
@@ -268,7 +271,47 @@ class DaemonChannel:
             body["writers"] = sorted(writers)
         if max_version is not None:
             body["max_version"] = max_version
+        if one_writer:
+            body["one_writer"] = True
         return self._ask(TrainerFrame.GET_REQUEST, body)
+
+    def sample_state(
+        self,
+        name: str,
+        writers: list[str],
+        spans: list[tuple[int, int]],
+        *,
+        min_version: int,
+        max_version: int,
+        timeout_s: float,
+    ) -> dict[str, tuple[int, bytes] | str]:
+        """The bytes at ``spans`` of the state ``name`` as each of ``writers`` holds
+        it (its newest version within the bounds), fetched by the daemon in parallel:
+        for each writer, (version, bytes), or why there is none."""
+        body = {
+            "name": name,
+            "writers": writers,
+            "spans": [list(s) for s in spans],
+            "min_version": min_version,
+            "max_version": max_version,
+        }
+        result = self._request(TrainerFrame.SAMPLE_REQUEST, body, timeout_s)
+        if not result.get("ok"):
+            raise ChannelError(f"{name}: {result.get('error', 'sample failed')}")
+        out: dict[str, tuple[int, bytes] | str] = {w: "no answer" for w in writers}
+        for sample in result.get("samples") or []:
+            writer = sample.get("writer") if isinstance(sample, dict) else None
+            if writer not in out:
+                continue
+            data, version = sample.get("data"), sample.get("version")
+            if isinstance(data, str) and type(version) is int:
+                try:
+                    out[writer] = (version, base64.b64decode(data, validate=True))
+                except ValueError:
+                    out[writer] = "a sample that is not base64"
+            else:
+                out[writer] = str(sample.get("error", "no sample"))[:200]
+        return out
 
     def object_got(self, rid: int, name: str, timeout_s: float) -> tuple[bytearray, dict[str, Any]]:
         """Wait for the fetch ``rid`` of ``name``; see :meth:`get_object`."""

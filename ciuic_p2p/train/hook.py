@@ -254,7 +254,10 @@ class MeshSync:
                 )
             self.channel.wait_any(0.1)
             self.poll()
-            self.state.ask_state_if_behind()
+            if r.replicas >= count:
+                # Not before: the writers asked and the run's window are those of every
+                # replica asked for, not of the first to answer (a member's, maybe).
+                self.state.ask_state_if_behind()
 
     # -- the loop --------------------------------------------------------------------------
 

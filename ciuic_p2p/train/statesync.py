@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
+import os
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -17,8 +20,20 @@ from ciuic_p2p.config import Config
 from ciuic_p2p.core.codec.layout import BucketLayout
 from ciuic_p2p.core.replica.rule import Replica
 from ciuic_p2p.core.replica.schedule import ReplicaSchedule
-from ciuic_p2p.core.store.runstate import RunWindow, run_window, state_refusal
-from ciuic_p2p.core.store.statefile import StateFormatError, pack_state, unpack_state
+from ciuic_p2p.core.store.messages import ANY_VERSION
+from ciuic_p2p.core.store.runstate import (
+    RunWindow,
+    agreement_refusal,
+    run_window,
+    state_refusal,
+)
+from ciuic_p2p.core.store.statefile import (
+    DTYPES,
+    StateFormatError,
+    pack_state,
+    read_header,
+    unpack_state,
+)
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonAway, DaemonChannel
 from ciuic_p2p.train.checkpoint import Checkpoint, load_newest, write_checkpoint
@@ -27,6 +42,11 @@ from ciuic_p2p.train.encoder import Encoder
 log = get_logger("ciuic.train")
 MAX_STATE_TRIES = 4
 """States refused (each of other writers) before a joiner gives up on the mesh's."""
+SAMPLE_SPANS = 4
+SAMPLE_SPAN_BYTES = 8192
+"""What a joiner samples of each other replica's state: 4 spans of 8 KiB at random
+places of the parameters. A state forged over a fraction f of the parameters escapes
+all four with probability (1 - f)^4 (a third of the model: 20%; half: 6%)."""
 
 
 class StateKeeper:
@@ -102,7 +122,48 @@ class StateKeeper:
             held_ok=held_ok,
             writers=sorted(writers),
             max_version=None if window is None else window.high,
+            # A state that others must vouch for is one writer's, not a mix.
+            one_writer=self._vouching(),
         )
+
+    def _vouching(self) -> bool:
+        """Whether a state must agree with other replicas' samples: where the run has
+        two or more other replicas (with one, there is nobody else to ask)."""
+        return len(self.replica.peers) >= 2
+
+    def _vouch(
+        self, data: bytes | bytearray | memoryview, whose: set[str], window: RunWindow | None
+    ) -> dict[str, Any]:
+        """Sample other replicas' states at random spans of the parameters and compare
+        them with ``data`` (core.store.runstate.agreement_refusal); raises
+        :class:`StateFormatError` when they do not vouch for it; what was measured."""
+        s = self.config.store
+        others = [p for p in self.replica.peers if p not in whose and p != self.replica.peer]
+        rng = random.Random(os.urandom(16))  # spans nobody can foresee
+        rng.shuffle(others)
+        vouchers = others[: s.state_vouchers]
+        header, start = read_header(data)
+        spans = sample_spans(header, start, rng, SAMPLE_SPANS, SAMPLE_SPAN_BYTES)
+        distances: dict[str, float | None] = dict.fromkeys(vouchers)
+        if vouchers and spans:
+            low = 0 if window is None else window.low
+            high = ANY_VERSION if window is None else window.high
+            got = self.channel.sample_state(
+                self.state_name, vouchers, [(at, n) for at, n, _ in spans],
+                min_version=low, max_version=high, timeout_s=s.fetch_timeout_s + 30.0,
+            )  # fmt: skip
+            for voucher, answer in got.items():
+                if isinstance(answer, tuple):
+                    distances[voucher] = span_distance(data, answer[1], spans)
+        why = agreement_refusal(distances, s.state_agreement_tolerance)
+        verdict = {
+            "vouchers": len(vouchers),
+            "distances": {w: None if d is None else round(d, 4) for w, d in distances.items()},
+        }
+        log.info("state_vouched" if why is None else "state_not_vouched", **verdict)
+        if why is not None:
+            raise StateFormatError(why)
+        return verdict
 
     def _take_state(
         self, opt: torch.optim.Optimizer | None
@@ -126,8 +187,15 @@ class StateKeeper:
             window = self._window()
             version = int(got["version"])
 
+            whose = {str(w) for w in got.get("writers") or [got.get("writer")] if w}
+
             def check(
-                meta: dict[str, Any], version: int = version, window: RunWindow | None = window
+                meta: dict[str, Any],
+                version: int = version,
+                window: RunWindow | None = window,
+                data: bytearray = data,
+                whose: set[str] = whose,
+                got: dict[str, Any] = got,
             ) -> None:
                 why = (
                     None
@@ -136,6 +204,8 @@ class StateKeeper:
                 )
                 if why is not None:
                     raise StateFormatError(why)
+                if self._vouching():  # before a single value is copied in
+                    got["vouched"] = self._vouch(data, whose, window)
 
             try:
                 meta = unpack_state(
@@ -144,7 +214,6 @@ class StateKeeper:
                 return meta, got, refused
             except StateFormatError as exc:
                 # A state of another model is no replica's either: asked again too.
-                whose = {str(w) for w in got.get("writers") or [got.get("writer")] if w}
                 refused.append({"writers": sorted(whose), "version": version, "reason": str(exc)})
                 log.warning(
                     "state_refused", writers=sorted(whose), version=version, reason=str(exc)
@@ -285,3 +354,58 @@ class StateKeeper:
         verified by hash), loaded with ``weights_only``."""
         data, _ = self.channel.get_object(name, min_version=min_version, patient=False)
         return torch.load(io.BytesIO(data), weights_only=True)
+
+
+Span = tuple[int, int, torch.dtype]
+"""(offset in the state's bytes, bytes, dtype of the values there)."""
+
+
+def sample_spans(
+    header: dict[str, Any], start: int, rng: random.Random, count: int, span_bytes: int
+) -> list[Span]:
+    """``count`` spans of at most ``span_bytes`` at places drawn uniformly over the
+    parameter buckets' bytes (each span inside one bucket, on whole values)."""
+    buckets: list[tuple[int, int, torch.dtype]] = []
+    for entry in header.get("tensors", []):
+        key, dtype, _, offset, nbytes = entry
+        torch_dtype = DTYPES.get(str(dtype))
+        floating = torch_dtype is not None and torch_dtype.is_floating_point
+        if str(key).startswith("bucket/") and floating and nbytes > 0:
+            assert torch_dtype is not None
+            buckets.append((start + int(offset), int(nbytes), torch_dtype))
+    total = sum(n for _, n, _ in buckets)
+    spans: list[Span] = []
+    for _ in range(count if total else 0):
+        at = rng.randrange(total)
+        for offset, nbytes, dtype in buckets:
+            if at < nbytes:
+                size = torch.empty((), dtype=dtype).element_size()
+                first = at // size * size
+                length = min(span_bytes, nbytes - first) // size * size
+                spans.append((offset + first, max(size, length), dtype))
+                break
+            at -= nbytes
+    return spans
+
+
+def span_distance(state: bytes | bytearray | memoryview, sample: bytes, spans: list[Span]) -> float:
+    """The relative distance ``||a - b|| / max(||a||, ||b||)`` between ``state``'s values
+    at ``spans`` and ``sample`` (those spans of another state, end to end); 2.0 (the
+    most two vectors differ by, relatively) for a sample of the wrong size or with
+    values that are not finite."""
+    view = memoryview(state)
+    if len(sample) != sum(n for _, n, _ in spans):
+        return 2.0
+    diff_sq = a_sq = b_sq = 0.0
+    at_sample = 0
+    for at, n, dtype in spans:
+        a = torch.frombuffer(bytearray(view[at : at + n]), dtype=dtype).double()
+        b = torch.frombuffer(bytearray(sample[at_sample : at_sample + n]), dtype=dtype).double()
+        at_sample += n
+        diff_sq += float((a - b).square().sum())
+        a_sq += float(a.square().sum())
+        b_sq += float(b.square().sum())
+    if not all(math.isfinite(x) for x in (diff_sq, a_sq, b_sq)):
+        return 2.0
+    scale = math.sqrt(max(a_sq, b_sq))
+    return 0.0 if scale == 0.0 else min(2.0, math.sqrt(diff_sq) / scale)

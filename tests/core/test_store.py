@@ -405,3 +405,59 @@ def test_a_version_the_donor_dropped_is_asked_for_again_not_waited_on() -> None:
     net.run(f)
     assert f.state is FetchState.DONE and f.stats.gone == 1 and f.stats.restarts == 0
     assert f.stats.pieces_by_donor["a"] == 16
+
+
+def _signed_holders(states: dict[str, bytes], latency_s: dict[str, float]) -> Net:
+    """Holders that sign what they write, each a writer of its own."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import (  # noqa: PLC0415
+        Ed25519PrivateKey,
+    )
+    from cryptography.hazmat.primitives.serialization import (  # noqa: PLC0415
+        Encoding,
+        PublicFormat,
+    )
+
+    holders = {}
+    for p, data in states.items():
+        key = Ed25519PrivateKey.generate()
+        public = key.public_key().public_bytes(Encoding.Raw, PublicFormat.Raw)
+        holders[p] = Holder(S, public, key.sign)
+        holders[p].put("obj", 5, data, b"L" * 32)
+    return Net(holders, latency_s)
+
+
+def test_spans_fetch_only_the_pieces_that_cover_them() -> None:
+    """A sample (issue 44, point 3): the bytes at a few spans, from the pieces that
+    cover them, each verified; not the object."""
+    data = os.urandom(200_000)  # 49 pieces of 4 KiB
+    net, _ = make({"a": 0.01, "b": 0.02}, {"a": data, "b": data})
+    spans = ((0, 10), (4090, 20), (150_000, 8192), (199_990, 10))
+    f = fetch_for(net, spans=spans)
+    net.run(f)
+    assert f.state is FetchState.DONE
+    assert f.result == b"".join(data[at : at + n] for at, n in spans)
+    # Pieces 0, 1 (the span across the boundary), 36-38, 48: six, not 49.
+    assert sum(f.stats.pieces_by_donor.values()) == 6
+    # A span past the end fails, typed; bounds are checked before anything is sent.
+    g = fetch_for(net, spans=((199_995, 10),))
+    net.run(g)
+    assert g.state is FetchState.FAILED and "shorter" in g.error
+    with pytest.raises(ValueError):
+        fetch_for(net, spans=((0, 0),))
+    with pytest.raises(ValueError):
+        fetch_for(net, spans=((-1, 10),))
+
+
+def test_one_writer_fetch_takes_no_piece_of_another_writers_state() -> None:
+    """Striping mixes replicas' compatible states piece by piece: a member's forged
+    state, laid out like the run's, would land in an honest joiner's state. With
+    ``one_writer`` every piece is of the first donor's writer."""
+    states = {p: os.urandom(64_000) for p in "abc"}
+    mixed = fetch_for(net := _signed_holders(states, {"a": 0.01, "b": 0.02, "c": 0.03}))
+    net.run(mixed)
+    assert mixed.state is FetchState.DONE and len(set(mixed.writers_used.values())) == 3
+    one = fetch_for(net := _signed_holders(states, {"a": 0.01, "b": 0.02, "c": 0.03}),
+                    one_writer=True)  # fmt: skip
+    net.run(one)
+    assert one.state is FetchState.DONE and set(one.stats.pieces_by_donor) == {"a"}
+    assert one.result == states["a"]

@@ -243,3 +243,115 @@ def test_a_joiner_does_not_restore_a_forged_state_that_every_node_holds(tmp_path
             sync.close()
         for d in daemons:
             d.stop(leave=False)
+
+
+@pytest.mark.processes
+def test_a_joiner_refuses_a_replicas_plausible_forged_state_that_others_do_not_vouch_for(
+    tmp_path: Path,
+) -> None:
+    """Issue 44, point 3: a member that is a replica of the run holds, as its own
+    state, noise at a step just ahead of the run with plausible floors: every check
+    on the state alone passes, and a joiner that asks the newest state took it. Now
+    the joiner compares samples of two other replicas' states with it, refuses it,
+    and takes an honest replica's state that they vouch for."""
+    import threading  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    import torch  # noqa: PLC0415
+
+    from ciuic_p2p.core.store.statefile import pack_state  # noqa: PLC0415
+    from ciuic_p2p.train.attach import attach  # noqa: PLC0415
+    from ciuic_p2p.train.hook import MeshSync  # noqa: PLC0415
+    from tests.train.test_elastic import _config, _daemons, _model  # noqa: PLC0415
+
+    base = _config()
+    bound = 400  # the run's window: the forged state stays the newest while it lasts
+    config = dataclasses.replace(
+        base,
+        train=dataclasses.replace(base.train, staleness_bound_steps=bound),
+        # The newest offer only: the joiner asks for the member's, deterministically.
+        store=dataclasses.replace(base.store, state_version_slack_steps=0),
+    )
+    daemons = _daemons(tmp_path, 4, config)  # replicas a, b, the member m; the joiner
+    stop = threading.Event()
+    attached: dict[int, MeshSync] = {}
+    models = [_model(0), _model(0), _model(0)]
+    opts = [torch.optim.SGD(m.parameters(), lr=0.02) for m in models]
+    loops: list[threading.Thread] = []
+    errors: list[BaseException] = []
+
+    def attach_one(i: int) -> None:
+        attached[i] = attach(models[i], opts[i], run="t", daemon=daemons[i], config=config,
+                             min_replicas=3, join_timeout_s=60)  # fmt: skip
+
+    def train(i: int) -> None:  # slow steps: the forged version stays ahead of the run
+        gen = torch.Generator().manual_seed(i)
+        target = torch.linspace(-1, 1, 16).unsqueeze(1)
+        try:
+            while not stop.is_set():
+                x = torch.randn(32, 16, generator=gen)
+                loss = ((models[i](x) - x @ target) ** 2).mean()
+                opts[i].zero_grad()
+                loss.backward()
+                opts[i].step()
+                attached[i].step()
+                stop.wait(0.1)
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        threads = [threading.Thread(target=attach_one, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(90)
+        loops = [threading.Thread(target=train, args=(i,), daemon=True) for i in range(3)]
+        for t in loops:
+            t.start()
+        deadline = time.monotonic() + 60
+        while min(s.replica.step for s in attached.values()) < 20 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        steps = [s.replica.step for s in attached.values()]
+        assert min(steps) >= 20, errors
+
+        # The member writes noise as its own state, at a step a little ahead of the
+        # run and with floors at what each origin announced: plausible in every field.
+        honest = {attached[0].replica.peer, attached[1].replica.peer}
+        mallory = daemons[2]
+        name = attached[0].state.state_name
+        noise = [torch.randn_like(b).mul_(b.abs().mean() * 3) for b in attached[0].buckets]
+        floors = {s.replica.peer: s.replica.step for s in attached.values()}
+        forged_step = max(steps) + bound // 2
+        forged, compat = pack_state(attached[0].layout.layout_id, noise, None, {"applied": floors})
+        store = mallory.node.store
+
+        async def hold_forged() -> None:  # on the member daemon's own loop
+            store.put_local(name, forged_step, bytes(forged), compat)
+
+        mallory._call(hold_forged(), 5)
+
+        late_model = _model(99)
+        late = attach(late_model, torch.optim.SGD(late_model.parameters(), lr=0.02), run="t",
+                      daemon=daemons[3], config=config, min_replicas=4,
+                      join_timeout_s=60)  # fmt: skip
+        info = late.restored
+        assert info["source"] == "mesh", info
+        assert info["writer"] in honest, info
+        assert late.start_step < forged_step, info
+        refused = info.get("refused") or []
+        assert any(mallory.daemon.peer_id in r["writers"] for r in refused), info
+        assert info["vouched"]["vouchers"] >= 1, info
+        # The state it took is an honest replica's: near theirs, far from the noise.
+        mine = torch.cat([b.flatten() for b in late.buckets])
+        theirs = torch.cat([b.flatten() for b in attached[0].buckets])
+        assert float((mine - theirs).norm() / theirs.norm()) < 0.5
+        assert not errors, errors
+        late.close()
+    finally:
+        stop.set()
+        for t in loops:
+            t.join(30)
+        for sync in attached.values():
+            sync.close()
+        for d in daemons:
+            d.stop(leave=False)

@@ -48,6 +48,8 @@ class TrainerFrame(enum.IntEnum):
     STORE_RESULT = 14  # daemon -> trainer: {"id", "ok", "version", "error", ...}
     PUT_REQUEST = 15  # trainer -> daemon: {"name", "id"}: replicate what PUT_PART sent
     CHECKPOINT = 16  # trainer -> daemon: {"path", "step", "digest"}: one written (audit log)
+    SAMPLE_REQUEST = 17  # trainer -> daemon: {"id", "name", "writers", "spans", ...}: see
+    # daemon.trainer; answered by STORE_RESULT {"samples": [{"writer", "version", "data"}]}
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,13 @@ same values (within the consensus bound) and a state assembled from several of t
 is, element by element, one replica's or another's; each piece is checked against the
 digest in its own donor's manifest.
 
+A fetch may ask for ``spans`` (byte ranges) of an object instead of all of it: it
+gets only the pieces that cover them, each verified as usual, and its result is the
+spans' bytes, end to end. A joiner compares such samples of other replicas' states
+with the state it took (train.statesync). ``one_writer`` keeps a fetch to the copies of
+one writer's content (no striping over replicas' compatible states), so that a sample
+or a state can be vouched for as that writer's.
+
 Bounds against a member that lies (each is counted): an offer whose manifest is larger
 than ``store.max_object_bytes`` is not taken, and a fetch holds only the pieces that
 arrived and verified, never a buffer of the size a manifest claims. An offer whose
@@ -43,6 +50,10 @@ from ciuic_p2p.core.store.messages import (
     Piece,
     Query,
 )
+
+MAX_SPANS = 64
+MAX_SPAN_BYTES = 64 * 1024
+"""A sample is small: its spans' pieces, not the object, travel."""
 
 
 class FetchState(enum.Enum):
@@ -95,11 +106,21 @@ class Fetch:
         max_version: int = ANY_VERSION,
         root: bytes = ANY_ROOT,
         verify: Callable[[Manifest], bool] | None = None,
+        spans: tuple[tuple[int, int], ...] = (),
+        one_writer: bool = False,
     ) -> None:
         """``writers``: only versions written by these peers (None: any; one writer is
         also asked for in the query); ``max_version``: none above; ``root``: exactly
         this object; ``verify``: a manifest's signature check (None: none, core
-        tests)."""
+        tests); ``spans``: (offset, bytes) ranges, at most ``MAX_SPANS`` of at most
+        ``MAX_SPAN_BYTES``, to fetch instead of the whole object; ``one_writer``: no
+        striping over several writers' compatible contents."""
+        if len(spans) > MAX_SPANS or any(
+            not (at >= 0 and 0 < n <= MAX_SPAN_BYTES) for at, n in spans
+        ):
+            raise ValueError(f"at most {MAX_SPANS} spans of 1..{MAX_SPAN_BYTES} bytes each")
+        self.spans = spans
+        self.one_writer = one_writer
         self.name = name
         self.writers = writers
         self.max_version = max_version
@@ -126,8 +147,10 @@ class Fetch:
         self._answered: set[str] = set()
         self._query_until = 0.0
         self._requery_at: float | None = None
-        self._group: tuple[bytes, int, int] | None = None
+        self._group: tuple[bytes, int, int, str] | None = None
         self._pieces: list[bool] = []
+        self._wanted_pieces = 0
+        """Pieces this fetch needs: all of them, or those that cover ``spans``."""
         self._received: dict[int, memoryview | bytes] = {}
         """Verified pieces by index: memory grows with what arrived, whatever size a
         manifest claims."""
@@ -232,9 +255,12 @@ class Fetch:
             self._received[piece.index] = piece.data
             self._pieces[piece.index] = True
         self.stats.pieces_by_donor[peer] += 1
-        if len(self._received) == len(self._pieces):
+        if len(self._received) == self._wanted_pieces:
             self.state = FetchState.DONE
-            self.result = b"".join(self._received[i] for i in range(len(self._pieces)))
+            if self.spans:
+                self.result = b"".join(_cut(self._received, manifest.piece_bytes, self.spans))
+            else:
+                self.result = b"".join(self._received[i] for i in range(len(self._pieces)))
             self._received = {}
             self._active.clear()
             return
@@ -301,7 +327,7 @@ class Fetch:
 
     @property
     def received_pieces(self) -> int:
-        return len(self._received) if self.result is None else len(self._pieces)
+        return len(self._received) if self.result is None else self._wanted_pieces
 
     # -- choosing donors -----------------------------------------------------------------
 
@@ -349,7 +375,9 @@ class Fetch:
         newest = max(o.manifest.version for o in usable.values())
         fresh = [p for p, o in usable.items() if o.manifest.version >= newest - self.version_slack]
         if self._group is not None:
-            fresh = [p for p in fresh if _group(self.offers[p].manifest) == self._group]
+            fresh = [
+                p for p in fresh if _group(self.offers[p].manifest, self.one_writer) == self._group
+            ]
         return sorted(fresh, key=lambda p: (self._score(p), p))
 
     def _choose(self, now: float) -> None:
@@ -372,13 +400,20 @@ class Fetch:
             return
         if self._group is None:
             manifest = self.offers[best[0]].manifest
-            self._group = _group(manifest)
+            self._group = _group(manifest, self.one_writer)
             self.manifest = manifest
             self.version = manifest.version
             self._pieces = [False] * manifest.pieces
             self._received = {}
-            self._todo = collections.deque(range(manifest.pieces))
-            if manifest.pieces == 0:
+            wanted: list[int] | range = range(manifest.pieces)
+            if self.spans:
+                if any(at + n > manifest.total_bytes for at, n in self.spans):
+                    self._fail(f"{self.name!r} is shorter than the spans asked for")
+                    return
+                wanted = sorted(_covering(manifest.piece_bytes, self.spans))
+            self._wanted_pieces = len(wanted)
+            self._todo = collections.deque(wanted)
+            if self._wanted_pieces == 0:
                 self.state = FetchState.DONE
                 self.result = b""
                 return
@@ -442,5 +477,24 @@ class Fetch:
         self._active.clear()
 
 
-def _group(m: Manifest) -> tuple[bytes, int, int]:
-    return (m.compat, m.total_bytes, m.piece_bytes)
+def _group(m: Manifest, one_writer: bool) -> tuple[bytes, int, int, str]:
+    """Which contents may be striped together: compatible ones, of one writer only
+    when ``one_writer``."""
+    return (m.compat, m.total_bytes, m.piece_bytes, m.writer if one_writer else "")
+
+
+def _covering(piece_bytes: int, spans: tuple[tuple[int, int], ...]) -> set[int]:
+    return {i for at, n in spans for i in range(at // piece_bytes, (at + n - 1) // piece_bytes + 1)}
+
+
+def _cut(
+    pieces: dict[int, memoryview | bytes], piece_bytes: int, spans: tuple[tuple[int, int], ...]
+) -> list[bytes]:
+    """Each span's bytes, from the pieces that cover it."""
+    out = []
+    for at, n in spans:
+        first, last = at // piece_bytes, (at + n - 1) // piece_bytes
+        joined = b"".join(pieces[i] for i in range(first, last + 1))
+        start = at - first * piece_bytes
+        out.append(joined[start : start + n])
+    return out

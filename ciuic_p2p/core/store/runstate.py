@@ -15,6 +15,13 @@ it fits what the run's replicas announce (their JOIN steps, ``replica.peers``):
   origin's honest updates for good.
 
 The values' finiteness is checked where they are read (core.store.statefile).
+
+Where the run has two or more other replicas, a state must also agree with them:
+the joiner samples spans of other replicas' states (not the writer's) and takes the
+state only when at least one sample lies within the tolerance of it and no more
+disagree than agree (:func:`agreement_refusal`). One member can neither pass its own
+forged state (every honest sample disagrees) nor veto an honest one in a run of
+three or more others (the honest samples outvote it).
 """
 
 from __future__ import annotations
@@ -69,4 +76,22 @@ def state_refusal(window: RunWindow, version: int, applied: object) -> str | Non
         limit = window.high if said is None else said + window.bound
         if floor > limit:
             return f"its floor for {origin} is {floor}, above what that origin announced ({said})"
+    return None
+
+
+def agreement_refusal(distances: Mapping[str, float | None], tolerance: float) -> str | None:
+    """Why a state is not vouched for by the other replicas' samples (None: it is).
+    ``distances``: each voucher's relative distance from the state (None: it sent no
+    sample, which neither vouches nor objects)."""
+    answered = {w: d for w, d in distances.items() if d is not None}
+    agree = sum(1 for d in answered.values() if d <= tolerance)
+    disagree = len(answered) - agree
+    if not answered:
+        return "no other replica sent a sample of its state to compare it with"
+    if agree == 0 or disagree > agree:
+        shown = ", ".join(f"{d:.3g}" for d in sorted(answered.values()))
+        return (
+            f"{disagree} of {len(answered)} other replicas' states differ from it by more "
+            f"than {tolerance:g} (relative distances {shown})"
+        )
     return None

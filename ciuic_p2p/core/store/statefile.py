@@ -40,7 +40,7 @@ ALIGN = 64
 MAX_HEADER_BYTES = 1 << 20
 META_BYTES = 16384
 _LEN = struct.Struct("<I")
-_DTYPES = {
+DTYPES = {
     "float32": torch.float32,
     "float64": torch.float64,
     "float16": torch.float16,
@@ -89,7 +89,7 @@ def pack_state(
     offset = 0
     for key, t in tensors:
         dtype = str(t.dtype).removeprefix("torch.")
-        if dtype not in _DTYPES:
+        if dtype not in DTYPES:
             raise StateFormatError(f"{key}: dtype {dtype} is not supported in a state")
         nbytes = t.numel() * t.element_size()
         entries.append([key, dtype, list(t.shape), offset, nbytes])
@@ -198,7 +198,7 @@ def _read_tensors(view: memoryview, header: dict[str, Any], start: int) -> dict[
     for entry in entries:
         try:
             key, dtype, shape, offset, nbytes = entry
-            torch_dtype = _DTYPES[dtype]
+            torch_dtype = DTYPES[dtype]
             shape = [int(x) for x in shape]
             offset, nbytes = int(offset), int(nbytes)
         except (ValueError, TypeError, KeyError):
