@@ -5,11 +5,14 @@ from __future__ import annotations
 import asyncio
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
+
+from tests.daemon.fleet import Fleet
 
 settings.register_profile(
     "ci",
@@ -40,3 +43,13 @@ async def eventually(condition: Callable[[], object], timeout_s: float = 2.0) ->
         if time.monotonic() > deadline:
             raise AssertionError(f"condition not met within {timeout_s} s")
         await asyncio.sleep(0.01)
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    """Daemons started with the public CLI (tests.daemon.fleet), all stopped after."""
+    f = Fleet(tmp_path)
+    try:
+        yield f
+    finally:
+        f.stop_all()

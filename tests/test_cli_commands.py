@@ -37,15 +37,6 @@ NEW_COMMANDS = [
 __all__ = ["short_dir"]  # the fixture, imported for the tests here
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    f = Fleet(tmp_path)
-    try:
-        yield f
-    finally:
-        f.stop_all()
-
-
 def cli_json(fleet: Fleet, node: str, *args: str) -> dict[str, Any]:
     out = run_cli(*args, "--json", "--control", str(fleet.control(node)))
     assert out.returncode == 0, out.stderr

@@ -10,6 +10,7 @@ import dataclasses
 import os
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -223,10 +224,7 @@ def test_a_joiner_does_not_restore_a_forged_state_that_every_node_holds(tmp_path
         while not held_everywhere() and time.monotonic() < deadline:
             time.sleep(0.05)
 
-        late_model = _model(99)
-        late = attach(late_model, torch.optim.SGD(late_model.parameters(), lr=0.02), run="t",
-                      daemon=daemons[3], config=config, min_replicas=3,
-                      join_timeout_s=60)  # fmt: skip
+        late = _late_joiner(daemons[3], config, min_replicas=3)
         info = late.restored
         assert info["source"] == "mesh", info
         assert late.start_step < 10**5, info
@@ -330,10 +328,7 @@ def test_a_joiner_refuses_a_replicas_plausible_forged_state_that_others_do_not_v
 
         mallory._call(hold_forged(), 5)
 
-        late_model = _model(99)
-        late = attach(late_model, torch.optim.SGD(late_model.parameters(), lr=0.02), run="t",
-                      daemon=daemons[3], config=config, min_replicas=4,
-                      join_timeout_s=60)  # fmt: skip
+        late = _late_joiner(daemons[3], config, min_replicas=4)
         info = late.restored
         assert info["source"] == "mesh", info
         assert info["writer"] in honest, info
@@ -355,3 +350,15 @@ def test_a_joiner_refuses_a_replicas_plausible_forged_state_that_others_do_not_v
             sync.close()
         for d in daemons:
             d.stop(leave=False)
+
+
+def _late_joiner(daemon: Any, config: Config, min_replicas: int) -> Any:
+    """A joiner with a model of its own (seed 99), attached to run "t" on ``daemon``."""
+    import torch  # noqa: PLC0415
+
+    from ciuic_p2p.train.attach import attach  # noqa: PLC0415
+    from tests.train.test_elastic import _model  # noqa: PLC0415
+
+    model = _model(99)
+    return attach(model, torch.optim.SGD(model.parameters(), lr=0.02), run="t", daemon=daemon,
+                  config=config, min_replicas=min_replicas, join_timeout_s=60)  # fmt: skip
