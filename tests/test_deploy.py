@@ -158,21 +158,11 @@ def test_promtool_accepts_a_live_scrape_of_a_daemon_with_a_trainer(tmp_path: Pat
             checkpoint_dir="",
             handle_sigterm=False,
         )
-        try:
-            for _ in range(TRAINED_STEPS):
-                loss = model(torch.randn(8, 4)).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                sync.step(loss=loss)  # carried to the daemon: ciuic_trainer_loss
-            assert sync.finish(30)
-        finally:
-            sync.close()
-
         scraped = ""
 
         def trainer_reported() -> bool:
-            """The trainer's own step seen and its figures (hook_s...) reported."""
+            """The trainer's own step seen and its figures (hook_s...) reported; a live
+            trainer's rate too (an ended trainer has none)."""
             nonlocal scraped
             with urllib.request.urlopen(metrics_url, timeout=10) as response:
                 assert response.status == 200
@@ -184,12 +174,25 @@ def test_promtool_accepts_a_live_scrape_of_a_daemon_with_a_trainer(tmp_path: Pat
                 for s in f.samples
             }
             return (
-                samples.get("ciuic_trainer_step") == TRAINED_STEPS
+                # The newest step's chunk leaves with the next step or at finish.
+                samples.get("ciuic_trainer_step", 0) >= TRAINED_STEPS - 1
+                and "ciuic_trainer_steps_per_second" in samples
                 and "ciuic_trainer_hook_seconds_total" in samples
                 and "ciuic_trainer_loss" in samples
             )
 
-        fleet.wait(trainer_reported, 30, "the trainer's figures in /metrics")
+        try:
+            for _ in range(TRAINED_STEPS):
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sync.step(loss=loss)  # carried to the daemon: ciuic_trainer_loss
+            # Scraped while the trainer is attached: an ended trainer has no rate.
+            fleet.wait(trainer_reported, 30, "the trainer's figures in /metrics")
+            assert sync.finish(30)
+        finally:
+            sync.close()
     finally:
         fleet.stop_all()
 
