@@ -143,9 +143,9 @@ class OriginRecord:
     """Chunks taken at less than their full norm."""
     weight_raised: int = 0
     """Chunks whose claimed replica count was raised."""
-    drift_sq: dict[int, float] = field(default_factory=dict)
-    """Per bucket: the mean square of its latest consensus fragment's difference from
-    this replica's parameters of the same step, per element."""
+    drift_sq: dict[int, tuple[int, float]] = field(default_factory=dict)
+    """Per bucket: the step of its latest consensus fragment and the mean square of its
+    difference from this replica's parameters of that step, per element."""
     budget: dict[int, tuple[float, int]] = field(default_factory=dict)
     """Per bucket: the norm it may still move this replica by, and the run's front
     (this replica's vouched step) when that was last topped up."""
@@ -445,26 +445,46 @@ class InfluenceBound:
             rec.agreement_sq = (1 - AGREEMENT_EMA) * rec.agreement_sq + AGREEMENT_EMA * cos * cos
         return factor * self.agreement_weight(rec)
 
-    def mix_scale(self, origin: str, bucket: int, diff_sq: float, alive: Container[str]) -> float:
+    def drift_known(
+        self, origin: str, bucket: int, step: int, diff_sq: float, alive: Container[str]
+    ) -> bool:
+        """Records ``origin``'s difference in ``bucket`` at consensus round ``step`` and
+        says whether another origin ``alive`` has one of the same round there: a
+        fragment with none to be held against is unbounded, so the caller holds it
+        until one comes. Else a member that sent each round's fragment the moment the
+        round opened was held against the honest drift of the round before (larger:
+        the mix shrinks it round by round), and its first against nothing: unclipped,
+        up to ``params_distance_max_ratio`` of the parameters' scale."""
+        self.record(origin).drift_sq[bucket] = (step, diff_sq)
+        return any(
+            r.drift_sq.get(bucket, (-1, 0.0))[0] == step and name in alive
+            for name, r in self.origins.items()
+            if name != origin
+        )
+
+    def mix_scale(
+        self, origin: str, bucket: int, step: int, diff_sq: float, alive: Container[str]
+    ) -> float:
         """The factor (0 to 1) a consensus fragment's pull is taken at: its mean square
         difference from this replica's parameters (``diff_sq``, per element) clipped to
-        the clip ratio times the lower median of the origins' latest differences in
-        ``bucket``, times its agreement weight (none for an origin that weighs
-        nothing). Honest fragments differ by the replicas' drift, alike from every
-        origin (a replica that drifted sees every origin far, and mixes); without the
-        clip a member pulled every fragment by ``consensus_mix / (N - 1)`` of up to
-        ``params_distance_max_ratio`` of the parameters' scale, every round, in a
-        direction of its choosing. The latest difference, not a running mean: the mix
-        shrinks the drift it measures round by round, and a mean of the larger past
-        let a member pull by the drift of rounds ago. As seen, not as mixed: the lower
-        median over the origins already keeps one from setting the reference, and an
-        honest origin clipped once would otherwise stay clipped."""
+        the clip ratio times the lower median of the origins' differences in ``bucket``
+        at the same round ``step`` (each origin's latest), times its agreement weight
+        (none for an origin that weighs nothing). Honest fragments differ by the
+        replicas' drift, alike from every origin (a replica that drifted sees every
+        origin far, and mixes); without the clip a member pulled every fragment by
+        ``consensus_mix / (N - 1)`` of up to ``params_distance_max_ratio`` of the
+        parameters' scale, every round, in a direction of its choosing. Of the same
+        round, not a running mean: the mix shrinks the drift it measures round by
+        round, and the larger past let a member pull by the drift of rounds ago. As
+        seen, not as mixed: the lower median over the origins already keeps one from
+        setting the reference, and an honest origin clipped once would otherwise stay
+        clipped."""
         rec = self.record(origin)
-        rec.drift_sq[bucket] = diff_sq
+        rec.drift_sq[bucket] = (step, diff_sq)
         found = sorted(
-            r.drift_sq[bucket]
+            r.drift_sq[bucket][1]
             for name, r in self.origins.items()
-            if bucket in r.drift_sq and (name in alive or r is rec)
+            if r.drift_sq.get(bucket, (-1, 0.0))[0] == step and (name in alive or r is rec)
         )
         ref = found[(len(found) - 1) // 2]
         factor = 1.0

@@ -76,6 +76,17 @@ class Prepared:
     """JOIN: the origin wants this replica's JOIN in answer."""
 
 
+@dataclass(frozen=True, slots=True)
+class HeldFragment:
+    """A consensus fragment's difference from this replica's parameters of its step,
+    waiting for another origin's in its bucket to be clipped against."""
+
+    origin: str
+    header: ChunkHeader
+    diff: torch.Tensor
+    diff_sq: float
+
+
 @dataclass(slots=True)
 class ReplicaStats:
     steps: int = 0
@@ -99,7 +110,8 @@ class ReplicaStats:
     clipped: int = 0
     """Peer update chunks taken at less than their full norm or weight (the influence
     bound: an update past the clip, an origin working against this replica's
-    direction)."""
+    direction), and consensus fragments mixed at less than their full pull (clipped, or
+    heard with no other origin's to hold them against and dropped)."""
     weight_raised: int = 0
     """Peer update chunks whose claimed replica count was below the replicas whose
     updates of the steps before (within the staleness bound) reached this one,
@@ -176,6 +188,9 @@ class Intake:
         )
         self.floors: dict[str, int] = {}
         """Per origin: update steps at or below this are in the restored state."""
+        self._held: dict[tuple[int, int], HeldFragment] = {}
+        """Per bucket and round: a fragment heard before any other origin's (``_mix``);
+        at most one per bucket of each round whose parameters are kept."""
 
     @property
     def weight(self) -> float:
@@ -364,6 +379,7 @@ class Intake:
             self._apply_update(item, h, state, step)
 
     def _apply_params(self, origin: str, h: ChunkHeader, values: torch.Tensor) -> None:
+        self._drop_expired_held()
         mine = self._own_fragment(h)
         if mine is None:
             # We sent none at that step (joined since, skipped, or the peer's is
@@ -507,18 +523,46 @@ class Intake:
             )
 
     def _mix(self, origin: str, h: ChunkHeader, values: torch.Tensor, mine: torch.Tensor) -> None:
-        mix = self.train.consensus_mix / max(1, self.replicas - 1)
+        """Pulls this replica toward a peer's fragment, clipped against the other
+        origins' (core.replica.influence ``mix_scale``). The first fragment of a bucket,
+        heard before any other origin's of its round, has nothing to be clipped
+        against: where the run has other replicas to send one, it is held until the
+        next comes (then both are mixed, each held against the other) or dropped when
+        its round is over."""
         with torch.no_grad():
             diff = values.sub(mine)
             diff_sq = float(torch.dot(diff.float(), diff.float())) / max(1, diff.numel())
-            factor = self.influence.mix_scale(origin, h.bucket, diff_sq, self.roster.mesh_alive)
-            if factor < 1.0:
-                self.stats.clipped += 1
-            if factor <= 0.0:
-                return
+        held = self._held.pop((h.bucket, h.step), None)
+        alive = self.roster.mesh_alive
+        known = self.influence.drift_known(origin, h.bucket, h.step, diff_sq, alive)
+        if not known and self.replicas > 2:
+            # With one other replica its fragment is the whole of the others' view.
+            self._held[h.bucket, h.step] = HeldFragment(origin, h, diff, diff_sq)
+            return
+        self._pull(origin, h, diff, diff_sq)
+        if held is not None and held.origin != origin and held.origin in alive:
+            self._pull(held.origin, held.header, held.diff, held.diff_sq)
+
+    def _pull(self, origin: str, h: ChunkHeader, diff: torch.Tensor, diff_sq: float) -> None:
+        mix = self.train.consensus_mix / max(1, self.replicas - 1)
+        alive = self.roster.mesh_alive
+        factor = self.influence.mix_scale(origin, h.bucket, h.step, diff_sq, alive)
+        if factor < 1.0:
+            self.stats.clipped += 1
+        if factor <= 0.0:
+            return
+        with torch.no_grad():
             diff.mul_(mix * factor)
         self.parameters.add_slice(h.bucket, h.range_start, diff)
         self.stats.params_mixed += 1
+
+    def _drop_expired_held(self) -> None:
+        """A held fragment whose round we keep no parameters of any more: no other
+        origin's came to hold it against, and it is not mixed."""
+        for key, held in list(self._held.items()):
+            if held.header.step not in self.own_params:
+                del self._held[key]
+                self.stats.clipped += 1
 
 
 def _span(h: ChunkHeader) -> tuple[int, int]:
