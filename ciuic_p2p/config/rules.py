@@ -265,6 +265,11 @@ def validate(cfg: Sections) -> None:
             "must be between 1 and 2^47 - 1",
         ),
         (st.checkpoint_interval_s >= 0, "store.checkpoint_interval_s", "must be >= 0"),
+        (
+            0 <= st.stop_checkpoint_wait_s <= 300,
+            "store.stop_checkpoint_wait_s",
+            "must be in 0..300 (the unit's TimeoutStopSec must cover it)",
+        ),
         (st.upload_rate_bps >= 0, "store.upload_rate_bps", "must be >= 0"),
         (
             st.max_object_bytes >= st.piece_bytes,

@@ -58,9 +58,10 @@ class NodeSection:
     join_retry_s: float = 10.0
     """Pause between background join attempts."""
     stop_timeout_s: float = 4.0
-    """SIGTERM/Ctrl+C: the announced leave, the trainers' last checkpoint and the
-    audit log's flush get this long before the daemon exits anyway (out within 5 s;
-    the unit's TimeoutStopSec is 10 s)."""
+    """SIGTERM/Ctrl+C: after the attached trainer's checkpoint
+    (``store.stop_checkpoint_wait_s``), the announced leave and the audit log's flush
+    get this long before the daemon exits anyway (out within 15 s; the unit's
+    TimeoutStopSec is 20 s)."""
     runtime_dir: str = ""
     """Directory for the control and trainer sockets (systemd RuntimeDirectory);
     default: ``state_dir``."""
@@ -582,10 +583,18 @@ class StoreSection:
     """State sync and checkpoints carry the optimizer's state (momentum, Adam moments)
     besides the parameters."""
     checkpoint_dir: str = ""
-    """Where the hook writes checkpoints (the trainer's account must be able to write
-    there); empty: no checkpoints unless ``attach(checkpoint_dir=...)`` names one."""
+    """Where the hook writes checkpoints (the newest and the one before it), for the
+    trainer's account to write. Empty: where the daemon names when the trainer
+    attaches (``checkpoints`` in ``node.state_dir``, group-writable), or, where the
+    trainer cannot write there, ``$XDG_STATE_HOME/ciuic-p2p/checkpoints``
+    (``~/.local/state/...``). ``off``: none. ``attach(checkpoint_dir=...)`` overrides
+    it (``""``: none)."""
     checkpoint_interval_s: float = 300.0
-    """0: only on SIGTERM and at the end."""
+    """0: only on SIGTERM, when the daemon stops, and at the end."""
+    stop_checkpoint_wait_s: float = 10.0
+    """A daemon stopping with a trainer attached asks it for a checkpoint and waits
+    this long for it before it leaves the mesh (0: it does not ask). The trainer writes
+    it at its next step and goes on, reconnecting when a daemon is back."""
 
 
 @dataclass(frozen=True, slots=True)

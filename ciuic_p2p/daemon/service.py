@@ -267,6 +267,8 @@ class NodeService:
         if self._join_task is not None:
             self._join_task.cancel()
         parts = self.parts
+        if parts.trainers is not None:  # before leaving: the trainer's work comes first
+            await parts.trainers.ask_checkpoint(self.config.store.stop_checkpoint_wait_s)
         timeout_s = self.config.node.stop_timeout_s
         try:
             await asyncio.wait_for(self._close_parts(), timeout_s)

@@ -153,6 +153,9 @@ class TrainerServer:
         self._held_bytes = 0
         self._closing = False
         """The daemon is stopping: a trainer cut off now is not gone (no GONE)."""
+        self._stop_ready = asyncio.Event()
+        self.stop_reply: dict[str, Any] | None = None
+        """The trainer's answer to STOPPING: its step and checkpoint's path (or None)."""
         self._prefetch: asyncio.Task[None] | None = None
         self.prefetch_info: dict[str, Any] | None = None
         """What the prefetch of a restarted daemon did (timing, version, donors)."""
@@ -246,19 +249,66 @@ class TrainerServer:
         self._tasks.append(asyncio.get_running_loop().create_task(self._watch_members()))
         self._tasks.append(asyncio.get_running_loop().create_task(self._client(reader, writer)))
 
+    async def ask_checkpoint(self, wait_s: float) -> dict[str, Any] | None:
+        """The daemon is stopping: ask an attached trainer to write a checkpoint now and
+        wait for it up to ``wait_s`` (the trainer writes it at its next step); its
+        answer (``step``, ``checkpoint``: the path or None), or None when no trainer
+        answered in time or none is attached."""
+        if wait_s <= 0 or not self._attached() or self.writer is None:
+            return None
+        self._stop_ready.clear()
+        self.stop_reply = None
+        log.warning(
+            "stopping_with_trainer",
+            run=self.progress.run,
+            waiting_s=wait_s,
+            hint="asked the trainer for a checkpoint; it goes on and reconnects when a "
+            f"daemon serves {self.path or 'its socket'} again",
+        )
+        self._write(json_frame(TrainerFrame.STOPPING, {"wait_s": wait_s}))
+        try:
+            await asyncio.wait_for(self._stop_ready.wait(), wait_s)
+        except TimeoutError:
+            log.warning(
+                "trainer_checkpoint_late",
+                waited_s=wait_s,
+                hint="stopping anyway; the trainer writes it at its next step "
+                "(store.stop_checkpoint_wait_s sets the wait)",
+            )
+            return None
+        log.info("trainer_ready_to_stop", **(self.stop_reply or {}))
+        return self.stop_reply
+
+    def _stop_ready_frame(self, body: memoryview) -> None:
+        info = parse_json(body)
+        step, path = info.get("step"), info.get("checkpoint")
+        if not isinstance(step, int) or not 0 <= step < 1 << 62:
+            raise TrainWireError("STOP_READY needs a step in [0, 2^62)")
+        if path is not None and (not isinstance(path, str) or len(path) > 4096):
+            raise TrainWireError("STOP_READY's checkpoint is a path (at most 4096 chars)")
+        self.stop_reply = {"step": step, "checkpoint": path}
+        self._stop_ready.set()
+
+    def checkpoint_dir(self) -> str | None:
+        """Where this daemon's trainer checkpoints unless told otherwise
+        (``checkpoints`` in the state directory, group-writable with the group kept,
+        so a trainer in the daemon's group writes there); None if it cannot be made."""
+        path = self.daemon.state_dir / "checkpoints"
+        try:
+            if not path.is_dir():
+                path.mkdir(mode=0o2770, parents=True, exist_ok=True)
+                os.chmod(path, 0o2770)  # mkdir's mode passes through the umask
+        except OSError as exc:
+            log.warning("checkpoint_dir_unusable", path=str(path), error=str(exc))
+            return None
+        return str(path.resolve())
+
     async def close(self) -> None:
         """Close the socket and this server's tasks (the store is the assembly's). The
         trainer is not gone with its daemon: it goes on stepping and reconnects to the
         daemon that comes back (train.channel), so its replicas hear no GONE; they see
         the member leave, and keep its account until it is back."""
         self._closing = True
-        if self.writer is not None and not self.writer.is_closing():
-            log.warning(
-                "stopping_with_trainer",
-                run=self.progress.run,
-                hint="the trainer goes on and reconnects when a daemon serves "
-                f"{self.path or 'its socket'} again",
-            )
         for task in self._tasks:
             task.cancel()
         for task in self._tasks:
@@ -348,6 +398,7 @@ class TrainerServer:
                     "public_key": d.key.public_key.hex(),
                     "incarnation": (d.mesh.incarnation << 20) + self._sessions,
                     "members": self._members,
+                    "checkpoint_dir": self.checkpoint_dir(),
                 },
             )
         )
@@ -383,6 +434,8 @@ class TrainerServer:
             d.counters["trainer_checkpoints"] += 1
             if self.checkpoints is not None:
                 self.checkpoints.checkpoint_written(str(info.get("path", "")), step, digest)
+        elif ftype is TrainerFrame.STOP_READY:
+            self._stop_ready_frame(body)
         elif ftype is TrainerFrame.DIRECT_OUT:
             peer, payload = split_peer(body)
             try:

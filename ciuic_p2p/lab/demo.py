@@ -200,7 +200,12 @@ def run_demo(args: argparse.Namespace) -> int:
     print(
         "  off-step: a trainer's wall time outside its own steps (the hook, and the CPU\n"
         "  the other nodes' processes take on this one machine); the async trainers never\n"
-        "  wait for the network. bytes/step: every UDP byte a node sent, control included."
+        "  wait for the network. bytes/step: every UDP byte a node sent, control included.\n"
+        "  stale: how many steps the 99th percentile of peers' updates lagged this node's\n"
+        "  when applied, over the bound (train.staleness_bound_steps). On one machine the\n"
+        "  nodes' CPU shares differ, so they drift apart; a lag at the bound is the rule at\n"
+        "  work (the node ahead waits, or excuses the laggard), not lost updates. Across\n"
+        "  a real WAN it stays a few steps; near the bound run after run, a node is too slow."
     )
     a = summaries["async"]
     print(f"\n  consensus distance of the async replicas: {consensus:.4f}")

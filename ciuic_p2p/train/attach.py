@@ -21,6 +21,7 @@ from ciuic_p2p.config.locate import (
 )
 from ciuic_p2p.logsetup import configure_trainer_logging, get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel, LocalDaemon
+from ciuic_p2p.train.checkpoint import checkpoint_choice
 from ciuic_p2p.train.hook import MeshSync
 
 if TYPE_CHECKING:
@@ -102,9 +103,11 @@ def attach(
     checkpoint), the model (and, with ``store.sync_optimizer_state``, the optimizer's
     state) is fetched from the nearest up-to-date replica before ``attach`` returns;
     ``sync.start_step`` says where to continue. ``checkpoint_dir`` (default
-    ``store.checkpoint_dir``; none when empty) gets a checkpoint every
-    ``store.checkpoint_interval_s``, at :meth:`MeshSync.finish` and on SIGTERM
-    (``handle_sigterm``, default: when checkpointing, in the main thread).
+    ``store.checkpoint_dir``, whose default is the directory the daemon names;
+    ``""``: none) gets a checkpoint every ``store.checkpoint_interval_s``, when the
+    daemon stops, at :meth:`MeshSync.finish` and on SIGTERM (``handle_sigterm``,
+    default: when checkpointing, in the main thread); the newest two are kept, and
+    ``sync.stats["checkpoint_path"]`` says where.
 
     ``process_group``: the local ranks of a node with several GPUs (under torchrun);
     they train as one replica (train.localranks): the group's first rank talks to the
@@ -127,8 +130,7 @@ def attach(
             assert isinstance(leader, MeshSync)
             lead = leader
         return LocalRanks(model, optimizer, process_group, lead, cfg.codec.dense_below_numel)
-    ckpt_dir = checkpoint_dir if checkpoint_dir is not None else cfg.store.checkpoint_dir
-    ckpt_path = Path(ckpt_dir).expanduser() if ckpt_dir else None
+    ckpt_path = checkpoint_choice(checkpoint_dir, cfg.store.checkpoint_dir)
     if optimizer is not None and optimizer.state:
         raise ValueError("attach before the optimizer's first step")
     started = False

@@ -102,6 +102,8 @@ class DaemonChannel:
         self._stats_seq = 0
         self.snapshot_wanted = threading.Event()
         """Set when the daemon asks for a fresh state snapshot (a joiner is syncing)."""
+        self.stop_asked = threading.Event()
+        """Set when the daemon says it is stopping (STOPPING): checkpoint now."""
         self._results: dict[int, dict[str, Any]] = {}
         self._got: dict[str, tuple[int, bytes, bytearray, int]] = {}
         self._done_objects: dict[str, tuple[int, bytes, bytearray]] = {}
@@ -194,6 +196,12 @@ class DaemonChannel:
         body = {"path": str(Path(path).resolve()), "step": step, "digest": digest}
         with contextlib.suppress(DaemonAway):  # the file is written; the news can wait
             self._send(json_frame(TrainerFrame.CHECKPOINT, body))
+
+    def ready_to_stop(self, step: int, path: Path | None) -> None:
+        """Answer STOPPING: this replica's step and the checkpoint it wrote (if any)."""
+        body = {"step": step, "checkpoint": None if path is None else str(Path(path).resolve())}
+        with contextlib.suppress(ChannelError):  # gone already: nothing to tell
+            self._send(json_frame(TrainerFrame.STOP_READY, body))
 
     def put_parts(
         self, name: str, version: int, data: bytes | bytearray | memoryview, compat: bytes
@@ -503,6 +511,8 @@ class DaemonChannel:
                 self._stats_seq += 1
             elif ftype is TrainerFrame.SNAPSHOT_REQUEST:
                 self.snapshot_wanted.set()
+            elif ftype is TrainerFrame.STOPPING:
+                self.stop_asked.set()
             elif ftype is TrainerFrame.GOT_PART:
                 self._got_part(decode_part(body))
             elif ftype is TrainerFrame.STORE_RESULT:

@@ -20,12 +20,19 @@ import contextlib
 import hashlib
 import os
 import struct
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 from ciuic_p2p.errors import CiuicError
 from ciuic_p2p.logsetup import get_logger
 
+DAEMON_NAMED: Literal["daemon"] = "daemon"
+"""Checkpoint where the daemon says when the trainer attaches (WELCOME's
+``checkpoint_dir``), else in :func:`fallback_dir`."""
+CheckpointChoice = Path | None | Literal["daemon"]
+MAX_NAMED_PATH = 4096
 MAGIC = b"CIUCKPT1"
 _HEAD = struct.Struct("<8sQQ32s")
 DIGEST_LEN = 32
@@ -113,3 +120,34 @@ def load_newest(path: Path) -> Checkpoint | None:
         if best is None or ckpt.step > best.step:
             best = ckpt
     return best
+
+
+def checkpoint_choice(given: str | Path | None, configured: str) -> CheckpointChoice:
+    """Where attach checkpoints: ``given`` (attach's argument; ``""``: nowhere), else
+    ``store.checkpoint_dir`` (``""``: where the daemon names; ``off``: nowhere)."""
+    if given is not None:
+        return Path(given).expanduser() if str(given) else None
+    if configured == "off":
+        return None
+    return Path(configured).expanduser() if configured else DAEMON_NAMED
+
+
+def fallback_dir(env: Mapping[str, str]) -> Path:
+    """Checkpoints of a trainer that cannot write where its daemon says:
+    ``$XDG_STATE_HOME/ciuic-p2p/checkpoints`` (``~/.local/state`` by default)."""
+    state_home = env.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state_home) / "ciuic-p2p" / "checkpoints"
+
+
+def daemon_named_dir(named: object, env: Mapping[str, str]) -> tuple[Path, str]:
+    """The checkpoint directory for a trainer whose daemon named ``named`` (WELCOME's
+    ``checkpoint_dir``: an absolute path, or None when it could make none), and why:
+    that one when this process can write there, else :func:`fallback_dir`."""
+    if not isinstance(named, str) or not named or len(named) > MAX_NAMED_PATH:
+        return fallback_dir(env), "the daemon named no checkpoint directory"
+    path = Path(named)
+    if not path.is_absolute():
+        return fallback_dir(env), f"the daemon named a relative path ({named!r})"
+    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
+        return fallback_dir(env), f"this trainer cannot write to {path}"
+    return path, "named by the daemon"

@@ -21,6 +21,7 @@ The update rule and its references: core.replica.rule.
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import time
 from pathlib import Path
@@ -54,6 +55,7 @@ from ciuic_p2p.core.replica.schedule import (
 from ciuic_p2p.errors import LayoutMismatchError
 from ciuic_p2p.logsetup import get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel, LocalDaemon
+from ciuic_p2p.train.checkpoint import DAEMON_NAMED, CheckpointChoice, daemon_named_dir
 from ciuic_p2p.train.encoder import Encoder, ThreadGate, flatten_parameters
 from ciuic_p2p.train.parallel import thread_parts
 from ciuic_p2p.train.statesync import StateKeeper
@@ -108,7 +110,7 @@ class MeshSync:
         join_timeout_s: float = 120.0,
         seed: int = 0,
         embedded: LocalDaemon | None = None,
-        checkpoint_dir: Path | None = None,
+        checkpoint_dir: CheckpointChoice = None,
     ) -> None:
         self.model = model
         self.optimizer = optimizer
@@ -138,6 +140,9 @@ class MeshSync:
             run_parts=thread_parts,
             gate=ThreadGate(self.buckets[0].device),
         )
+        if checkpoint_dir == DAEMON_NAMED:
+            checkpoint_dir, why = daemon_named_dir(welcome.get("checkpoint_dir"), os.environ)
+            log.info("checkpoint_dir", path=str(checkpoint_dir), why=why)
         channel.prepare_deliveries(self.replica.prepare)
         self.encoder = Encoder(self.buckets[0].device)
         self.schedule = ReplicaSchedule(
@@ -294,6 +299,7 @@ class MeshSync:
         for action in self.schedule.after_step(facts, time.monotonic()):
             self._carry_out(action)
         self._between_steps()  # after the update: a snapshot never delays it
+        self._answer_stop()
         if not self.channel.away:  # away, the others cannot be heard: never wait for them
             self._wait_while_blocked()
         self.hook_s += time.perf_counter() - t0
@@ -388,6 +394,22 @@ class MeshSync:
         path = self.state.checkpoint()
         where = f"; checkpoint of step {self.replica.step} written to {path}" if path else ""
         raise ChannelError(f"{self.channel.error or 'the daemon went away'}{where}")
+
+    def _answer_stop(self) -> None:
+        """The daemon is stopping (STOPPING): write a checkpoint now, at a step's
+        boundary, and tell it; training goes on, and the channel reconnects when a
+        daemon serves the socket again."""
+        if not self.channel.stop_asked.is_set() or not self._ready:
+            return
+        self.channel.stop_asked.clear()
+        path = self.state.checkpoint()
+        log.info(
+            "daemon_stopping",
+            step=self.replica.step,
+            checkpoint=str(path) if path else None,
+            hint="training goes on; updates are kept and sent when a daemon is back",
+        )
+        self.channel.ready_to_stop(self.replica.step, path)
 
     def _exit_on_sigterm(self) -> None:
         path = self.state.checkpoint()
@@ -622,6 +644,9 @@ class MeshSync:
             "restored": self.restored,
             "snapshots_sent": self.state.snapshots_sent,
             "checkpoints_written": self.state.checkpoints_written,
+            "checkpoint_path": None
+            if self.state.checkpoint_path is None
+            else str(self.state.checkpoint_path),
             "other_runs": s.other_runs,
             "refused": dict(s.refused),
             "clipped": s.clipped,
@@ -652,12 +677,15 @@ class MeshSync:
         """This replica's run in one line, for a person (``stats`` has the figures)."""
         s = self.stats
         refused = sum(s["refused"].values())
-        return (
+        line = (
             f"step {s['step']}: {s['sends']} sends, {s['bytes_published'] / 1e6:.2f} MB "
-            f"published; applied {s['applied']} updates from {len(s['applied_from'])} "
-            f"peer(s); staleness p50 {s['staleness_p50']} p99 {s['staleness_p99']} steps; "
-            f"waited {s['wait_s']:.1f} s; {refused} refused"
+            f"published; applied {s['applied']} update chunks from {len(s['applied_from'])} "
+            f"peer(s); staleness p50 {s['staleness_p50']} p99 {s['staleness_p99']} of "
+            f"{s['staleness_bound']} steps; waited {s['wait_s']:.1f} s; {refused} refused"
         )
+        if s["checkpoint_path"]:
+            line += f"; checkpoint {s['checkpoint_path']}"
+        return line
 
     # -- the state and the store --------------------------------------------------------------
 

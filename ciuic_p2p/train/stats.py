@@ -31,6 +31,7 @@ class SyncStats(TypedDict):
     restored: dict[str, Any]
     snapshots_sent: int
     checkpoints_written: int
+    checkpoint_path: str | None
     other_runs: int
     refused: dict[str, int]
     clipped: int
@@ -59,7 +60,7 @@ STATS_DOC: dict[str, str] = {
     "peer": "this node's peer ID",
     "step": "this replica's step: the optimizer steps counted by `step()`, from its start",
     "replicas": "replicas of the run this one counts now, itself included",
-    "sends": "updates sent",
+    "sends": "updates sent (each in one chunk per bucket: `chunks_sent`)",
     "merged_steps": "steps not sent in their own send (the encoder was still busy)",
     "backoffs": "times the daemon's backlog was over `train.backlog_high_sends` "
     "(the send interval doubled, the density halved, until it drained)",
@@ -83,6 +84,8 @@ STATS_DOC: dict[str, str] = {
     "`step`, `seconds` and the transfer's figures",
     "snapshots_sent": "state snapshots handed to the daemon for joiners",
     "checkpoints_written": "checkpoints written",
+    "checkpoint_path": "where this replica's checkpoint goes (the one before it beside it, "
+    "as `.prev`); None when it writes none",
     "other_runs": "JOIN, GONE and DONE messages of other runs on the mesh, ignored",
     "refused": "refused payloads by reason (`layout`, `range`, `norm`, `malformed`, "
     "`pace`, `set_aside`, ...)",
@@ -96,7 +99,9 @@ STATS_DOC: dict[str, str] = {
     "last_refusal": "the last refusal's message",
     "staleness_p50": "median steps between a peer's update and this replica's step when "
     "it was applied",
-    "staleness_p99": "99th percentile of the same",
+    "staleness_p99": "99th percentile of the same: at `staleness_bound` the rule held "
+    "this replica back (or excused a laggard); a run that sits there is as fast as its "
+    "slowest replica",
     "staleness_bound": "`train.staleness_bound_steps`",
     "send_interval": "steps per send now (grows under back-off)",
     "density": "fraction of entries sent now (shrinks under back-off)",

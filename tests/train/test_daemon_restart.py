@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from ciuic_p2p.core.replica.messages import run_id_of
 from ciuic_p2p.core.replica.rule import consensus_distance
 from ciuic_p2p.lab.cluster import LocalCluster
 from tests.train.test_recovery import Watch, _all
@@ -44,6 +45,12 @@ def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path) -> None:
         # Its trainer goes on stepping while its daemon is away.
         watch.until(lambda: watch.step(victim) >= stopped_at + 50, 60, "steps while away")
         cluster.restart(victim)
+        # Its trainer reconnects on its own (polling the socket): 100 steps of the
+        # others (2 s) are not always enough for that, and the run ended without it.
+        victim_log = cluster.state_dir(victim) / "daemon.log"
+        watch.until(
+            lambda: victim_log.read_text().count("trainer_attached") >= 2, 60, "reconnected"
+        )
         back_at = watch.step(victim)
         watch.until(
             lambda: min(watch.step(n) for n in names) >= back_at + 100, 120, "after the restart"
@@ -73,6 +80,12 @@ def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path) -> None:
     assert not any("duplicate" in text for text in [*trainer_logs, *logs.values()])
     assert "daemon_away" in trainer_logs[2] and "daemon_back" in trainer_logs[2]
     assert "stopping_with_trainer" in logs[victim]
+    # It asked its trainer for a checkpoint and waited for it, where it named (a
+    # default attach); the trainer keeps it there to the end.
+    assert "trainer_ready_to_stop" in logs[victim] and "trainer_checkpoint_late" not in logs[victim]
+    named = (cluster.state_dir(victim) / "checkpoints").resolve()
+    assert mine["checkpoint_path"] == str(named / f"{run_id_of('restart').hex()}.ckpt")
+    assert Path(mine["checkpoint_path"]).exists()
     params = [torch.load(out / f"params-{r}.pt") for r in range(3)]
     distance = consensus_distance(params)
     print(f"consensus distance after the restart: {distance:.4f}")

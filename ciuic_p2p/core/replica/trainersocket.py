@@ -50,6 +50,8 @@ class TrainerFrame(enum.IntEnum):
     CHECKPOINT = 16  # trainer -> daemon: {"path", "step", "digest"}: one written (audit log)
     SAMPLE_REQUEST = 17  # trainer -> daemon: {"id", "name", "writers", "spans", ...}: see
     # daemon.trainer; answered by STORE_RESULT {"samples": [{"writer", "version", "data"}]}
+    STOPPING = 18  # daemon -> trainer: {"wait_s"}: the daemon stops; checkpoint now
+    STOP_READY = 19  # trainer -> daemon: {"step", "checkpoint": path or null}: done
 
 
 @dataclass(frozen=True, slots=True)
