@@ -64,6 +64,7 @@ from ciuic_p2p.core.mesh.node import (
 )
 from ciuic_p2p.daemon import nodestatus
 from ciuic_p2p.daemon.addressbook import AddressBook
+from ciuic_p2p.daemon.delivered import save_delivered, take_delivered
 from ciuic_p2p.daemon.incarnation import next_incarnation, save_incarnation
 from ciuic_p2p.daemon.linkrates import LinkRates
 from ciuic_p2p.daemon.outbox import ChunkKey, Outbox
@@ -189,6 +190,8 @@ class MeshDaemon:
         self.key = key
         self.peer_id = peer_id_of(key.public_key)
         self.state_dir = Path(state_dir or config.node.state_dir)
+        self._resume_saved = False
+        """Whether this life saved its resume point (:meth:`save_resume_point`)."""
         self.clock = clock
         self.transport = transport
         self.addresses = addresses or AddressBook()
@@ -256,6 +259,7 @@ class MeshDaemon:
             # The trust in force when asked: a reloaded revocation list applies.
             lambda node, der: t.trust.check_member(node, der, t.wallclock()),
         )
+        resume = take_delivered(self.state_dir, time.time(), self.config.mesh.own_chunk_retain_s)
         self.node = MeshNode(
             self.peer_id,
             self.address,
@@ -266,6 +270,7 @@ class MeshDaemon:
             name=self.config.node.name,
             incarnation=incarnation,
             seed=zlib.crc32(self.key.public_key) ^ incarnation,
+            resume=resume,
         )
         self._tasks.append(asyncio.get_running_loop().create_task(self._receive_loop()))
         self._pump()
@@ -275,6 +280,7 @@ class MeshDaemon:
             name=self.config.node.name,
             address=self.address,
             incarnation=incarnation,
+            resumes_origins=len(resume),  # chunks sent while it was down are repaired
         )
         return self.address
 
@@ -329,6 +335,15 @@ class MeshDaemon:
         self._pump()
         return refused
 
+    def save_resume_point(self) -> None:
+        """Save what this node delivered of each origin, for its next start
+        (daemon.delivered): call it when its trainer stops taking deliveries, so that
+        what comes after is repaired then. Once; the first call counts."""
+        if self._resume_saved or self.node is None:
+            return
+        self._resume_saved = True
+        save_delivered(self.state_dir, self.node.dissemination.delivered(), time.time())
+
     async def leave(self) -> None:
         """Tell the mesh we are leaving, wait (bounded) for it to spread, then close."""
         node = self.mesh
@@ -344,6 +359,7 @@ class MeshDaemon:
         while self.transport.unacked_bytes() and self.clock() < deadline:
             await asyncio.sleep(0.01)
         spread = alone or self._left.is_set()  # the departure reached the others in time
+        self.save_resume_point()
         await self.close()
         log.info("mesh_left", peer=self.peer_id, announced=spread, alone=alone)
 

@@ -285,6 +285,9 @@ class NodeService:
     async def _close_parts(self) -> None:
         p = self.parts
         if p.trainers is not None:
+            # What the trainer got is where the next start resumes: the chunks that
+            # come from now on are repaired after a restart, not lost with this life.
+            p.daemon.save_resume_point()
             await p.trainers.close()
         await p.store.close()
         await p.daemon.leave()  # announced, drained, links closed with a reason

@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from ciuic_p2p.config import MeshSection
-from ciuic_p2p.core.mesh.broadcast import Delivery
+from ciuic_p2p.core.mesh.broadcast import Delivery, Resumed
 from ciuic_p2p.core.mesh.identities import Identities
 from ciuic_p2p.core.mesh.members import MemberEvent, State
 from ciuic_p2p.core.mesh.messages import Alive, signed_bytes
@@ -177,8 +177,14 @@ class SimMesh:
         assert isinstance(self.net.network, EmulatedNetwork)
         return self.net.network
 
-    def start(self, name: str, join_through: str | None = None) -> MeshNode:
-        """Start (or restart, with a fresh state and a higher incarnation) a node."""
+    def start(
+        self,
+        name: str,
+        join_through: str | None = None,
+        resume: Mapping[str, Resumed] | None = None,
+    ) -> MeshNode:
+        """Start (or restart, with a fresh state and a higher incarnation) a node;
+        ``resume``: what its previous life delivered (core.mesh.broadcast)."""
         incarnation = self.incarnations.get(name, -1) + 1
         self.incarnations[name] = incarnation
         node = MeshNode(
@@ -190,6 +196,7 @@ class SimMesh:
             region=self.regions.get(name, ""),
             incarnation=incarnation,
             seed=zlib.crc32(f"{self.seed}/{name}/{incarnation}".encode()),
+            resume=resume,
         )
         self.nodes[name] = node
         self.member_events[name] = []

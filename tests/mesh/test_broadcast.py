@@ -187,6 +187,46 @@ def test_a_restarted_origin_is_heard_again_and_its_previous_life_is_not(
     assert sim.take_deliveries("Tokyo") == [] and tokyo.dissemination.stale == stale + 1
 
 
+@pytest.mark.parametrize("resumed", [False, True], ids=["fresh", "resumed"])
+def test_a_node_restarted_while_others_publish_gets_what_came_meanwhile(resumed: bool) -> None:
+    """A node restarted (``systemctl restart``) while an origin published 150 chunks:
+    started where its previous life stopped (what it delivered, saved at its stop),
+    it repairs the gap from the origin and delivers each chunk once, none it had
+    delivered before. Started afresh, it took at most the 64 before the first chunk it
+    heard again (the reorder window): the others' updates of the gap never reached its
+    trainer."""
+    sim = formed()
+    before = [sim.broadcast("London", b"before" * 200) for _ in range(20)]
+    sim.run_for(3)
+    assert set(deliveries(sim)["Sydney"]) == {("London", s) for s in before}
+    saved = sim.nodes["Sydney"].dissemination.delivered()
+    sim.kill("Sydney")
+    meanwhile = []
+    for _ in range(150):
+        meanwhile.append(sim.broadcast("London", b"meanwhile" * 200))
+        sim.run_for(0.02)
+    sim.start("Sydney", join_through="Tokyo", resume=saved if resumed else None)
+    sim.run_until_true(sim.agree, limit_s=30)
+    after = [sim.broadcast("London", b"after" * 200) for _ in range(5)]
+    got: collections.Counter[tuple[str, int]] = collections.Counter()
+    expected = {("London", s) for s in (meanwhile if resumed else []) + after}
+
+    def arrived() -> bool:
+        got.update(deliveries(sim)["Sydney"])
+        return expected <= set(got)
+
+    sim.run_until_true(arrived, limit_s=60)
+    sim.run_for(5)
+    got.update(deliveries(sim)["Sydney"])
+    assert max(got.values()) == 1
+    london = {s for o, s in got if o == "London"}
+    assert not london & set(before)
+    if resumed:
+        assert sim.nodes["Sydney"].dissemination.resumed == 1
+    else:
+        assert len(set(meanwhile) & london) <= 64  # the reorder window, no more
+
+
 def test_an_announcement_far_ahead_costs_bounded_work_and_mutes_nobody() -> None:
     """A faulty member announces an origin's chunk 2^39: the node tracks a window of
     the gap (not 2^39 entries, which hung it), asks for it in bounded WANTs, and still

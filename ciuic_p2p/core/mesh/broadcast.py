@@ -17,7 +17,10 @@ or forwarded again. A sequence number is the origin's *session* (the incarnation
 daemon started with) times 2^40 plus its count in that session, so a restarted
 origin's chunks are new to the nodes that hold its previous life's: a higher session
 starts the origin's log afresh (what its previous life left missing is given up), and
-a chunk of a lower one is a straggler of a life that ended, dropped (``stale``).
+a chunk of a lower one is a straggler of a life that ended, dropped (``stale``). A
+node that restarts itself resumes each origin where its previous life stopped
+(``resume``, saved by the daemon at its stop): what came meanwhile is a gap, repaired
+like any other, and nothing it delivered before comes again.
 
 Repair: a node tells members the highest sequence number it holds per origin
 (``HEADS``), ``heads_fanout`` of them at a time in a shuffled round through the live
@@ -86,7 +89,7 @@ from __future__ import annotations
 import dataclasses
 import random
 from collections import OrderedDict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from ciuic_p2p.config.sections import MeshSection
@@ -111,6 +114,8 @@ from ciuic_p2p.core.mesh.originlog import (
     OriginLog,
 )
 
+Resumed = tuple[int, tuple[int, ...]]
+"""An origin's contiguous prefix delivered, and the numbers delivered above it."""
 SESSION_SHIFT = 40
 """A session numbers up to 2^40 chunks (35 years at 1,000 a second)."""
 MAX_ABOVE = 4 * MAX_GAP
@@ -193,8 +198,16 @@ class Disseminator:
         session: int = 0,
         plan_for: Callable[[int, int], Plan] | None = None,
         parent: Callable[[str, int, int], str | None] | None = None,
+        resume: Mapping[str, Resumed] | None = None,
     ) -> None:
+        """``resume``: what this node's previous life had delivered of each origin
+        (:meth:`delivered`, saved when it stopped): an origin heard again in the same
+        session resumes from there, so the chunks sent while this node was down are
+        repaired (from holders that keep them: ``own_chunk_retain_s`` at the origin)."""
         self.node = node
+        self._resume = dict(resume or {})
+        self.resumed = 0
+        """Origins whose log resumed from this node's previous life."""
         self.settings = settings
         self.children = children
         self.plan_for = plan_for
@@ -351,9 +364,35 @@ class Disseminator:
                 self.lost += sum(1 for q in log.missing_since if not log.has(q))
             base = session << SESSION_SHIFT
             log = OriginLog(contiguous=max(base, seq - 1 - REORDER_WINDOW), session=session)
+            self._resume_log(origin, log, seq)
             self._forget_repaired(origin)
             self.logs[origin] = log
         return log
+
+    def _resume_log(self, origin: str, log: OriginLog, seq: int) -> None:
+        """Start ``origin``'s new log where this node's previous life stopped, when it
+        is of the same session and behind ``seq``: what came meanwhile is then a gap,
+        repaired like any other (at most ``MAX_GAP`` of it)."""
+        resumed = self._resume.pop(origin, None)
+        if resumed is None:
+            return
+        contiguous, above = resumed
+        if contiguous >> SESSION_SHIFT != log.session or contiguous >= log.contiguous:
+            return
+        log.contiguous = max(contiguous, seq - 1 - MAX_GAP)
+        for q in above:
+            if log.contiguous < q < seq:
+                log.add(q)
+        self.resumed += 1
+
+    def delivered(self) -> dict[str, Resumed]:
+        """Per origin: every chunk up to which this node delivered, and those above it
+        (at most ``MAX_ABOVE``): what its next life resumes from (``resume``)."""
+        return {
+            origin: (log.contiguous, tuple(sorted(log.above)[:MAX_ABOVE]))
+            for origin, log in self.logs.items()
+            if origin != self.node
+        }
 
     def _learn(
         self, log: OriginLog, high: int, holder: str, now: float, signed: bool = False

@@ -33,7 +33,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from ciuic_p2p.config.sections import MeshSection
-from ciuic_p2p.core.mesh.broadcast import Delivery, Disseminator
+from ciuic_p2p.core.mesh.broadcast import Delivery, Disseminator, Resumed
 from ciuic_p2p.core.mesh.carriedplan import plan_from_tree
 from ciuic_p2p.core.mesh.identities import Identities
 from ciuic_p2p.core.mesh.linkcosts import STRATEGIES, LinkCosts, Strategy
@@ -103,7 +103,10 @@ class MeshNode:
         name: str = "",
         incarnation: int = 0,
         seed: int = 0,
+        resume: Mapping[str, Resumed] | None = None,
     ) -> None:
+        """``resume``: what this node's previous life delivered (core.mesh.broadcast
+        ``Disseminator.delivered``)."""
         self.node = node
         self.settings = settings
         self.identities = identities
@@ -137,6 +140,7 @@ class MeshNode:
             session=incarnation,
             plan_for=self._plan_for,
             parent=self._parent,
+            resume=resume,
         )
         # A relay that fails this node: the link from it is published as not worth
         # taking, so that every node's trees route around it (core.mesh.broadcast).
