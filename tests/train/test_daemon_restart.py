@@ -1,8 +1,10 @@
 """A daemon restarted under its trainer (``systemctl restart``: SIGTERM, then start):
 the trainer never exits, keeps stepping while its daemon is away, keeps what it
 publishes meanwhile, reconnects when a daemon serves its socket again, and the others
-take its updates (separate processes, real QUIC on loopback). Before, the trainer
-died with ``ChannelError: the daemon closed the trainer socket``."""
+take its updates, and it takes theirs of the gap: its daemon resumes each origin
+where it stopped and repairs what came meanwhile (separate processes, real QUIC on
+loopback). Before, the trainer died with ``ChannelError: the daemon closed the
+trainer socket``; then a third of the others' updates never reached it."""
 
 from __future__ import annotations
 
@@ -45,12 +47,11 @@ def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path) -> None:
         # Its trainer goes on stepping while its daemon is away.
         watch.until(lambda: watch.step(victim) >= stopped_at + 50, 60, "steps while away")
         cluster.restart(victim)
-        # Its trainer reconnects on its own (polling the socket): 100 steps of the
-        # others (2 s) are not always enough for that, and the run ended without it.
-        victim_log = cluster.state_dir(victim) / "daemon.log"
-        watch.until(
-            lambda: victim_log.read_text().count("trainer_attached") >= 2, 60, "reconnected"
-        )
+        # Its trainer reconnects on its own (polling the socket), and is back once its
+        # daemon sees another member: 100 steps of the others (2 s) after the restart
+        # were not always enough for that, and the run ended without it.
+        victim_log = out / "trainer-2.log"
+        watch.until(lambda: "daemon_back" in victim_log.read_text(), 60, "its trainer back")
         back_at = watch.step(victim)
         watch.until(
             lambda: min(watch.step(n) for n in names) >= back_at + 100, 120, "after the restart"
@@ -73,9 +74,11 @@ def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path) -> None:
         # the first few of its daemon's new session (measured: 8 of 646 chunks).
         assert theirs["sync"]["sent_by_origin"][mine["peer"]] == mine["chunks_sent"]
         assert theirs["sync"]["applied_from"][mine["peer"]] >= 0.95 * mine["chunks_sent"]
-        # Not yet: what the others sent while its daemon was down never reaches it
-        # (a third of theirs here); the consensus mix brings it back to them.
-        assert mine["applied_from"][theirs["sync"]["peer"]] > 0
+        # What the others sent while its daemon was down reached it after the restart
+        # (its daemon resumed each origin where it stopped, and the gap was repaired
+        # from the origins, which keep their chunks): before, a third of theirs never did.
+        assert mine["sent_by_origin"][theirs["sync"]["peer"]] == theirs["sync"]["chunks_sent"]
+        assert mine["applied_from"][theirs["sync"]["peer"]] == theirs["sync"]["chunks_sent"]
     trainer_logs = [(out / f"trainer-{r}.log").read_text() for r in range(3)]
     assert not any("duplicate" in text for text in [*trainer_logs, *logs.values()])
     assert "daemon_away" in trainer_logs[2] and "daemon_back" in trainer_logs[2]
@@ -88,7 +91,27 @@ def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path) -> None:
     assert Path(mine["checkpoint_path"]).exists()
     params = [torch.load(out / f"params-{r}.pt") for r in range(3)]
     distance = consensus_distance(params)
-    print(f"consensus distance after the restart: {distance:.4f}")
-    # Measured 0.099: the updates it missed while away; not yet held against the
-    # same run without the restart.
-    assert distance <= 0.2, distance
+    steps = max(r["sync"]["step"] for r in results)
+    clean = _clean_twin(tmp_path / "clean", steps)
+    print(f"consensus distance after the restart: {distance:.4f}; the same run without it "
+          f"({steps} steps): {clean:.4f}")  # fmt: skip
+    # Before the gap was repaired: 0.099, the updates it missed while away. Now 0.026
+    # and 0.037 (the twins 0.019 and 0.013): the backlog is clipped here by what
+    # this replica judged it, not by what the others judged the same updates.
+    assert distance <= max(1.5 * clean, clean + 0.02), (distance, clean)
+
+
+def _clean_twin(root: Path, steps: int) -> float:
+    """The same run without the restart, to ``steps``: its replicas' final distance."""
+    names = ["n0", "n1", "n2"]
+    out = root / "out"
+    with LocalCluster(None, names, root / "c", CONFIG) as cluster:
+        cluster.start()
+        watch = Watch()
+        args = ["--task", "digits", "--steps", str(steps), "--world", "3", "--step-s", "0.02",
+                "--run", "restart", "--evals", "1"]  # fmt: skip
+        for rank, name in enumerate(names):
+            watch.lines.add(name, cluster.spawn_trainer(name, rank, args, out))
+        watch.until(lambda: all(watch.last(n, "done") is not None for n in names), 300, "the end")
+        watch.lines.close()
+    return consensus_distance([torch.load(out / f"params-{r}.pt") for r in range(3)])

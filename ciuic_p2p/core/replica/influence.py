@@ -506,20 +506,29 @@ class InfluenceBound:
         """``factor`` lowered to what the origin's budget in ``bucket`` allows, and the
         budget spent: ``influence_clip_ratio`` times the reference norm per step the
         run's front advances (as this replica vouches for it), saved up to
-        ``burst_steps`` steps' worth plus as many as this update lies behind the
-        front (a replica catching up after a partition or a restore sends a backlog
-        at once). A member's fresh step numbers ahead of the run buy it nothing: only
-        the run's progress does, so one origin moves this replica by at most the ratio
-        times an honest step's norm per step, however it numbers and splits them."""
+        ``burst_steps`` steps' worth plus the staleness bound (or as many as this
+        update lies behind the front, if more). One update spends at most
+        ``burst_steps`` steps' worth plus as many as it lies behind the front: a
+        replica catching up after a partition, a restore or its daemon's restart
+        sends a backlog at once, and its fresh updates, which often arrive first,
+        must not use up what the backlog is owed (they did while the savings were
+        capped by each update's own allowance: a restarted replica took the others'
+        backlog at a fraction and stayed apart from them). A member's fresh step
+        numbers ahead of the run buy it nothing: only the run's progress does, so one
+        origin moves this replica by at most the ratio times an honest step's norm per
+        step, however it numbers and splits them."""
         per_step = self.clip_ratio * math.sqrt(ref)
         front = self.run_front(own_step)
-        cap = per_step * (self.burst_steps + max(0, front - step))
-        left, since = rec.budget.get(bucket, (cap, front))
-        left = min(cap, left + max(0, front - since) * per_step)
+        behind = max(0, front - step)
+        allowance = per_step * (self.burst_steps + behind)
+        most = per_step * (self.burst_steps + max(behind, self.train.staleness_bound_steps))
+        left, since = rec.budget.get(bucket, (allowance, front))
+        left = min(most, left + max(0, front - since) * per_step)
+        usable = min(left, allowance)
         norm = factor * math.sqrt(sq)
-        if norm > left:
-            factor = left / math.sqrt(sq) if sq > 0.0 else 0.0
-            norm = left
+        if norm > usable:
+            factor = usable / math.sqrt(sq) if sq > 0.0 else 0.0
+            norm = usable
         rec.budget[bucket] = (left - norm, max(since, front))
         return factor
 
