@@ -585,9 +585,10 @@ class StoreSection:
     checkpoint_dir: str = ""
     """Where the hook writes checkpoints (the newest and the one before it), for the
     trainer's account to write. Empty: where the daemon names when the trainer
-    attaches (``checkpoints`` in ``node.state_dir``, group-writable), or, where the
-    trainer cannot write there, ``$XDG_STATE_HOME/ciuic-p2p/checkpoints``
-    (``~/.local/state/...``). ``off``: none. ``attach(checkpoint_dir=...)`` overrides
+    attaches (``checkpoints`` in ``node.state_dir``, 0700: for a trainer that runs as
+    the daemon's user), or, where the trainer cannot write there (another account),
+    ``$XDG_STATE_HOME/ciuic-p2p/checkpoints`` (``~/.local/state/...``), else none.
+    ``off``: none. ``attach(checkpoint_dir=...)`` overrides
     it (``""``: none)."""
     checkpoint_interval_s: float = 300.0
     """0: only on SIGTERM, when the daemon stops, and at the end."""

@@ -276,7 +276,10 @@ class TrainerServer:
                 "(store.stop_checkpoint_wait_s sets the wait)",
             )
             return None
-        log.info("trainer_ready_to_stop", **(self.stop_reply or {}))
+        if self.stop_reply is None:  # it detached meanwhile: nothing more to wait for
+            log.warning("trainer_left_before_checkpoint")
+            return None
+        log.info("trainer_ready_to_stop", **self.stop_reply)
         return self.stop_reply
 
     def _stop_ready_frame(self, body: memoryview) -> None:
@@ -291,13 +294,15 @@ class TrainerServer:
 
     def checkpoint_dir(self) -> str | None:
         """Where this daemon's trainer checkpoints unless told otherwise
-        (``checkpoints`` in the state directory, group-writable with the group kept,
-        so a trainer in the daemon's group writes there); None if it cannot be made."""
+        (``checkpoints`` in the state directory, 0700 like the checkpoints a trainer
+        makes itself: a model's parameters are the run's, not every local user's, and a
+        file another account could replace would be restored unvouched). A trainer of
+        another account falls back to its own directory; None if it cannot be made."""
         path = self.daemon.state_dir / "checkpoints"
         try:
             if not path.is_dir():
-                path.mkdir(mode=0o2770, parents=True, exist_ok=True)
-                os.chmod(path, 0o2770)  # mkdir's mode passes through the umask
+                path.mkdir(mode=0o700, parents=True, exist_ok=True)
+                os.chmod(path, 0o700)  # mkdir's mode passes through the umask
         except OSError as exc:
             log.warning("checkpoint_dir_unusable", path=str(path), error=str(exc))
             return None
@@ -349,6 +354,7 @@ class TrainerServer:
         finally:
             counters["trainer_sessions"] += 1
             self._sessions_ended += 1
+            self._stop_ready.set()  # a stopping daemon waits for no trainer that left
             if self.writer is writer and self._hello:
                 log.info("trainer_detached", run=self.progress.run, done=self._done)
             writer.close()

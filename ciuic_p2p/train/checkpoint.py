@@ -139,15 +139,25 @@ def fallback_dir(env: Mapping[str, str]) -> Path:
     return Path(state_home) / "ciuic-p2p" / "checkpoints"
 
 
-def daemon_named_dir(named: object, env: Mapping[str, str]) -> tuple[Path, str]:
+def daemon_named_dir(named: object, env: Mapping[str, str]) -> tuple[Path | None, str]:
     """The checkpoint directory for a trainer whose daemon named ``named`` (WELCOME's
     ``checkpoint_dir``: an absolute path, or None when it could make none), and why:
-    that one when this process can write there, else :func:`fallback_dir`."""
+    that one when this process can write there, else :func:`fallback_dir`, else none
+    (no checkpoints: a trainer with no writable home still trains)."""
+    why = "named by the daemon"
     if not isinstance(named, str) or not named or len(named) > MAX_NAMED_PATH:
-        return fallback_dir(env), "the daemon named no checkpoint directory"
-    path = Path(named)
-    if not path.is_absolute():
-        return fallback_dir(env), f"the daemon named a relative path ({named!r})"
-    if not path.is_dir() or not os.access(path, os.W_OK | os.X_OK):
-        return fallback_dir(env), f"this trainer cannot write to {path}"
-    return path, "named by the daemon"
+        why = "the daemon named no checkpoint directory"
+    elif not Path(named).is_absolute():
+        why = f"the daemon named a relative path ({named!r})"
+    elif not Path(named).is_dir() or not os.access(named, os.W_OK | os.X_OK):
+        why = f"this trainer cannot write to {named}"
+    else:
+        return Path(named), why
+    fallback = fallback_dir(env)
+    try:
+        fallback.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as exc:
+        return None, f"{why}, nor make {fallback} ({exc.strerror or exc}): no checkpoints"
+    if not os.access(fallback, os.W_OK | os.X_OK):
+        return None, f"{why}, nor write to {fallback}: no checkpoints"
+    return fallback, why

@@ -142,7 +142,8 @@ class MeshSync:
         )
         if checkpoint_dir == DAEMON_NAMED:
             checkpoint_dir, why = daemon_named_dir(welcome.get("checkpoint_dir"), os.environ)
-            log.info("checkpoint_dir", path=str(checkpoint_dir), why=why)
+            where = str(checkpoint_dir) if checkpoint_dir else None
+            log.info("checkpoint_dir", path=where, why=why)
         channel.prepare_deliveries(self.replica.prepare)
         self.encoder = Encoder(self.buckets[0].device)
         self.schedule = ReplicaSchedule(

@@ -80,6 +80,7 @@ class StateKeeper:
         )
         self.snapshots_sent = 0
         self.checkpoints_written = 0
+        self.checkpoints_failed = 0
         self._ckpt: Checkpoint | None = None
         self._state_ask: tuple[int, float] | None = None
         """The state fetch under way (request ID, when asked), once one is."""
@@ -318,26 +319,44 @@ class StateKeeper:
             except DaemonAway:
                 pass  # restarting: the next snapshot goes to the daemon that comes back
             if path is not None:
-                digest = write_checkpoint(path, step, blob, compat)
-                self.checkpoints_written += 1
-                self.channel.checkpoint_written(path, step, digest)
+                self._write_checkpoint(path, step, blob, compat)
 
         self.encoder.submit(job)
 
+    def _write_checkpoint(
+        self, path: Path, step: int, blob: bytes | bytearray, compat: bytes
+    ) -> bool:
+        """Write one; False when the disk refused it (full, not writable): logged, and
+        training goes on (checkpoints are on by default: a full disk must not end a
+        run that the mesh keeps anyway)."""
+        try:
+            digest = write_checkpoint(path, step, blob, compat)
+        except OSError as exc:
+            self.checkpoints_failed += 1
+            log.error(
+                "checkpoint_not_written",
+                path=str(path),
+                step=step,
+                error=exc.strerror or str(exc),
+                hint="training goes on; free the disk or set store.checkpoint_dir",
+            )
+            return False
+        self.checkpoints_written += 1
+        # The daemon's audit log records it; a daemon gone by now changes nothing here.
+        with contextlib.suppress(ChannelError):
+            self.channel.checkpoint_written(path, step, digest)
+        return True
+
     def checkpoint(self) -> Path | None:
         """Write a checkpoint now (this thread, atomically); its path, or None when no
-        checkpoint directory is set."""
+        checkpoint directory is set or the disk refused it (logged)."""
         if self.checkpoint_path is None:
             return None
         self.encoder.idle.wait(self.config.train.finish_timeout_s)
         blob, compat = self._pack()
-        digest = write_checkpoint(self.checkpoint_path, self.replica.step, blob, compat)
-        self.checkpoints_written += 1
-        # The daemon's audit log records it; a daemon gone by now changes nothing here.
-        with contextlib.suppress(ChannelError):
-            self.channel.checkpoint_written(self.checkpoint_path, self.replica.step, digest)
+        written = self._write_checkpoint(self.checkpoint_path, self.replica.step, blob, compat)
         self.schedule.checkpointed(time.monotonic())
-        return self.checkpoint_path
+        return self.checkpoint_path if written else None
 
     def put(self, name: str, obj: Any) -> int:
         """Have the mesh hold ``obj`` (a state dict, tensors, plain values) under

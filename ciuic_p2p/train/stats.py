@@ -60,7 +60,7 @@ STATS_DOC: dict[str, str] = {
     "peer": "this node's peer ID",
     "step": "this replica's step: the optimizer steps counted by `step()`, from its start",
     "replicas": "replicas of the run this one counts now, itself included",
-    "sends": "updates sent (each in one chunk per bucket: `chunks_sent`)",
+    "sends": "updates sent (each in chunks, one or more per bucket: `chunks_sent`)",
     "merged_steps": "steps not sent in their own send (the encoder was still busy)",
     "backoffs": "times the daemon's backlog was over `train.backlog_high_sends` "
     "(the send interval doubled, the density halved, until it drained)",

@@ -15,7 +15,7 @@ import torch
 from ciuic_p2p.config import TrainSection
 from ciuic_p2p.core.replica.messages import PayloadKind, encode_presence, run_id_of
 from ciuic_p2p.core.replica.rule import RefusedChunk, Replica
-from tests.train.test_replica import TRAIN, replica
+from tests.train.test_replica import CODEC, TRAIN, replica
 
 HONEST = ("p0", "p1", "p2")
 LIAR = "p3"
@@ -264,18 +264,21 @@ def test_consensus_fragments_pulling_one_way_move_a_replica_its_share(member_fir
     assert moved < 0.15, moved
 
 
-def test_a_fragment_heard_before_any_other_of_its_round_waits_for_one() -> None:
-    """Nothing to clip the first fragment of a round against: it is held (not mixed)
-    until another origin's of the same round comes, then both are mixed; one that no
-    other joins is dropped when its round is over."""
+@pytest.mark.parametrize("chunk_bytes", [1 << 20, 4096], ids=["one-chunk", "many-chunks"])
+def test_a_fragment_heard_before_any_other_of_its_round_waits_for_one(chunk_bytes: int) -> None:
+    """Nothing to clip the first fragment of a round against: its chunks are held (not
+    mixed) until another origin's of the same round comes, then all are mixed; one
+    that no other joins is dropped once its round's parameters are no longer kept. A
+    fragment of many chunks is held whole (each chunk once replaced the one before)."""
     train = dataclasses.replace(
         TRAIN, consensus_interval_steps=1, consensus_fragments=1, consensus_mix=0.5
     )
-    reps = [replica(i, train=train) for i in range(3)]
+    codec = dataclasses.replace(CODEC, chunk_payload_bytes=chunk_bytes)
+    reps = [replica(i, width=512, train=train, codec=codec) for i in range(3)]
     _introduce(reps, list(HONEST))
     receiver = reps[0]
     before = _flat(receiver)
-    rounds = []
+    rounds: list[list[bytes]] = []
     for r in reps:
         with torch.no_grad():
             for b in r.buckets:
@@ -284,9 +287,10 @@ def test_a_fragment_heard_before_any_other_of_its_round_waits_for_one() -> None:
     for p in rounds[1]:
         receiver.receive("p1", p)
     assert receiver.stats.params_mixed == 0 and torch.equal(_flat(receiver), before + 0.01)
+    assert (len(rounds[1]) > 1) == (chunk_bytes == 4096)
     for p in rounds[2]:
         receiver.receive("p2", p)
-    assert receiver.stats.params_mixed == 2 * len(rounds[2])
+    assert receiver.stats.params_mixed == len(rounds[1]) + len(rounds[2])
 
     # A round only p1 sends: held, then dropped once this replica keeps no parameters
     # of that round (it keeps its last two).
@@ -297,5 +301,5 @@ def test_a_fragment_heard_before_any_other_of_its_round_waits_for_one() -> None:
         receiver.encode_params(receiver.snapshot_params(), receiver.step)
         for p in late:
             receiver.receive("p1", p)
-    assert receiver.stats.params_mixed == 2 * len(rounds[2])
+    assert receiver.stats.params_mixed == len(rounds[1]) + len(rounds[2])
     assert len(receiver.intake._held) <= len(receiver.buckets) * 2

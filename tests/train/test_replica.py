@@ -40,12 +40,18 @@ def model(width: int = 64) -> torch.nn.Module:
     )
 
 
-def replica(i: int, width: int = 64, run: str = "run", train: TrainSection = TRAIN) -> Replica:
+def replica(
+    i: int,
+    width: int = 64,
+    run: str = "run",
+    train: TrainSection = TRAIN,
+    codec: CodecSection = CODEC,
+) -> Replica:
     m = model(width)
     layout = BucketLayout.for_module(m, dense_below_numel=0)
     buckets = flatten_parameters(m, layout)
     source = ChunkSource(run_id_of(run), bytes([i + 1]) * 32, 0, layout.layout_id)
-    return Replica(layout, buckets, source, f"p{i}", CODEC, train, seed=i)
+    return Replica(layout, buckets, source, f"p{i}", codec, train, seed=i)
 
 
 def local_update(r: Replica, gen: torch.Generator, scale: float = 0.01) -> list[bytes]:

@@ -45,6 +45,9 @@ def test_a_trainer_that_cannot_use_the_daemons_directory_falls_back(tmp_path: Pa
         path, why = daemon_named_dir(named, env)
         assert path == fallback, named
         assert why
+    # No home to fall back to either (a container's): no checkpoints, and it trains.
+    path, why = daemon_named_dir(None, {"XDG_STATE_HOME": str(a_file)})
+    assert path is None and "no checkpoints" in why
 
 
 @pytest.mark.processes
@@ -69,7 +72,7 @@ def test_a_stopping_daemon_waits_for_its_trainers_checkpoint_where_it_named(
         )
         try:
             assert sync.stats["checkpoint_path"] == str(expected)
-            assert named.stat().st_mode & 0o7777 == 0o2770  # the daemon's group writes
+            assert named.stat().st_mode & 0o7777 == 0o700  # nobody else's to replace
 
             def train(steps: int) -> None:
                 for _ in range(steps):
@@ -95,6 +98,48 @@ def test_a_stopping_daemon_waits_for_its_trainers_checkpoint_where_it_named(
             train(5)  # the daemon is away: training goes on
             assert sync.stats["step"] == sync.replica.step >= 26
             assert str(expected) in sync.summary()
+        finally:
+            sync.close()
+    finally:
+        fleet.stop_all()
+
+
+@pytest.mark.processes
+def test_a_disk_that_refuses_the_checkpoint_stops_no_trainer(tmp_path: Path) -> None:
+    """Checkpoints are on by default, so a full or unwritable disk is common: the
+    trainer logs it and trains on; the stopping daemon hears that none was written."""
+    fleet = Fleet(tmp_path / "fleet")
+    fleet.start("a", "--listen", f"127.0.0.1:{free_port_block(1)}")
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    try:
+        fleet.wait(lambda: fleet.status("a") is not None, 60, "daemon up")
+        model = torch.nn.Linear(4, 1)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sync = attach(
+            model,
+            opt,
+            run="ck-refused",
+            socket_path=fleet.root / "a" / "trainer.sock",
+            config=load_layered(None, {}),
+            checkpoint_dir=blocked / "under-a-file",
+            handle_sigterm=False,
+        )
+        try:
+            fleet.procs["a"].send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 30
+            while fleet.procs["a"].poll() is None and time.monotonic() < deadline:
+                loss = model(torch.randn(8, 4)).pow(2).mean()
+                opt.zero_grad()
+                loss.backward()
+                opt.step()
+                sync.step()
+                time.sleep(0.01)
+            assert fleet.procs["a"].poll() == 0
+            log = fleet.logs["a"].read_text()
+            assert "trainer_ready_to_stop" in log and "trainer_checkpoint_late" not in log
+            assert sync.checkpoint() is None  # refused again, and still no exception
+            assert sync.state.checkpoints_failed >= 2
         finally:
             sync.close()
     finally:

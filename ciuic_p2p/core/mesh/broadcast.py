@@ -371,28 +371,32 @@ class Disseminator:
 
     def _resume_log(self, origin: str, log: OriginLog, seq: int) -> None:
         """Start ``origin``'s new log where this node's previous life stopped, when it
-        is of the same session and behind ``seq``: what came meanwhile is then a gap,
-        repaired like any other (at most ``MAX_GAP`` of it)."""
+        is of the same session: what came meanwhile is then a gap, repaired like any
+        other (at most ``MAX_GAP`` of it), and what was delivered before is not
+        delivered again (however short the gap)."""
         resumed = self._resume.pop(origin, None)
         if resumed is None:
             return
         contiguous, above = resumed
-        if contiguous >> SESSION_SHIFT != log.session or contiguous >= log.contiguous:
+        if contiguous >> SESSION_SHIFT != log.session:
             return
+        # Past seq too: then seq itself was delivered before, and is a duplicate now.
         log.contiguous = max(contiguous, seq - 1 - MAX_GAP)
         for q in above:
-            if log.contiguous < q < seq:
+            if q > log.contiguous:
                 log.add(q)
         self.resumed += 1
 
     def delivered(self) -> dict[str, Resumed]:
         """Per origin: every chunk up to which this node delivered, and those above it
         (at most ``MAX_ABOVE``): what its next life resumes from (``resume``)."""
-        return {
-            origin: (log.contiguous, tuple(sorted(log.above)[:MAX_ABOVE]))
+        out = dict(self._resume)  # not heard since a restart: still where it was
+        out.update(
+            (origin, (log.contiguous, tuple(sorted(log.above)[:MAX_ABOVE])))
             for origin, log in self.logs.items()
             if origin != self.node
-        }
+        )
+        return out
 
     def _learn(
         self, log: OriginLog, high: int, holder: str, now: float, signed: bool = False

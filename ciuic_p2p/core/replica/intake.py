@@ -76,6 +76,12 @@ class Prepared:
     """JOIN: the origin wants this replica's JOIN in answer."""
 
 
+MAX_HELD_CHUNKS = 4096
+"""Fragment chunks held per bucket and round (``_mix``): a bucket's fragment is one
+chunk per ``codec.chunk_payload_bytes`` of it (a 4 GiB bucket at 1 MiB), from at most
+a few origins before the second one's first arrives; past it a chunk is dropped."""
+
+
 @dataclass(frozen=True, slots=True)
 class HeldFragment:
     """A consensus fragment's difference from this replica's parameters of its step,
@@ -188,9 +194,9 @@ class Intake:
         )
         self.floors: dict[str, int] = {}
         """Per origin: update steps at or below this are in the restored state."""
-        self._held: dict[tuple[int, int], HeldFragment] = {}
-        """Per bucket and round: a fragment heard before any other origin's (``_mix``);
-        at most one per bucket of each round whose parameters are kept."""
+        self._held: dict[tuple[int, int], list[HeldFragment]] = {}
+        """Per bucket and round: the chunks of fragments heard before any other
+        origin's (``_mix``), for the rounds whose parameters are kept (two)."""
 
     @property
     def weight(self) -> float:
@@ -526,22 +532,29 @@ class Intake:
         """Pulls this replica toward a peer's fragment, clipped against the other
         origins' (core.replica.influence ``mix_scale``). The first fragment of a bucket,
         heard before any other origin's of its round, has nothing to be clipped
-        against: where the run has other replicas to send one, it is held until the
-        next comes (then both are mixed, each held against the other) or dropped when
-        its round is over."""
+        against: where the run has other replicas to send one, its chunks are held
+        until another origin's comes (then all are mixed, each held against the
+        others), or dropped once this replica keeps no parameters of its round."""
         with torch.no_grad():
             diff = values.sub(mine)
             diff_sq = float(torch.dot(diff.float(), diff.float())) / max(1, diff.numel())
-        held = self._held.pop((h.bucket, h.step), None)
         alive = self.roster.mesh_alive
         known = self.influence.drift_known(origin, h.bucket, h.step, diff_sq, alive)
+        key = (h.bucket, h.step)
         if not known and self.replicas > 2:
             # With one other replica its fragment is the whole of the others' view.
-            self._held[h.bucket, h.step] = HeldFragment(origin, h, diff, diff_sq)
+            held = self._held.setdefault(key, [])
+            if len(held) >= MAX_HELD_CHUNKS:
+                self.stats.clipped += 1  # more chunks than a bucket's fragment has
+                return
+            held.append(HeldFragment(origin, h, diff, diff_sq))
             return
         self._pull(origin, h, diff, diff_sq)
-        if held is not None and held.origin != origin and held.origin in alive:
-            self._pull(held.origin, held.header, held.diff, held.diff_sq)
+        for other in self._held.pop(key, []):
+            if other.origin != origin and other.origin in alive:
+                self._pull(other.origin, other.header, other.diff, other.diff_sq)
+            else:
+                self.stats.clipped += 1
 
     def _pull(self, origin: str, h: ChunkHeader, diff: torch.Tensor, diff_sq: float) -> None:
         mix = self.train.consensus_mix / max(1, self.replicas - 1)
@@ -560,9 +573,9 @@ class Intake:
         """A held fragment whose round we keep no parameters of any more: no other
         origin's came to hold it against, and it is not mixed."""
         for key, held in list(self._held.items()):
-            if held.header.step not in self.own_params:
+            if key[1] not in self.own_params:
                 del self._held[key]
-                self.stats.clipped += 1
+                self.stats.clipped += len(held)
 
 
 def _span(h: ChunkHeader) -> tuple[int, int]:
