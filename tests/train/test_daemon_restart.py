@@ -95,10 +95,11 @@ def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path) -> None:
     clean = _clean_twin(tmp_path / "clean", steps)
     print(f"consensus distance after the restart: {distance:.4f}; the same run without it "
           f"({steps} steps): {clean:.4f}")  # fmt: skip
-    # Before the gap was repaired: 0.099, the updates it missed while away. Now 0.026
-    # and 0.037 (the twins 0.019 and 0.013): the backlog is clipped here by what
-    # this replica judged it, not by what the others judged the same updates.
-    assert distance <= max(1.5 * clean, clean + 0.02), (distance, clean)
+    # Before the gap was repaired: 0.099, the updates it missed while away. Now 0.018
+    # to 0.033 against twins of 0.010 to 0.019 (2.0 to 0.2 x farther apart, in 8
+    # runs on a loaded 2-core machine): every update reaches every replica, but the
+    # restarted one takes the others' backlog late, judged by its own bounds.
+    assert distance <= clean + 0.03, (distance, clean)
 
 
 def _clean_twin(root: Path, steps: int) -> float:

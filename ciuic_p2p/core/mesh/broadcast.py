@@ -16,8 +16,10 @@ every chunk, plus the set above it; a chunk already seen is dropped, never deliv
 or forwarded again. A sequence number is the origin's *session* (the incarnation its
 daemon started with) times 2^40 plus its count in that session, so a restarted
 origin's chunks are new to the nodes that hold its previous life's: a higher session
-starts the origin's log afresh (what its previous life left missing is given up), and
-a chunk of a lower one is a straggler of a life that ended, dropped (``stale``). A
+starts the origin's log afresh (what its previous life left missing is given up; every
+chunk of the new session is expected, so what it sent before this node heard it is
+repaired), and a chunk of a lower one is a straggler of a life that ended, dropped
+(``stale``). A
 node that restarts itself resumes each origin where its previous life stopped
 (``resume``, saved by the daemon at its stop): what came meanwhile is a gap, repaired
 like any other, and nothing it delivered before comes again.
@@ -363,7 +365,13 @@ class Disseminator:
                 self.restarts_seen += 1
                 self.lost += sum(1 for q in log.missing_since if not log.has(q))
             base = session << SESSION_SHIFT
-            log = OriginLog(contiguous=max(base, seq - 1 - REORDER_WINDOW), session=session)
+            # A known origin that restarted sent every chunk of its new session to a
+            # mesh that knew it (and keeps them: own_chunk_retain_s), so all of them
+            # are expected, not only the reorder window before the first heard here:
+            # a restarted daemon sends at once what its trainer kept while it was
+            # away, and the first of those were never asked for.
+            window = REORDER_WINDOW if log is None else MAX_GAP
+            log = OriginLog(contiguous=max(base, seq - 1 - window), session=session)
             self._resume_log(origin, log, seq)
             self._forget_repaired(origin)
             self.logs[origin] = log
