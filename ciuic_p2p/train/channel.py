@@ -104,6 +104,9 @@ class DaemonChannel:
         """Set when the daemon asks for a fresh state snapshot (a joiner is syncing)."""
         self.stop_asked = threading.Event()
         """Set when the daemon says it is stopping (STOPPING): checkpoint now."""
+        self.daemon_stopping = False
+        """From STOPPING until the channel is back: what is published is kept for the
+        next daemon (the stopping one may not send it before it leaves)."""
         self._results: dict[int, dict[str, Any]] = {}
         self._got: dict[str, tuple[int, bytes, bytearray, int]] = {}
         self._done_objects: dict[str, tuple[int, bytes, bytearray]] = {}
@@ -173,18 +176,29 @@ class DaemonChannel:
         return self._pending_bytes >= PENDING_MAX_BYTES // 2
 
     def publish(self, payload: bytes | memoryview) -> None:
-        """Send ``payload`` to the run; while the daemon is away, keep it (bounded) and
-        send it once the channel is back: an update taken from the model is never lost
-        to a restart."""
-        try:
-            self._send(frame_header(TrainerFrame.PUBLISH, len(payload)), payload)
-        except DaemonAway:
-            with self._cond:
-                if self._pending_bytes + len(payload) > PENDING_MAX_BYTES:
-                    self.dropped_while_away += 1
+        """Send ``payload`` to the run; while the daemon is away, or stopping (it said
+        STOPPING: what it gets now may never leave it), keep it (bounded) and send it
+        once the channel is back: an update taken from the model is never lost to a
+        restart."""
+        parts = (frame_header(TrainerFrame.PUBLISH, len(payload)), payload)
+        while True:
+            if not self.daemon_stopping:
+                try:
+                    self._send(*parts)
                     return
-                self._pending.append(payload)
-                self._pending_bytes += len(payload)
+                except DaemonAway:
+                    pass
+            # Under the send lock, as _back flushes what is kept and marks the channel
+            # back: kept now is flushed by it, or the channel is back and it is sent.
+            with self._send_lock:
+                if self.away or self.daemon_stopping:
+                    with self._cond:
+                        if self._pending_bytes + len(payload) > PENDING_MAX_BYTES:
+                            self.dropped_while_away += 1
+                            return
+                        self._pending.append(payload)
+                        self._pending_bytes += len(payload)
+                    return
 
     def send_direct(self, peer: str, payload: bytes | memoryview) -> None:
         prefix = peer_prefix(peer)
@@ -480,12 +494,13 @@ class DaemonChannel:
                 self.error = f"the daemon connection broke: {exc.strerror or exc}"
                 threading.Thread(target=self._reconnect, daemon=True).start()
                 return
-        with self._cond:
-            if self.away_since is not None:
-                self.away_s += time.monotonic() - self.away_since
-            self.away, self.away_since = False, None
-            self.reconnects += 1
-            self._cond.notify_all()
+            with self._cond:  # still under the send lock: see publish
+                if self.away_since is not None:
+                    self.away_s += time.monotonic() - self.away_since
+                self.away, self.away_since = False, None
+                self.daemon_stopping = False
+                self.reconnects += 1
+                self._cond.notify_all()
 
     def _on_frame(self, ftype: TrainerFrame, body: memoryview) -> None:
         item: Any = None
@@ -512,6 +527,7 @@ class DaemonChannel:
             elif ftype is TrainerFrame.SNAPSHOT_REQUEST:
                 self.snapshot_wanted.set()
             elif ftype is TrainerFrame.STOPPING:
+                self.daemon_stopping = True
                 self.stop_asked.set()
             elif ftype is TrainerFrame.GOT_PART:
                 self._got_part(decode_part(body))
