@@ -239,10 +239,13 @@ class Replica:
         held = sum(b.numel() * b.element_size() for b in self.base)
         held += sum(e.held_bytes() for e in self.encoders)
         held += self.outer.held_bytes() if self.outer is not None else 0
+        # Snapshots (taken in one C call): the encoder thread adds and drops entries
+        # while a trainer reads its stats, and iterating the live ones raised "deque
+        # mutated during iteration" in the trainer's step.
         held += sum(
-            v.numel() * v.element_size() for f in self.own_params.values() for v in f.values
+            v.numel() * v.element_size() for f in tuple(self.own_params.values()) for v in f.values
         )
-        for debt in self._debts:
+        for debt in tuple(self._debts):
             positions, values = debt[5], debt[6]
             held += values.numel() * values.element_size()
             held += 0 if positions is None else positions.numel() * positions.element_size()
