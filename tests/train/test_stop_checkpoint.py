@@ -50,52 +50,70 @@ def test_a_trainer_that_cannot_use_the_daemons_directory_falls_back(tmp_path: Pa
     assert path is None and "no checkpoints" in why
 
 
+class Tiny:
+    """A tiny model's trainer on daemon ``a`` of ``fleet`` (``checkpoint_dir``: None,
+    the default, where the daemon names)."""
+
+    def __init__(self, fleet: Fleet, run: str, checkpoint_dir: Path | None = None) -> None:
+        self.model = torch.nn.Linear(4, 1)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.1)
+        self.sync = attach(
+            self.model,
+            self.opt,
+            run=run,
+            socket_path=fleet.root / "a" / "trainer.sock",
+            config=load_layered(None, {}),  # store.checkpoint_dir at its default
+            checkpoint_dir=checkpoint_dir,
+            handle_sigterm=False,
+        )
+
+    def train(self, steps: int) -> None:
+        for _ in range(steps):
+            loss = self.model(torch.randn(8, 4)).pow(2).mean()
+            self.opt.zero_grad()
+            loss.backward()
+            self.opt.step()
+            self.sync.step()
+
+    def train_while_it_stops(self, fleet: Fleet) -> None:
+        """SIGTERM the daemon and step on: the trainer answers at its next step, and
+        the daemon waits for it (10 s)."""
+        fleet.procs["a"].send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 30
+        while fleet.procs["a"].poll() is None and time.monotonic() < deadline:
+            self.train(1)
+            time.sleep(0.01)
+        assert fleet.procs["a"].poll() == 0
+
+
+def _daemon(tmp_path: Path) -> Fleet:
+    fleet = Fleet(tmp_path / "fleet")
+    fleet.start("a", "--listen", f"127.0.0.1:{free_port_block(1)}")
+    fleet.wait(lambda: fleet.status("a") is not None, 60, "daemon up")
+    return fleet
+
+
 @pytest.mark.processes
 def test_a_stopping_daemon_waits_for_its_trainers_checkpoint_where_it_named(
     tmp_path: Path,
 ) -> None:
-    fleet = Fleet(tmp_path / "fleet")
-    fleet.start("a", "--listen", f"127.0.0.1:{free_port_block(1)}")
+    fleet = _daemon(tmp_path)
     named = (fleet.root / "a" / "checkpoints").resolve()
     expected = named / f"{run_id_of('ck-default').hex()}.ckpt"
     try:
-        fleet.wait(lambda: fleet.status("a") is not None, 60, "daemon up")
-        model = torch.nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        sync = attach(
-            model,
-            opt,
-            run="ck-default",
-            socket_path=fleet.root / "a" / "trainer.sock",
-            config=load_layered(None, {}),  # store.checkpoint_dir at its default
-            handle_sigterm=False,
-        )
+        trainer = Tiny(fleet, "ck-default")
+        sync = trainer.sync
         try:
             assert sync.stats["checkpoint_path"] == str(expected)
             assert named.stat().st_mode & 0o7777 == 0o700  # nobody else's to replace
-
-            def train(steps: int) -> None:
-                for _ in range(steps):
-                    loss = model(torch.randn(8, 4)).pow(2).mean()
-                    opt.zero_grad()
-                    loss.backward()
-                    opt.step()
-                    sync.step()
-
-            train(20)
+            trainer.train(20)
             assert not expected.exists()  # none due yet (every 300 s)
-            fleet.procs["a"].send_signal(signal.SIGTERM)
-            # The trainer answers at its next step; the daemon waits for it (10 s).
-            deadline = time.monotonic() + 30
-            while fleet.procs["a"].poll() is None and time.monotonic() < deadline:
-                train(1)
-                time.sleep(0.01)
-            assert fleet.procs["a"].poll() == 0
+            trainer.train_while_it_stops(fleet)
             assert read_checkpoint(expected).step >= 20
             log = fleet.logs["a"].read_text()
             assert "stopping_with_trainer" in log and "trainer_ready_to_stop" in log
             assert str(expected) in log and "trainer_checkpoint_late" not in log
-            train(5)  # the daemon is away: training goes on
+            trainer.train(5)  # the daemon is away: training goes on
             assert sync.stats["step"] == sync.replica.step >= 26
             assert str(expected) in sync.summary()
         finally:
@@ -108,34 +126,14 @@ def test_a_stopping_daemon_waits_for_its_trainers_checkpoint_where_it_named(
 def test_a_disk_that_refuses_the_checkpoint_stops_no_trainer(tmp_path: Path) -> None:
     """Checkpoints are on by default, so a full or unwritable disk is common: the
     trainer logs it and trains on; the stopping daemon hears that none was written."""
-    fleet = Fleet(tmp_path / "fleet")
-    fleet.start("a", "--listen", f"127.0.0.1:{free_port_block(1)}")
+    fleet = _daemon(tmp_path)
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     try:
-        fleet.wait(lambda: fleet.status("a") is not None, 60, "daemon up")
-        model = torch.nn.Linear(4, 1)
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        sync = attach(
-            model,
-            opt,
-            run="ck-refused",
-            socket_path=fleet.root / "a" / "trainer.sock",
-            config=load_layered(None, {}),
-            checkpoint_dir=blocked / "under-a-file",
-            handle_sigterm=False,
-        )
+        trainer = Tiny(fleet, "ck-refused", checkpoint_dir=blocked / "under-a-file")
+        sync = trainer.sync
         try:
-            fleet.procs["a"].send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 30
-            while fleet.procs["a"].poll() is None and time.monotonic() < deadline:
-                loss = model(torch.randn(8, 4)).pow(2).mean()
-                opt.zero_grad()
-                loss.backward()
-                opt.step()
-                sync.step()
-                time.sleep(0.01)
-            assert fleet.procs["a"].poll() == 0
+            trainer.train_while_it_stops(fleet)
             log = fleet.logs["a"].read_text()
             assert "trainer_ready_to_stop" in log and "trainer_checkpoint_late" not in log
             assert sync.checkpoint() is None  # refused again, and still no exception
