@@ -158,25 +158,32 @@ def test_promtool_accepts_a_live_scrape_of_a_daemon_with_a_trainer(tmp_path: Pat
             checkpoint_dir="",
             handle_sigterm=False,
         )
-        scraped = ""
+        live = scraped = ""
 
-        def trainer_reported() -> bool:
-            """The trainer's own step seen and its figures (hook_s...) reported; a live
-            trainer's rate too (an ended trainer has none)."""
-            nonlocal scraped
+        def scrape() -> tuple[str, dict[str, float]]:
             with urllib.request.urlopen(metrics_url, timeout=10) as response:
                 assert response.status == 200
-                scraped = response.read().decode()
-            samples = {
+                text = response.read().decode()
+            return text, {
                 s.name: s.value
-                for f in text_string_to_metric_families(scraped)
+                for f in text_string_to_metric_families(text)
                 if f.name.startswith("ciuic_trainer_")
                 for s in f.samples
             }
+
+        def rate_reported() -> bool:
+            """A live trainer's rate (an ended trainer has none): scraped before finish."""
+            nonlocal live
+            live, samples = scrape()
+            return "ciuic_trainer_steps_per_second" in samples
+
+        def trainer_reported() -> bool:
+            """The trainer's own last step seen and its figures (hook_s...) reported,
+            as they are after finish()."""
+            nonlocal scraped
+            scraped, samples = scrape()
             return (
-                # The newest step's chunk leaves with the next step or at finish.
-                samples.get("ciuic_trainer_step", 0) >= TRAINED_STEPS - 1
-                and "ciuic_trainer_steps_per_second" in samples
+                samples.get("ciuic_trainer_step") == TRAINED_STEPS
                 and "ciuic_trainer_hook_seconds_total" in samples
                 and "ciuic_trainer_loss" in samples
             )
@@ -188,14 +195,17 @@ def test_promtool_accepts_a_live_scrape_of_a_daemon_with_a_trainer(tmp_path: Pat
                 loss.backward()
                 opt.step()
                 sync.step(loss=loss)  # carried to the daemon: ciuic_trainer_loss
-            # Scraped while the trainer is attached: an ended trainer has no rate.
-            fleet.wait(trainer_reported, 30, "the trainer's figures in /metrics")
+            fleet.wait(rate_reported, 30, "the trainer's rate in /metrics")
             assert sync.finish(30)
         finally:
             sync.close()
+        fleet.wait(trainer_reported, 30, "the trainer's figures in /metrics")
     finally:
         fleet.stop_all()
 
+    assert "ciuic_trainer_steps_per_second{" in live
+    done = check("metrics", stdin=live)
+    assert done.returncode == 0 and not (done.stdout + done.stderr).strip(), done.stdout
     trainer = {
         f.name: f
         for f in text_string_to_metric_families(scraped)
@@ -203,7 +213,6 @@ def test_promtool_accepts_a_live_scrape_of_a_daemon_with_a_trainer(tmp_path: Pat
     }
     for name in (
         "step",
-        "steps_per_second",
         "encode_seconds",
         "decode_seconds",
         "wait_seconds",
