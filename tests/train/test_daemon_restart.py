@@ -64,7 +64,7 @@ def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path) -> None:
     assert len(_all(watch, victim, "attached")) == 1  # one trainer life: it never exited
     results = [json.loads((out / f"result-{r}.json").read_text()) for r in range(3)]
     keys = ("peer", "step", "replicas", "chunks_sent", "applied_from", "sent_by_origin",
-            "refused")  # fmt: skip
+            "refused", "clipped", "staleness_p99", "excused")  # fmt: skip
     brief = [{k: r["sync"].get(k) for k in keys} for r in results]
     print(json.dumps(brief))
     mine = results[2]["sync"]
@@ -79,11 +79,10 @@ def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path) -> None:
         # from the origins, which keep their chunks): before, a third of theirs never did.
         assert mine["sent_by_origin"][theirs["sync"]["peer"]] == theirs["sync"]["chunks_sent"]
         assert mine["applied_from"][theirs["sync"]["peer"]] == theirs["sync"]["chunks_sent"]
-    # finish() returned True on the replicas that stayed. Not yet on the restarted one,
-    # now and then (1 run in 4 of the full suite): its count of each peer's applied
-    # chunks restarts when its new daemon's first member list drops them, and finish()
-    # compares that count with the peer's DONE total, though every chunk was applied.
-    assert all(r["finished_in_sync"] for r in results[:2])
+    # finish() returned True everywhere, the restarted replica included: what an origin
+    # sent while its new daemon did not list it alive yet is in its account (before, 1
+    # run in 4 of the full suite returned False there, every chunk applied).
+    assert all(r["finished_in_sync"] for r in results)
     trainer_logs = [(out / f"trainer-{r}.log").read_text() for r in range(3)]
     assert not any("duplicate" in text for text in [*trainer_logs, *logs.values()])
     assert "daemon_away" in trainer_logs[2] and "daemon_back" in trainer_logs[2]
@@ -100,10 +99,12 @@ def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path) -> None:
     clean = _clean_twin(tmp_path / "clean", steps)
     print(f"consensus distance after the restart: {distance:.4f}; the same run without it "
           f"({steps} steps): {clean:.4f}")  # fmt: skip
-    # Before the gap was repaired: 0.099, the updates it missed while away. Now 0.018
-    # to 0.033 against twins of 0.010 to 0.019 (1.1 to 3.0 times the twin's, in 8
-    # runs on a loaded 2-core machine): every update reaches every replica, but the
-    # restarted one takes the others' backlog late, judged by its own bounds.
+    # Before the gap was repaired: 0.099, the updates it missed while away. Now 0.021
+    # to 0.028 against twins of 0.019 to 0.020. Every chunk is taken at the same
+    # weight on every replica now (checked chunk by chunk with the bounds off), and
+    # what is left apart is each replica's unsent residual: the backlog of the
+    # restart halves the density, and the run ends before the residual drains (0.15
+    # to 0.34 per replica with the bounds off, against 0.0001 in the twin).
     assert distance <= clean + 0.03, (distance, clean)
 
 

@@ -206,7 +206,7 @@ class Intake:
     def replicas(self) -> int:
         """N as this replica weights by it: itself and the other replicas, less those
         whose updates weigh nothing here (core.replica.influence)."""
-        return 1 + self.influence.counted(self.roster.peers)
+        return 1 + self.influence.counted(self.roster.counted_names())
 
     def chunk_weight(self, h: ChunkHeader) -> float:
         """The weight an update chunk gets here: the one its origin gave it (the same
@@ -215,9 +215,14 @@ class Intake:
         staleness bound) reached this one (a claim of a smaller run buys no larger
         share); this replica's own when the chunk does not say. The origin weights its
         own chunks the same way."""
-        if not h.replicas:
+        return self.weight_of(h.step, h.replicas)
+
+    def weight_of(self, step: int, claimed: int) -> float:
+        """:meth:`chunk_weight` of a chunk of ``step`` that claimed ``claimed``
+        replicas (0: it does not say)."""
+        if not claimed:
             return self.weight
-        return 1.0 / max(h.replicas, self.influence.replicas_seen(h.step) - 1)
+        return 1.0 / max(claimed, self.influence.replicas_seen(step) - 1)
 
     def set_floors(self, applied: dict[str, int]) -> None:
         """Each origin's newest step in a restored state: its chunks up to there are
@@ -235,7 +240,7 @@ class Intake:
     def register(self, origin: str, payload: bytes | memoryview | None, step: int = 0) -> None:
         """A chunk of ``origin`` arrived and is kept for later (raw ``payload``, or
         prepared, of ``step``): it is a replica, that far on at least."""
-        state = self.roster.replica(origin)
+        state = self.roster.account(origin)
         if payload is not None:
             with contextlib.suppress(TrainWireError, CodecError):
                 step = parse_chunk(decode_payload(payload).body)[0].step
@@ -257,7 +262,7 @@ class Intake:
         if h.run_id != self.source.run_id or h.step > self.floors.get(origin, -1):
             return False
         self.stats.before_state += 1
-        state = self.roster.replica(origin)
+        state = self.roster.account(origin)
         if state is not None:
             state.held_by_state += 1
         return True
@@ -341,12 +346,11 @@ class Intake:
         except RefusedChunk as exc:
             self.stats.refused[exc.reason] += 1
             self.stats.last_refusal = str(exc)
-            if (
-                exc.kind is PayloadKind.UPDATE
-                and exc.reason != "duplicate"
-                and exc.origin in self.roster.peers
-            ):
-                self.roster.peers[exc.origin].refused += 1
+            if exc.kind is PayloadKind.UPDATE and exc.reason != "duplicate" and exc.origin:
+                # An existing account only: a refused chunk makes no one a replica.
+                account = self.roster.peers.get(exc.origin) or self.roster.departed.get(exc.origin)
+                if account is not None:
+                    account.refused += 1
             counts = exc.reason not in ("duplicate", "set_aside", "other_run")
             if counts and exc.origin and self.influence.refused(exc.origin, step):
                 until = step + self.train.set_aside_steps
@@ -364,7 +368,7 @@ class Intake:
         if item.kind is PayloadKind.JOIN:
             self.roster.join(origin, item.step, item.ask, step)
             return
-        state = self.roster.replica(origin)
+        state = self.roster.account(origin)
         if item.kind is not PayloadKind.DONE and self.influence.set_aside(origin, step):
             raise RefusedChunk(
                 "set_aside",

@@ -7,6 +7,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+MAX_ACCOUNTS_AWAY = 4096
+"""Accounts kept for origins that are not replicas here now (members departed, or not
+yet known alive): past it, what such an origin sends is applied but not accounted to
+it. Origins are admitted members, so this bounds memory against a churning mesh."""
+
 
 @dataclass(slots=True)
 class PeerState:
@@ -56,6 +61,13 @@ class Roster:
         restarting, a partition): their accounts, taken up again when they are back, so
         that what they sent before and after adds up to what their DONE says. Bounded
         by the members ever seen alive; dropped on GONE."""
+        self.cut_off: set[str] = set()
+        """Replicas this one lost touch with when its own daemon went away (a
+        restart), through no fault of theirs: they count in N until each is heard
+        again (see :meth:`counted_names`)."""
+        self.back_step: int | None = None
+        """This replica's step when its daemon came back (None: away, or never)."""
+        self._heard_since_back: set[str] = set()
 
     @property
     def replicas(self) -> int:
@@ -74,6 +86,38 @@ class Roster:
                 self._take_join(name, joined, *self.early_joins[name], step)
             del self.early_joins[name]
 
+    def lose_touch(self) -> None:
+        """This replica's own daemon went away: every replica it had is cut off from
+        it, through no fault of theirs, until the gap is repaired."""
+        self.cut_off |= set(self.peers)
+        self.back_step = None
+
+    def touch_back(self, step: int) -> None:
+        """Its daemon is back at ``step``."""
+        self.back_step = step
+        self._heard_since_back.clear()
+
+    def counted_names(self) -> set[str]:
+        """The other replicas N counts: those registered here, and those cut off
+        while this replica's daemon was away and not heard since. Its new daemon's
+        first member list holds itself alone: N fell to 1 there, and the chunks that
+        claimed it were kept at 1 here where the others took them at 1/2."""
+        return self.cut_off | self.peers.keys()
+
+    def release_cut_off(self, step: int) -> None:
+        """Forget the cut-off replicas heard again since the daemon came back, and
+        all of them twice the staleness bound after it (one that died meanwhile
+        sends nothing more: its GONE went with the old daemon)."""
+        back = self.back_step
+        if not self.cut_off or back is None:
+            return
+        if step >= back + 2 * self.staleness_bound_steps:
+            self.cut_off.clear()
+        else:
+            self.cut_off -= self._heard_since_back | self._gone
+        if not self.cut_off:
+            self._heard_since_back.clear()
+
     def replica(self, origin: str) -> PeerState | None:
         """The state of a replica of this run, registering it on first word; None for
         a member that is not alive or whose trainer went away (a late chunk of a
@@ -83,7 +127,24 @@ class Roster:
             back = self.departed.pop(origin, None)
             state = self.peers[origin] = back if back is not None else PeerState()
             self.joined.append(origin)
+        if state is not None and self.back_step is not None and origin in self.cut_off:
+            self._heard_since_back.add(origin)
         return state
+
+    def account(self, origin: str) -> PeerState | None:
+        """The account of ``origin``'s trainer life here, whether it is a replica now or
+        not: a restarting daemon's first member list, or gossip that lags the chunks it
+        delivers, leaves an origin out for a while, and what it sent meanwhile must
+        still add up to its DONE. Registers it as a replica when it is one (see
+        :meth:`replica`); None once its trainer said GONE (a late chunk of that life
+        belongs to no account) or past :data:`MAX_ACCOUNTS_AWAY`."""
+        state = self.replica(origin)
+        if state is not None or origin in self._gone:
+            return state
+        away = self.departed.get(origin)
+        if away is None and len(self.departed) < MAX_ACCOUNTS_AWAY:
+            away = self.departed[origin] = PeerState()
+        return away
 
     def join(self, origin: str, origin_step: int, ask: bool, step: int) -> None:
         """A JOIN of this run: where the replica stands (one still syncing is not
