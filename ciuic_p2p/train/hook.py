@@ -465,7 +465,6 @@ class MeshSync:
         if ch.away:
             if not self._away_said:
                 self._away_said = True
-                self.replica.daemon_lost()
                 log.warning(
                     "daemon_away",
                     step=self.replica.step,
@@ -478,7 +477,6 @@ class MeshSync:
             self._reconnects_seen = ch.reconnects
             self._away_said = False
             log.info("daemon_back", step=self.replica.step, away_s=round(ch.away_s, 3))
-            self.replica.daemon_back()
             # The daemon that came back may not have rejoined the mesh yet: say JOIN,
             # asking for answers, each time its members change for a while.
             self._rejoin_until = time.monotonic() + REJOIN_WINDOW_S

@@ -156,11 +156,10 @@ class Replica:
         """This replica's consensus fragments at the steps it sent them (the newest
         two): a peer's parameters of step s are compared with ours of step s."""
         self._debts: collections.deque[
-            tuple[int, int, int, int, int, torch.Tensor | None, torch.Tensor]
+            tuple[int, float, int, int, int, torch.Tensor | None, torch.Tensor]
         ] = collections.deque()
-        """Own sent chunks not yet settled, with the replica count they claimed
-        (appended by the encoder thread); their weight is read when they are settled
-        (:meth:`_own_weight`)."""
+        """Own sent chunks not yet settled, with the weight they went out with
+        (appended by the encoder thread)."""
         self.roster = Roster(peer, train.staleness_bound_steps)
         self.norms = OwnNorms(len(layout.buckets))
         self.stats = ReplicaStats()
@@ -286,7 +285,6 @@ class Replica:
         """Count one local step; True when an update is due (take and encode it)."""
         self.step += 1
         self.stats.steps += 1
-        self.roster.release_cut_off(self.step)
         if self.outer is not None:  # rounds end at the same steps everywhere
             return self.outer.is_due(self.step)
         return self.step - self.last_send_step >= self.send_interval
@@ -297,18 +295,6 @@ class Replica:
         the model keeps all of it until :meth:`settle`."""
         self.last_send_step = self.step
         return TakenUpdate(self.step, self.replicas)
-
-    def daemon_lost(self) -> None:
-        """This replica's daemon went away (a restart) while it trains on: the
-        replicas it had still count in the N its chunks claim until each is heard
-        again, or the grace after the return has passed. Its new daemon's first
-        member list holds itself alone, and chunks that claimed N = 1 then were kept
-        at weight 1 here and taken at 1/2 by the others (core.replica.roster)."""
-        self.roster.lose_touch()
-
-    def daemon_back(self) -> None:
-        """Its daemon is back (see :meth:`daemon_lost`)."""
-        self.roster.touch_back(self.step)
 
     def settle(self, everything: bool = False) -> int:
         """Take back ``1 - w`` of each own sent chunk once every live replica's stream
@@ -329,8 +315,7 @@ class Replica:
         debts = self._debts
         outer = self.outer
         while debts and debts[0][0] <= floor:
-            step, claimed, bucket, start, length, positions, values = debts.popleft()
-            w = self._own_weight(step, claimed)
+            step, w, bucket, start, length, positions, values = debts.popleft()
             if outer is not None:
                 # The rounds before this one are complete too (the floor is past
                 # them): complete them first, so the chunk is settled on time.
@@ -508,8 +493,8 @@ class Replica:
             if outer is not None:  # the kick every replica adds at the next completion
                 for b, kick in zip(out, outer.held, strict=False):
                     b.add_(kick)
-            for step, claimed, bucket, start, _length, positions, values in self._debts:
-                weight = w = self._own_weight(step, claimed)
+            for step, w, bucket, start, _length, positions, values in self._debts:
+                weight = w
                 if outer is not None:
                     weight = w * (outer.coefficient(step) + outer.early_correction(step)[0])
                 if weight != 1.0:
@@ -529,8 +514,8 @@ class Replica:
             return []
         with torch.no_grad():
             out = [m.clone() for m in outer.buffers]
-            for step, claimed, bucket, start, _length, positions, values in self._debts:
-                factor = self._own_weight(step, claimed) * outer.early_correction(step)[1]
+            for step, w, bucket, start, _length, positions, values in self._debts:
+                factor = w * outer.early_correction(step)[1]
                 _add_into(out[bucket], start, positions, values, factor)
             for d in outer.deferred:
                 factor = d.w * outer.early_correction(d.round * outer.inner_steps)[1]
@@ -561,23 +546,14 @@ class Replica:
             meta["next_round"] = self.outer.next_round
         return meta
 
-    def _own_weight(self, step: int, claimed: int) -> float:
-        """The weight an own chunk of ``step`` that claimed ``claimed`` replicas is
-        settled at: the one every receiver gives it (:meth:`chunk_weight`), read when
-        it is settled, once the others' chunks of its steps have reached this replica
-        as they reached them. Read when it was sent, it missed the replicas whose
-        chunks were late here: a replica back from its daemon's restart took its own
-        updates of the gap at 1 (it had heard no one within the bound) where the
-        others took them at 1/2, and stayed apart from them for good."""
-        return self.intake.weight_of(step, claimed)
-
     def _record_own(self, sent: SentChunk) -> None:
         h = sent.header
         self.intake.influence.record_own(
             h.bucket, h.step, sent.positions, h.range_start, sent.values
         )
+        w = self.chunk_weight(h)
         self._debts.append(
-            (h.step, h.replicas, h.bucket, h.range_start, h.range_len, sent.positions, sent.values)
+            (h.step, w, h.bucket, h.range_start, h.range_len, sent.positions, sent.values)
         )
         rms = float(torch.linalg.vector_norm(sent.values)) / math.sqrt(max(1, h.count))
         self.norms.record(h.bucket, rms)
