@@ -342,8 +342,7 @@ class Intake:
             self.stats.refused[exc.reason] += 1
             self.stats.last_refusal = str(exc)
             if exc.kind is PayloadKind.UPDATE and exc.reason != "duplicate" and exc.origin:
-                # An existing account only: a refused chunk makes no one a replica.
-                account = self.roster.peers.get(exc.origin) or self.roster.departed.get(exc.origin)
+                account = self.roster.existing_account(exc.origin)
                 if account is not None:
                     account.refused += 1
             counts = exc.reason not in ("duplicate", "set_aside", "other_run")

@@ -59,8 +59,9 @@ class Roster:
         self.departed: dict[str, PeerState] = {}
         """Replicas whose member left the mesh with their trainer still on (a daemon
         restarting, a partition): their accounts, taken up again when they are back, so
-        that what they sent before and after adds up to what their DONE says. Bounded
-        by the members ever seen alive; dropped on GONE."""
+        that what they sent before and after adds up to what their DONE says; also
+        origins heard before they are known alive (:meth:`account`). Bounded by the
+        members ever seen alive and :data:`MAX_ACCOUNTS_AWAY`; dropped on GONE."""
 
     @property
     def replicas(self) -> int:
@@ -104,6 +105,11 @@ class Roster:
         if away is None and len(self.departed) < MAX_ACCOUNTS_AWAY:
             away = self.departed[origin] = PeerState()
         return away
+
+    def existing_account(self, origin: str) -> PeerState | None:
+        """``origin``'s account if it has one, registering nothing (a refused chunk
+        makes no one a replica)."""
+        return self.peers.get(origin) or self.departed.get(origin)
 
     def join(self, origin: str, origin_step: int, ask: bool, step: int) -> None:
         """A JOIN of this run: where the replica stands (one still syncing is not
