@@ -281,6 +281,8 @@ class _Run:
                 break
             if args.stop_file and os.path.exists(args.stop_file):
                 break  # told to stop (tests, benchmarks): finish() settles as at the end
+            if args.stop_at and step >= args.stop_at:
+                break  # a run cut short at a known step, its schedule still --steps long
         return done_steps
 
     def result(self, start: int, done_steps: int) -> dict[str, Any]:
@@ -379,6 +381,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--hidden", type=int, default=0, help="digits: hidden width")
     p.add_argument("--stop-file", help="stop after the step during which this file appears")
+    p.add_argument(
+        "--stop-at", type=int, default=0, help="stop after this step (the schedule keeps --steps)"
+    )
     p.add_argument("--ring", help="dense: the ring's peer IDs in order (default: sorted)")
     p.add_argument("--switch-interval-s", type=float, default=0.0005)
     p.add_argument(

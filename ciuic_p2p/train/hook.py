@@ -465,6 +465,7 @@ class MeshSync:
         if ch.away:
             if not self._away_said:
                 self._away_said = True
+                self.replica.daemon_lost()
                 log.warning(
                     "daemon_away",
                     step=self.replica.step,
@@ -477,6 +478,7 @@ class MeshSync:
             self._reconnects_seen = ch.reconnects
             self._away_said = False
             log.info("daemon_back", step=self.replica.step, away_s=round(ch.away_s, 3))
+            self.replica.daemon_back()
             # The daemon that came back may not have rejoined the mesh yet: say JOIN,
             # asking for answers, each time its members change for a while.
             self._rejoin_until = time.monotonic() + REJOIN_WINDOW_S
@@ -575,13 +577,19 @@ class MeshSync:
             enc = self.encoder
             if not enc.idle.wait(limit):
                 raise ChannelError(f"the encoder did not finish within {limit:g} s")
-            if r.last_send_step < r.step:  # merged steps still pending: send them
-                taken = r.take_update()
-                enc.submit(lambda: self._publish(r.encode_update(taken)), enc.mark())
+            # What error feedback still holds goes too, dense (train.finish_dense): each
+            # replica's own residual kept the replicas apart for good.
+            # A replica that never stepped has nothing held back (and sends nothing:
+            # a peer must not take its zeros for training together).
+            dense = self.config.train.finish_dense and r.outer is None and r.step > 0
+            if dense or r.last_send_step < r.step:  # merged steps still pending
+                taken = r.take_final() if dense else r.take_update()
+                enc.submit(lambda: self._publish(r.encode_update(taken, dense=dense)), enc.mark())
                 if not enc.idle.wait(limit):
                     raise ChannelError(f"the encoder did not finish within {limit:g} s")
             enc.check()
-            ch.publish(encode_done(r.source.run_id, r.step, r.stats.chunks_sent))
+            done_step = max(r.step, r.last_send_step)
+            ch.publish(encode_done(r.source.run_id, done_step, r.stats.chunks_sent))
 
         def all_in() -> bool:
             self.poll()

@@ -28,15 +28,33 @@ density = 0.05
 consensus_interval_steps = 16
 """
 
+WITHOUT_BOUNDS = """
+[codec]
+density = 0.05
+[train]
+consensus_interval_steps = 0
+influence_clip_ratio = 100.0
+influence_disagreement = 0.0
+update_norm_max_ratio = 1000000.0
+"""
+"""The member bounds and the consensus mix off: what is left of the distance between
+replicas is then what the restart itself leaves (with the bounds on, both runs end
+0.016 to 0.03 apart from honest updates clipped and down-weighted, run to run)."""
 
-def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path) -> None:
+STEPS = 6000
+"""The schedule's length: both runs stop long before it, at the same step."""
+
+
+@pytest.mark.parametrize("bounds", ["on", "off"])
+def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path, bounds: str) -> None:
     names = ["n0", "n1", "n2"]
     out = tmp_path / "out"
     stop = tmp_path / "stop"
-    with LocalCluster(None, names, tmp_path / "c", CONFIG) as cluster:
+    config = CONFIG if bounds == "on" else WITHOUT_BOUNDS
+    with LocalCluster(None, names, tmp_path / "c", config) as cluster:
         cluster.start()
         watch = Watch()
-        args = ["--task", "digits", "--steps", "6000", "--world", "3", "--step-s", "0.02",
+        args = ["--task", "digits", "--steps", str(STEPS), "--world", "3", "--step-s", "0.02",
                 "--run", "restart", "--evals", "1", "--stop-file", str(stop)]  # fmt: skip
         for rank, name in enumerate(names):
             watch.lines.add(name, cluster.spawn_trainer(name, rank, args, out))
@@ -73,11 +91,13 @@ def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path) -> None:
         # kept by its channel from its daemon's STOPPING on, sent once the daemon was
         # back, and expected from its new session's start (before: up to a third lost).
         assert theirs["sync"]["sent_by_origin"][mine["peer"]] == mine["chunks_sent"]
-        # Applied, but for catch-up chunks refused by the norm bound: after the return
-        # a chunk draining the residual of the backlog can pass 50 times the others'
-        # RMS (77x measured; 0 to 7 such chunks a run). Issue 45 stays open for it.
+        # Applied. With the bounds on, but for chunks the norm bound refuses: after
+        # the return the restarted replica's updates grow (its optimizer meets the
+        # others' progress of the gap at once), and one can pass 50 times the RMS of
+        # a receiver's own (0 to 7 such chunks a run, its last dense one among them).
         norm_refused = theirs["sync"]["refused_by_origin"].get(mine["peer"], 0)
-        assert set(theirs["sync"]["refused"]) <= {"norm"}, theirs["sync"]["refused"]
+        allowed = {"norm"} if bounds == "on" else set()
+        assert set(theirs["sync"]["refused"]) <= allowed, theirs["sync"]["refused"]
         assert theirs["sync"]["applied_from"][mine["peer"]] + norm_refused == mine["chunks_sent"]
         # What the others sent while its daemon was down reached it after the restart
         # (its daemon resumed each origin where it stopped, and the gap was repaired
@@ -101,28 +121,34 @@ def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path) -> None:
     params = [torch.load(out / f"params-{r}.pt") for r in range(3)]
     distance = consensus_distance(params)
     steps = max(r["sync"]["step"] for r in results)
-    clean = _clean_twin(tmp_path / "clean", steps)
+    clean = _clean_twin(tmp_path / "clean", steps, config)
     print(f"consensus distance after the restart: {distance:.4f}; the same run without it "
           f"({steps} steps): {clean:.4f}")  # fmt: skip
-    # Before the gap was repaired: 0.099, the updates it missed while away. Now 0.021
-    # to 0.053 against twins of 0.012 to 0.021 (up to 0.036 more, in 7 runs of
-    # 2026-12-06 on a loaded 2-core machine): every update reaches every replica, but
-    # each replica's unsent residual stays apart (the restart's backlog halves the
-    # density and the run ends before it drains), and now and then the norm bound
-    # refuses a catch-up chunk. Issue 45 stays open for both; this bound only keeps
-    # the gap repaired.
-    assert distance <= clean + 0.06, (distance, clean)
+    if bounds == "off":
+        # What the restart itself leaves: nothing. Before the last update went
+        # dense, each replica kept its own residual (0.005 to 0.014 apart, against
+        # 0.003 for the twin); before the weights were read at settlement, the
+        # restarted replica kept its chunks of the gap at 1 where the others took
+        # them at 1/2. Measured 0.0001 against 0.0000 (2026-12-06).
+        assert distance <= clean + 0.002, (distance, clean)
+    else:
+        # The bounds clip and down-weight honest updates in both runs (the twin ends
+        # 0.016 to 0.022 apart), and the restarted replica's more: 0.022 to 0.032
+        # measured. Held to the repaired gap (0.099 before it was repaired).
+        assert distance <= clean + 0.03, (distance, clean)
 
 
-def _clean_twin(root: Path, steps: int) -> float:
-    """The same run without the restart, to ``steps``: its replicas' final distance."""
+def _clean_twin(root: Path, steps: int, config: str) -> float:
+    """The same run without the restart, stopped at ``steps`` of the same schedule:
+    its replicas' final distance. (A twin whose schedule ended there annealed its
+    learning rate to zero and drained its residual: 0.000, an unfair mark.)"""
     names = ["n0", "n1", "n2"]
     out = root / "out"
-    with LocalCluster(None, names, root / "c", CONFIG) as cluster:
+    with LocalCluster(None, names, root / "c", config) as cluster:
         cluster.start()
         watch = Watch()
-        args = ["--task", "digits", "--steps", str(steps), "--world", "3", "--step-s", "0.02",
-                "--run", "restart", "--evals", "1"]  # fmt: skip
+        args = ["--task", "digits", "--steps", str(STEPS), "--stop-at", str(steps),
+                "--world", "3", "--step-s", "0.02", "--run", "restart", "--evals", "1"]  # fmt: skip
         for rank, name in enumerate(names):
             watch.lines.add(name, cluster.spawn_trainer(name, rank, args, out))
         watch.until(lambda: all(watch.last(n, "done") is not None for n in names), 300, "the end")

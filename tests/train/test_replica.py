@@ -13,10 +13,11 @@ import torch
 
 from ciuic_p2p.config import CodecSection, TrainSection
 from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource
-from ciuic_p2p.core.codec.chunk import Codec
+from ciuic_p2p.core.codec.chunk import ChunkHeader, Codec, parse_chunk
 from ciuic_p2p.core.codec.layout import BucketLayout
 from ciuic_p2p.core.replica.messages import (
     PayloadKind,
+    decode_payload,
     encode_done,
     encode_presence,
     envelope,
@@ -446,6 +447,67 @@ def test_what_an_origin_sends_while_not_listed_alive_still_adds_up_to_its_done()
     assert p1.done_at is not None and p1.chunks_sent > 0
 
 
+def test_a_replica_whose_daemon_restarts_keeps_counting_the_replicas_it_had() -> None:
+    """Its new daemon's first member list holds itself alone: N fell to 1, and the
+    chunks that claimed it were kept at weight 1 by their origin and taken at 1/2 by
+    the others (they count the replicas heard within the bound), apart for good. The
+    replicas it had count until each is heard again, or twice the bound after."""
+    me, a, b = replica(0), replica(1), replica(2)
+    _introduce([me, a, b])
+    assert me.replicas == 3
+    me.daemon_lost()
+    me.step = 100
+    me.daemon_back()
+    me.set_alive(["p0"])  # the new daemon's first list
+    assert me.replicas == 3 and me.take_update().replicas == 3
+    me.set_alive(["p0", "p1", "p2"])
+    me.receive("p1", encode_presence(PayloadKind.JOIN, run_id_of("run"), 100))
+    me.local_step()
+    assert me.replicas == 3  # p1 registered again, p2 still cut off
+    me.set_alive(["p0", "p1"])  # p2 died meanwhile: it counts until the grace ends
+    assert me.replicas == 3
+    for _ in range(2 * TRAIN.staleness_bound_steps):
+        me.local_step()
+    assert me.replicas == 2
+
+
+def test_an_own_chunk_is_settled_at_the_weight_its_receivers_give_it() -> None:
+    """A chunk claims the N its origin counted; every receiver takes it at 1 over
+    that, or over one less than the replicas it heard around its step if more. The
+    origin read that count when it sent the chunk; it now reads it when it settles,
+    once the others' chunks of those steps have come (a replica back from a restart
+    had heard none, and kept its claim-of-1 chunks at 1 where the others took 1/2)."""
+    me, a, b = replica(0), replica(1), replica(2)
+    for r in (me, a, b):
+        r.set_alive(["p0", "p1", "p2"])
+    gen = torch.Generator().manual_seed(4)
+    me.set_alive(["p0"])  # me counts itself alone when it takes its update
+    mine = local_update(me, gen)
+    assert mine
+    (step, claimed, *_), *_ = me._debts
+    assert claimed == 1 and me._own_weight(step, claimed) == 1.0  # heard no one yet
+    a_sent = local_update(a, gen)
+    for payload in a_sent:
+        me.receive("p1", payload)  # a and b were there all along
+    for payload in local_update(b, gen):
+        me.receive("p2", payload)
+        a.receive("p2", payload)
+    for payload in mine:
+        a.receive("p0", payload)
+    assert a.chunk_weight(_header(mine[0])) == 0.5  # a counts p1 (itself), p2, p0
+    assert me._own_weight(step, claimed) == 0.5  # and so does me, when it settles
+    before = snapshot(me)
+    owed = 0.5 * sum(float(d[6].abs().sum()) for d in me._debts)
+    owed_chunks = len(me._debts)
+    assert me.settle(everything=True) == owed_chunks
+    moved = sum(float((x - y).abs().sum()) for x, y in zip(me.buckets, before, strict=True))
+    assert moved == pytest.approx(owed, rel=1e-4) and not me._debts  # 1 - 1/2 taken back
+
+
+def _header(payload: bytes) -> ChunkHeader:
+    return parse_chunk(decode_payload(payload).body)[0]
+
+
 def test_the_consensus_bound_holds_parameters_against_parameters() -> None:
     """Near convergence a replica's own updates are tiny; a peer's parameters that
     drifted by a little of their scale are still mixed, garbage is not."""
@@ -521,3 +583,38 @@ def test_a_fragment_of_a_step_this_replica_kept_none_of_is_not_mixed_nor_refused
     with pytest.raises(RefusedChunk, match="RMS away"):
         for p in b.encode_params(b.snapshot_params(), 7):
             a.receive("p1", p)
+
+
+@pytest.mark.parametrize("dense", [True, False])
+def test_the_last_update_dense_leaves_the_replicas_equal_but_for_rounding(dense: bool) -> None:
+    """The run's last update carries what error feedback held back, dense INT8: the
+    replicas' parameters (live, residuals included) end equal up to its rounding.
+    Sparse like every other, each replica keeps its own residual apart."""
+    reps = [replica(i) for i in range(3)]
+    _introduce(reps)
+    gen = torch.Generator().manual_seed(5)
+
+    def deliver(payloads: list[bytes], origin: Replica) -> None:
+        for r in reps:
+            if r is not origin:
+                for p in payloads:
+                    r.receive(origin.peer, p)
+
+    for _ in range(30):
+        for r in reps:
+            deliver(local_update(r, gen), r)
+    # Sparse, the last step's send was the last (as finish() did before).
+    finals = [(r, r.encode_update(r.take_final(), dense=True)) for r in reps if dense]
+    for r, payloads in finals:
+        deliver(payloads, r)
+        # Stamped past the last send, as covering the steps it holds.
+        assert {parse_chunk(decode_payload(p).body)[0].step for p in payloads} == {r.step + 16}
+    for r in reps:
+        r.settle(everything=True)
+        assert not r._debts
+        assert r.stats.refused == {}
+    distance = consensus_distance([snapshot(r) for r in reps])
+    if dense:
+        assert distance < 2e-3, distance  # INT8 rounding of the residuals
+    else:
+        assert distance > 2e-2, distance  # the residuals: 10x and more

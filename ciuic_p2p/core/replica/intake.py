@@ -206,7 +206,7 @@ class Intake:
     def replicas(self) -> int:
         """N as this replica weights by it: itself and the other replicas, less those
         whose updates weigh nothing here (core.replica.influence)."""
-        return 1 + self.influence.counted(self.roster.peers)
+        return 1 + self.influence.counted(self.roster.counted_names())
 
     def chunk_weight(self, h: ChunkHeader) -> float:
         """The weight an update chunk gets here: the one its origin gave it (the same
@@ -215,9 +215,14 @@ class Intake:
         staleness bound) reached this one (a claim of a smaller run buys no larger
         share); this replica's own when the chunk does not say. The origin weights its
         own chunks the same way."""
-        if not h.replicas:
+        return self.weight_of(h.step, h.replicas)
+
+    def weight_of(self, step: int, claimed: int) -> float:
+        """:meth:`chunk_weight` of a chunk of ``step`` that claimed ``claimed``
+        replicas (0: it does not say)."""
+        if not claimed:
             return self.weight
-        return 1.0 / max(h.replicas, self.influence.replicas_seen(h.step) - 1)
+        return 1.0 / max(claimed, self.influence.replicas_seen(step) - 1)
 
     def set_floors(self, applied: dict[str, int]) -> None:
         """Each origin's newest step in a restored state: its chunks up to there are

@@ -62,6 +62,13 @@ class Roster:
         that what they sent before and after adds up to what their DONE says; also
         origins heard before they are known alive (:meth:`account`). Bounded by the
         members ever seen alive and :data:`MAX_ACCOUNTS_AWAY`; dropped on GONE."""
+        self.cut_off: set[str] = set()
+        """Replicas this one lost touch with when its own daemon went away (a
+        restart), through no fault of theirs: they count in N until each is heard
+        again (see :meth:`counted_names`)."""
+        self.back_step: int | None = None
+        """This replica's step when its daemon came back (None: away, or never)."""
+        self._heard_since_back: set[str] = set()
 
     @property
     def replicas(self) -> int:
@@ -80,6 +87,38 @@ class Roster:
                 self._take_join(name, joined, *self.early_joins[name], step)
             del self.early_joins[name]
 
+    def lose_touch(self) -> None:
+        """This replica's own daemon went away: every replica it had is cut off from
+        it, through no fault of theirs, until the gap is repaired."""
+        self.cut_off |= set(self.peers)
+        self.back_step = None
+
+    def touch_back(self, step: int) -> None:
+        """Its daemon is back at ``step``."""
+        self.back_step = step
+        self._heard_since_back.clear()
+
+    def counted_names(self) -> set[str]:
+        """The other replicas N counts: those registered here, and those cut off
+        while this replica's daemon was away and not heard since. Its new daemon's
+        first member list holds itself alone: N fell to 1 there, and the chunks that
+        claimed it were kept at 1 here where the others took them at 1/2."""
+        return self.cut_off | self.peers.keys()
+
+    def release_cut_off(self, step: int) -> None:
+        """Forget the cut-off replicas heard again since the daemon came back, and
+        all of them twice the staleness bound after it (one that died meanwhile
+        sends nothing more: its GONE went with the old daemon)."""
+        back = self.back_step
+        if not self.cut_off or back is None:
+            return
+        if step >= back + 2 * self.staleness_bound_steps:
+            self.cut_off.clear()
+        else:
+            self.cut_off -= self._heard_since_back | self._gone
+        if not self.cut_off:
+            self._heard_since_back.clear()
+
     def replica(self, origin: str) -> PeerState | None:
         """The state of a replica of this run, registering it on first word; None for
         a member that is not alive or whose trainer went away (a late chunk of a
@@ -89,6 +128,8 @@ class Roster:
             back = self.departed.pop(origin, None)
             state = self.peers[origin] = back if back is not None else PeerState()
             self.joined.append(origin)
+        if state is not None and self.back_step is not None and origin in self.cut_off:
+            self._heard_since_back.add(origin)
         return state
 
     def account(self, origin: str) -> PeerState | None:

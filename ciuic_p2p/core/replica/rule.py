@@ -72,7 +72,7 @@ import torch
 
 from ciuic_p2p.config.sections import CodecSection, TrainSection
 from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource, SentChunk
-from ciuic_p2p.core.codec.chunk import ChunkHeader
+from ciuic_p2p.core.codec.chunk import ChunkHeader, Codec
 from ciuic_p2p.core.codec.layout import BucketLayout
 from ciuic_p2p.core.codec.select import RunParts, sequential
 from ciuic_p2p.core.replica.intake import (
@@ -104,6 +104,14 @@ class TakenUpdate:
 
     step: int
     replicas: int
+
+
+FINAL_COVERED_STEPS = 16
+"""The steps the run's last update (:meth:`Replica.take_final`) is stamped past the
+last send: receivers hold an update to ``influence_clip_ratio`` times one step's norm
+per step it covers, and what error feedback held back spans many steps. At most
+``max_send_interval_steps`` and a quarter of the staleness bound (receivers take a
+step that far ahead of the run)."""
 
 
 __all__ = [
@@ -156,10 +164,11 @@ class Replica:
         """This replica's consensus fragments at the steps it sent them (the newest
         two): a peer's parameters of step s are compared with ours of step s."""
         self._debts: collections.deque[
-            tuple[int, float, int, int, int, torch.Tensor | None, torch.Tensor]
+            tuple[int, int, int, int, int, torch.Tensor | None, torch.Tensor]
         ] = collections.deque()
-        """Own sent chunks not yet settled, with the weight they went out with
-        (appended by the encoder thread)."""
+        """Own sent chunks not yet settled, with the replica count they claimed
+        (appended by the encoder thread); their weight is read when they are settled
+        (:meth:`_own_weight`)."""
         self.roster = Roster(peer, train.staleness_bound_steps)
         self.norms = OwnNorms(len(layout.buckets))
         self.stats = ReplicaStats()
@@ -285,6 +294,7 @@ class Replica:
         """Count one local step; True when an update is due (take and encode it)."""
         self.step += 1
         self.stats.steps += 1
+        self.roster.release_cut_off(self.step)
         if self.outer is not None:  # rounds end at the same steps everywhere
             return self.outer.is_due(self.step)
         return self.step - self.last_send_step >= self.send_interval
@@ -296,12 +306,36 @@ class Replica:
         self.last_send_step = self.step
         return TakenUpdate(self.step, self.replicas)
 
+    def daemon_lost(self) -> None:
+        """This replica's daemon went away (a restart) while it trains on: the
+        replicas it had still count in the N its chunks claim until each is heard
+        again, or the grace after the return has passed. Its new daemon's first
+        member list holds itself alone, and chunks that claimed N = 1 then were kept
+        at weight 1 here and taken at 1/2 by the others (core.replica.roster)."""
+        self.roster.lose_touch()
+
+    def daemon_back(self) -> None:
+        """Its daemon is back (see :meth:`daemon_lost`)."""
+        self.roster.touch_back(self.step)
+
+    def take_final(self) -> TakenUpdate:
+        """Take the run's last update (:meth:`finish`'s): everything not sent yet,
+        stamped :data:`FINAL_COVERED_STEPS` past the last send (a receiver takes each
+        step of an origin once per bucket and range, and holds an update to the steps
+        it covers)."""
+        t = self.train
+        covered = max(1, min(FINAL_COVERED_STEPS, t.max_send_interval_steps,
+                             t.staleness_bound_steps // 4))  # fmt: skip
+        step = self.last_send_step + covered
+        self.last_send_step = step
+        return TakenUpdate(step, self.replicas)
+
     def settle(self, everything: bool = False) -> int:
         """Take back ``1 - w`` of each own sent chunk once every live replica's stream
         has reached its step (then their chunks of that step have been added here), or
         all of them with ``everything``; how many were settled."""
         if everything:
-            floor = self.step
+            floor = max(self.step, self.last_send_step)
         else:
             floor = min(
                 (
@@ -315,7 +349,8 @@ class Replica:
         debts = self._debts
         outer = self.outer
         while debts and debts[0][0] <= floor:
-            step, w, bucket, start, length, positions, values = debts.popleft()
+            step, claimed, bucket, start, length, positions, values = debts.popleft()
+            w = self._own_weight(step, claimed)
             if outer is not None:
                 # The rounds before this one are complete too (the floor is past
                 # them): complete them first, so the chunk is settled on time.
@@ -335,14 +370,20 @@ class Replica:
         return n
 
     def encode_update(
-        self, taken: TakenUpdate, step: int | None = None, replicas: int | None = None
+        self,
+        taken: TakenUpdate,
+        step: int | None = None,
+        replicas: int | None = None,
+        *,
+        dense: bool = False,
     ) -> list[bytes]:
         """Encode a taken update into mesh payloads (encoder thread: it reads the
         model through the gate and writes only the base, the encoders and the own
         records). Each chunk states the replica count read when the update was taken
         (or ``replicas``): every replica, this one at settlement included, weights it
         ``1/replicas``, so a membership change seen at different moments by different
-        replicas does not leave them apart."""
+        replicas does not leave them apart. ``dense``: every element, INT8, so that
+        error feedback keeps only the rounding (the last update of a run)."""
         payloads: list[bytes] = []
         step = taken.step if step is None else step
         n = max(1, taken.replicas if replicas is None else replicas)
@@ -352,8 +393,14 @@ class Replica:
                 enc.replicas = n
                 if enc.spec.codec.is_sparse and enc.spec.density != self.density:
                     enc.spec = _with_density(enc.spec, self.density)
-                for chunk in enc.encode_progress(bucket, base, step):
-                    payloads.append(envelope(PayloadKind.UPDATE) + chunk)
+                spec = enc.spec
+                if dense and spec.codec.is_sparse:
+                    enc.spec = _dense_int8(spec)
+                try:
+                    chunks = enc.encode_progress(bucket, base, step)
+                finally:
+                    enc.spec = spec
+                payloads += [envelope(PayloadKind.UPDATE) + chunk for chunk in chunks]
                 for sent in enc.last_sent:
                     self._record_own(sent)
                 residual_sq += enc.residual_norm**2
@@ -493,8 +540,8 @@ class Replica:
             if outer is not None:  # the kick every replica adds at the next completion
                 for b, kick in zip(out, outer.held, strict=False):
                     b.add_(kick)
-            for step, w, bucket, start, _length, positions, values in self._debts:
-                weight = w
+            for step, claimed, bucket, start, _length, positions, values in self._debts:
+                weight = w = self._own_weight(step, claimed)
                 if outer is not None:
                     weight = w * (outer.coefficient(step) + outer.early_correction(step)[0])
                 if weight != 1.0:
@@ -514,8 +561,8 @@ class Replica:
             return []
         with torch.no_grad():
             out = [m.clone() for m in outer.buffers]
-            for step, w, bucket, start, _length, positions, values in self._debts:
-                factor = w * outer.early_correction(step)[1]
+            for step, claimed, bucket, start, _length, positions, values in self._debts:
+                factor = self._own_weight(step, claimed) * outer.early_correction(step)[1]
                 _add_into(out[bucket], start, positions, values, factor)
             for d in outer.deferred:
                 factor = d.w * outer.early_correction(d.round * outer.inner_steps)[1]
@@ -546,14 +593,23 @@ class Replica:
             meta["next_round"] = self.outer.next_round
         return meta
 
+    def _own_weight(self, step: int, claimed: int) -> float:
+        """The weight an own chunk of ``step`` that claimed ``claimed`` replicas is
+        settled at: the one every receiver gives it (:meth:`chunk_weight`), read when
+        it is settled, once the others' chunks of its steps have reached this replica
+        as they reached them. Read when it was sent, it missed the replicas whose
+        chunks were late here: a replica back from its daemon's restart took its own
+        updates of the gap at 1 (it had heard no one within the bound) where the
+        others took them at 1/2, and stayed apart from them for good."""
+        return self.intake.weight_of(step, claimed)
+
     def _record_own(self, sent: SentChunk) -> None:
         h = sent.header
         self.intake.influence.record_own(
             h.bucket, h.step, sent.positions, h.range_start, sent.values
         )
-        w = self.chunk_weight(h)
         self._debts.append(
-            (h.step, w, h.bucket, h.range_start, h.range_len, sent.positions, sent.values)
+            (h.step, h.replicas, h.bucket, h.range_start, h.range_len, sent.positions, sent.values)
         )
         rms = float(torch.linalg.vector_norm(sent.values)) / math.sqrt(max(1, h.count))
         self.norms.record(h.bucket, rms)
@@ -584,6 +640,17 @@ def _with_density(spec: BucketSpec, density: float) -> BucketSpec:
         sample_size=spec.sample_size,
         chunk_payload_bytes=spec.chunk_payload_bytes,
         residual_max_ratio=spec.residual_max_ratio,
+    )
+
+
+def _dense_int8(spec: BucketSpec) -> BucketSpec:
+    return BucketSpec(
+        codec=Codec.DENSE_INT8,
+        density=1.0,
+        block_size=spec.block_size,
+        exact=True,
+        sample_size=spec.sample_size,
+        chunk_payload_bytes=spec.chunk_payload_bytes,
     )
 
 
