@@ -512,9 +512,11 @@ class TrainSection:
     update, so every replica ends with the same parameters up to its rounding (the
     residual of top-k at 5% measured 0.05 to 0.5 in L2 on digits, and each replica's
     own kept it apart from the others for good). It costs about one byte per
-    parameter per replica, once per run. False: the last update is sparse like every
-    other and each replica ends apart by its residual. Ignored in ``outer`` mode (a
-    round's residual goes with the round)."""
+    parameter per replica on the wire, once per run, and while :meth:`finish` runs
+    about 9 bytes per element of the largest bucket and 4 per parameter (the sent
+    values, until settled). False: the last update is sparse like every other and
+    each replica ends apart by its residual. Ignored in ``outer`` mode (a round's
+    residual goes with the round)."""
     stall_grace_s: float = 0.5
     """A step waits at most this long for replicas past the staleness bound; then it
     goes on without them (counted as ``excused``) until their chunks catch up, so a

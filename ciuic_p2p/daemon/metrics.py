@@ -77,18 +77,24 @@ class StepRate:
     ended: str = ""
     """Why this session is over: ``done`` (it finished the run: DONE), ``gone`` (it
     went away mid-run: GONE, or our own trainer detached); empty while it trains."""
+    final_step: int | None = None
+    """The last step its DONE said: its run's last update is stamped past it (as
+    covering the steps its residual held), and that stamp is no step it trained."""
 
     def observe(self, incarnation: int, step: int, now_s: float) -> None:
         if incarnation != self.incarnation:  # a new trainer session counts from 1 again
             self.incarnation = incarnation
             self.samples.clear()
             self.ended = ""
+            self.final_step = None
         elif self.samples and step <= self.samples[-1][1]:
             return  # more chunks of the same step, or a late (repaired) one
         self.samples.append((now_s, step))
 
     @property
     def step(self) -> int | None:
+        if self.final_step is not None:
+            return self.final_step
         return self.samples[-1][1] if self.samples else None
 
     @property
@@ -269,11 +275,14 @@ class TrainingProgress:
         if rate is not None:
             rate.ended = ""
 
-    def ended(self, origin: str, run_id: bytes, why: str) -> None:
-        """``origin``'s trainer of ``run_id`` ended (``StepRate.ended``)."""
+    def ended(self, origin: str, run_id: bytes, why: str, step: int | None = None) -> None:
+        """``origin``'s trainer of ``run_id`` ended (``StepRate.ended``), at ``step``
+        when its DONE said."""
         rate = self.runs.get(run_id, {}).get(origin)
         if rate is not None:
             rate.ended = why
+            if step is not None:
+                rate.final_step = step
 
     def observe(
         self,

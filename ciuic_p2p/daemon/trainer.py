@@ -480,7 +480,8 @@ class TrainerServer:
         if msg.kind in (PayloadKind.DONE, PayloadKind.JOIN, PayloadKind.GONE):
             self._done = self._done or msg.kind is PayloadKind.DONE
             if msg.kind is PayloadKind.DONE and self._run_id is not None:
-                self.progress.ended(d.peer_id, self._run_id, "done")
+                step = decode_done(msg.body)[1]
+                self.progress.ended(d.peer_id, self._run_id, "done", step)
             d.broadcast(bytes(body))
             return
         t0 = time.perf_counter()
@@ -694,8 +695,8 @@ class TrainerServer:
         try:
             msg = decode_payload(delivery.payload)
             if msg.kind is PayloadKind.DONE:
-                run = decode_done(msg.body)[0]
-                self.progress.ended(delivery.origin, run, "done")
+                run, step, _ = decode_done(msg.body)
+                self.progress.ended(delivery.origin, run, "done", step)
             elif msg.kind in (PayloadKind.JOIN, PayloadKind.GONE):
                 run = decode_presence(msg.body).run_id
                 if msg.kind is PayloadKind.GONE:

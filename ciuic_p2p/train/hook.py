@@ -588,8 +588,9 @@ class MeshSync:
                 if not enc.idle.wait(limit):
                     raise ChannelError(f"the encoder did not finish within {limit:g} s")
             enc.check()
-            done_step = max(r.step, r.last_send_step)
-            ch.publish(encode_done(r.source.run_id, done_step, r.stats.chunks_sent))
+            # The trainer's own step (the daemon reports it): the last update's stamp
+            # may lie past it, and receivers settle by the chunks they apply.
+            ch.publish(encode_done(r.source.run_id, r.step, r.stats.chunks_sent))
 
         def all_in() -> bool:
             self.poll()

@@ -64,6 +64,20 @@ def test_status_says_why_health_is_degraded_after_a_network_stall(tmp_path: Path
     run_virtual(main())
 
 
+def test_an_ended_trainer_shows_the_step_its_done_said() -> None:
+    """A run's last update is stamped past the trainer's last step (it covers the
+    steps its residual held): the row shows the step DONE said, not the stamp."""
+    progress = TrainingProgress()
+    progress.trainer_attached("resnet", OURS, "me")
+    for step in (29, 30, 46):  # 46: the last update's stamp
+        progress.observe("peer", 1, step, step / 10, run_id=OURS)
+    assert progress.rows("me", 5.0)["peer"]["step"] == 46
+    progress.ended("peer", OURS, "done", 30)
+    assert progress.rows("me", 5.0)["peer"]["step"] == 30
+    progress.observe("peer", 2, 1, 6.0, run_id=OURS)  # a new session counts afresh
+    assert progress.rows("me", 6.0)["peer"]["step"] == 1
+
+
 def test_each_peer_shows_its_own_runs_step_and_an_ended_trainer_no_rate() -> None:
     progress = TrainingProgress()
     progress.trainer_attached("resnet", OURS, "me")
