@@ -581,7 +581,7 @@ class MeshSync:
             # replica's own residual kept the replicas apart for good.
             # A replica that never stepped has nothing held back (and sends nothing:
             # a peer must not take its zeros for training together).
-            dense = self.config.train.finish_dense and r.outer is None and r.step > 0
+            dense = self.config.train.finish_dense and r.outer is None and r.stats.steps > 0
             if dense or r.last_send_step < r.step:  # merged steps still pending
                 taken = r.take_final() if dense else r.take_update()
                 enc.submit(lambda: self._publish(r.encode_update(taken, dense=dense)), enc.mark())

@@ -284,6 +284,7 @@ class StateKeeper:
             start,
             applied if isinstance(applied, dict) else {},
             next_round if isinstance(next_round, int) else None,
+            _finals(meta.get("finals"), self.config.train.staleness_bound_steps),
         )
         info["seconds"] = round(time.monotonic() - t0, 3)
         if info["source"] != "fresh":
@@ -428,3 +429,26 @@ def span_distance(state: bytes | bytearray | memoryview, sample: bytes, spans: l
         return 2.0
     scale = math.sqrt(max(a_sq, b_sq))
     return 0.0 if scale == 0.0 else min(2.0, math.sqrt(diff_sq) / scale)
+
+
+MAX_FINALS = 4096
+"""Origins a state's ``finals`` may name (as many as accounts are kept for)."""
+
+
+def _finals(raw: object, bound: int) -> dict[str, tuple[int, int]]:
+    """A state's ``finals`` (core.replica.rule ``final_stamps``), each checked: a last
+    step and a stamp at most the staleness bound past it; anything else is dropped
+    (a state's meta is a peer's word)."""
+    finals: dict[str, tuple[int, int]] = {}
+    if not isinstance(raw, dict):
+        return finals
+    for origin, pair in list(raw.items())[:MAX_FINALS]:
+        if (
+            isinstance(origin, str)
+            and isinstance(pair, list)
+            and len(pair) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in pair)
+            and 0 <= pair[0] < pair[1] <= pair[0] + bound
+        ):
+            finals[origin] = (pair[0], pair[1])
+    return finals

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 import math
 import random
 
@@ -26,6 +27,7 @@ from ciuic_p2p.core.replica.messages import (
 from ciuic_p2p.core.replica.rule import RefusedChunk, Replica, consensus_distance
 from ciuic_p2p.lab.tasks import DigitsTask
 from ciuic_p2p.train.hook import flatten_parameters
+from ciuic_p2p.train.statesync import _finals
 
 CODEC = CodecSection(density=0.05, dense_below_numel=0)
 TRAIN = TrainSection(consensus_interval_steps=0, norm_warmup_chunks=3, influence_disagreement=0.0)
@@ -618,3 +620,44 @@ def test_the_last_update_dense_leaves_the_replicas_equal_but_for_rounding(dense:
         assert distance < 2e-3, distance  # INT8 rounding of the residuals
     else:
         assert distance > 2e-2, distance  # the residuals: 10x and more
+
+
+def test_a_run_resumed_after_its_last_dense_update_takes_every_later_update() -> None:
+    """The last update is stamped past the last step: a state handed after it names
+    both, so a run resumed from it takes its peers' updates of the steps up to the
+    stamp (the stamps as floors dropped 16 steps of them) and still drops the last
+    update itself when it comes again."""
+    reps = [replica(i) for i in range(2)]
+    _introduce(reps)
+    gen = torch.Generator().manual_seed(5)
+    run = run_id_of("run")
+    finals: dict[str, list[bytes]] = {}
+    for _ in range(30):
+        for r in reps:
+            for p in local_update(r, gen):
+                reps[1 - reps.index(r)].receive(r.peer, p)
+    for i, r in enumerate(reps):
+        finals[r.peer] = r.encode_update(r.take_final(), dense=True)
+        other = reps[1 - i]
+        for p in finals[r.peer]:
+            other.receive(r.peer, p)
+        other.receive(r.peer, encode_done(run, r.step, r.stats.chunks_sent))
+    for r in reps:
+        r.settle(everything=True)
+    metas = [json.loads(json.dumps(r.state_meta())) for r in reps]  # as it travels
+    assert metas[0]["finals"] == {"p0": [30, 46], "p1": [30, 46]}
+    resumed = [replica(i) for i in range(2)]
+    for r, old, meta in zip(resumed, reps, metas, strict=True):
+        r.start_at(old.step, meta["applied"], None, _finals(meta["finals"], 64))
+    _introduce(resumed)
+    a, b = resumed
+    for p in finals["p1"]:  # the old last update, delivered again (a repair)
+        a.receive("p1", p)
+    assert a.stats.before_state == len(finals["p1"])
+    sent = []
+    for _ in range(20):
+        sent += local_update(b, gen)
+    for p in sent:
+        a.receive("p1", p)
+    assert a.stats.applied == len(sent)  # steps 31 to 50: none held by the state
+    assert a.stats.before_state == len(finals["p1"])

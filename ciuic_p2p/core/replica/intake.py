@@ -193,6 +193,8 @@ class Intake:
             announced=lambda: ((name, p.step) for name, p in roster.peers.items()),
         )
         self.floors: dict[str, int] = {}
+        self.held_finals: dict[str, int] = {}
+        """Origins' last updates' stamps a restored state holds (:meth:`set_finals`)."""
         """Per origin: update steps at or below this are in the restored state."""
         self._held: dict[tuple[int, int], list[HeldFragment]] = {}
         """Per bucket and round: the chunks of fragments heard before any other
@@ -228,6 +230,23 @@ class Intake:
         """Each origin's newest step in a restored state: its chunks up to there are
         held by the state and dropped when they arrive."""
         self.floors = {k: int(v) for k, v in applied.items() if k != self.roster.me}
+        self.held_finals = {}
+
+    def set_finals(self, finals: dict[str, tuple[int, int]]) -> None:
+        """Origins whose run's last update (stamped past their last step, core.replica.
+        rule ``take_final``) a restored state holds: (their last step, the stamp). Their
+        floor is their last step, so that a resumed run's updates of the steps up to
+        the stamp are taken; the last update itself, dense at the stamp, stays held."""
+        for origin, (done, stamp) in finals.items():
+            if origin != self.roster.me and self.floors.get(origin, -1) == stamp:
+                self.floors[origin] = done
+                self.held_finals[origin] = stamp
+
+    def _state_holds(self, origin: str, h: ChunkHeader) -> bool:
+        """The restored state holds this update chunk already."""
+        if h.step <= self.floors.get(origin, -1):
+            return True
+        return h.step == self.held_finals.get(origin) and not h.codec.is_sparse
 
     def receive(self, origin: str, payload: bytes | memoryview, step: int) -> None:
         """Prepare and apply one mesh payload from ``origin``; raises
@@ -259,7 +278,7 @@ class Intake:
             h, _ = parse_chunk(msg.body)
         except (TrainWireError, CodecError):
             return False  # prepare refuses it, with the reason
-        if h.run_id != self.source.run_id or h.step > self.floors.get(origin, -1):
+        if h.run_id != self.source.run_id or not self._state_holds(origin, h):
             return False
         self.stats.before_state += 1
         state = self.roster.account(origin)
@@ -428,12 +447,14 @@ class Intake:
                 origin,
                 PayloadKind.UPDATE,
             )
-        self._check_once(self._updates, origin, h)
-        if h.step <= self.floors.get(origin, -1):  # the restored state holds it already
+        # Before the replay window: a resumed run's own update of a held last
+        # update's step (sparse, at the stamp) is not that update again.
+        if self._state_holds(origin, h):
             self.stats.before_state += 1
             if state is not None:
                 state.held_by_state += 1
             return
+        self._check_once(self._updates, origin, h)
         influence = self.influence
         try:
             influence.check_pace(origin, h.step, step)

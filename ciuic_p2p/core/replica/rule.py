@@ -326,7 +326,8 @@ class Replica:
         t = self.train
         covered = max(1, min(FINAL_COVERED_STEPS, t.max_send_interval_steps,
                              t.staleness_bound_steps // 4))  # fmt: skip
-        step = self.last_send_step + covered
+        # Never below this step: steps merged since the last send are in it.
+        step = max(self.step, self.last_send_step + covered)
         self.last_send_step = step
         return TakenUpdate(step, self.replicas)
 
@@ -570,25 +571,46 @@ class Replica:
         return out
 
     def start_at(
-        self, step: int, applied: dict[str, int] | None = None, next_round: int | None = None
+        self,
+        step: int,
+        applied: dict[str, int] | None = None,
+        next_round: int | None = None,
+        finals: dict[str, tuple[int, int]] | None = None,
     ) -> None:
         """Begin at ``step`` from the parameters now in the buckets (after a state
         sync or a checkpoint): the next update is measured from here. ``applied``
         (the state's :meth:`applied_steps`): each origin's chunks up to that step are
         in the state already and are dropped when they arrive. ``next_round`` (the
-        state's :meth:`next_round`, outer mode): where its rounds stood."""
+        state's :meth:`next_round`, outer mode): where its rounds stood. ``finals``
+        (the state's :meth:`final_stamps`): the run's last updates it holds."""
         self.parameters.flush(wait=True)
         self.parameters.discard_queued()
         self.intake.set_floors(applied or {})
+        self.intake.set_finals(finals or {})
         self.step = self.last_send_step = step
         self.parameters.rebase()
         if self.outer is not None:
             self.outer.start_at(step, next_round)
 
+    def final_stamps(self) -> dict[str, list[int]]:
+        """For each origin whose run's last update is in :meth:`shared_params`, stamped
+        past its last step (:meth:`take_final`): [its last step, the stamp]. A run
+        resumed from this state numbers its updates from the last step on, and its
+        peers must take them: the floors alone (the stamps) dropped 16 steps of every
+        peer's updates."""
+        finals = {
+            name: [p.done_at, p.applied_step]
+            for name, p in self.peers.items()
+            if p.done_at is not None and p.applied_step > p.done_at
+        }
+        if self.last_send_step > self.step:
+            finals[self.peer] = [self.step, self.last_send_step]
+        return finals
+
     def state_meta(self) -> dict[str, Any]:
         """What travels with a state snapshot beside the tensors (statefile's meta):
         :meth:`applied_steps`, and in outer mode :meth:`next_round`."""
-        meta: dict[str, Any] = {"applied": self.applied_steps()}
+        meta: dict[str, Any] = {"applied": self.applied_steps(), "finals": self.final_stamps()}
         if self.outer is not None:
             meta["next_round"] = self.outer.next_round
         return meta
