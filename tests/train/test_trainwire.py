@@ -36,6 +36,9 @@ def test_done_round_trips_and_messages_keep_their_kind() -> None:
     msg = decode_payload(encode_done(b"r" * 16, 42, 7))
     assert msg.kind is PayloadKind.DONE
     assert decode_done(msg.body) == (b"r" * 16, 42, 7)
+    past = decode_payload(encode_done(b"r" * 16, MAX_STEP + 1, 7))
+    with pytest.raises(TrainWireError, match="exceeds"):
+        decode_done(past.body)
     update = decode_payload(envelope(PayloadKind.UPDATE) + b"chunk")
     assert update.kind is PayloadKind.UPDATE and bytes(update.body) == b"chunk"
 

@@ -103,6 +103,8 @@ def decode_done(body: memoryview) -> tuple[bytes, int, int]:
     if len(body) != _DONE.size:
         raise TrainWireError(f"DONE body of {len(body)} bytes, expected {_DONE.size}")
     run_id, step, chunks = _DONE.unpack(body)
+    if step > MAX_STEP:  # a daemon shows it as the trainer's last step
+        raise TrainWireError(f"DONE step {step} exceeds {MAX_STEP}")
     return bytes(run_id), int(step), int(chunks)
 
 
