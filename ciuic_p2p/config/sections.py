@@ -436,7 +436,8 @@ class TrainSection:
     consensus_mix: float = 0.5
     update_norm_max_ratio: float = 50.0
     """A peer chunk whose RMS exceeds this times the running RMS of this replica's own
-    chunks (of the same bucket) is refused: a faulty node cannot blow up the model."""
+    chunks (of the same bucket), or of the replicas' lower median when that is more, is
+    refused: a faulty node cannot blow up the model."""
     norm_warmup_chunks: int = 10
     """Own chunks seen before the norm bound applies."""
     influence_clip_ratio: float = 3.0

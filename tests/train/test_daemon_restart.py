@@ -91,14 +91,12 @@ def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path, bounds: str) -> 
         # kept by its channel from its daemon's STOPPING on, sent once the daemon was
         # back, and expected from its new session's start (before: up to a third lost).
         assert theirs["sync"]["sent_by_origin"][mine["peer"]] == mine["chunks_sent"]
-        # Applied. With the bounds on, but for chunks the norm bound refuses: after
-        # the return the restarted replica's updates grow (its optimizer meets the
-        # others' progress of the gap at once), and one can pass 50 times the RMS of
-        # a receiver's own (0 to 7 such chunks a run, its last dense one among them).
-        norm_refused = theirs["sync"]["refused_by_origin"].get(mine["peer"], 0)
-        allowed = {"norm"} if bounds == "on" else set()
-        assert set(theirs["sync"]["refused"]) <= allowed, theirs["sync"]["refused"]
-        assert theirs["sync"]["applied_from"][mine["peer"]] + norm_refused == mine["chunks_sent"]
+        # Applied, every one. After its return the restarted replica's updates grow
+        # for a while (its optimizer meets the others' progress of the gap at once):
+        # held against a receiver's own RMS alone, 0 to 7 of its chunks a run passed
+        # 50 times it and were refused; against the replicas' median, none (6 pairs).
+        assert theirs["sync"]["refused"] == {}, theirs["sync"]["refused"]
+        assert theirs["sync"]["applied_from"][mine["peer"]] == mine["chunks_sent"]
         # What the others sent while its daemon was down reached it after the restart
         # (its daemon resumed each origin where it stopped, and the gap was repaired
         # from the origins, which keep their chunks): before, a third of theirs never did.
@@ -133,12 +131,12 @@ def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path, bounds: str) -> 
         assert distance <= clean + 0.002, (distance, clean)
     else:
         # The bounds clip and down-weight honest updates in both runs, and the
-        # restarted replica's more (its updates grow after the return): in 3 pairs
-        # of bench/daemon_restart.py 0.021 to 0.044 against twins of 0.011 to 0.021,
-        # 0.013 more on average and 0.030 at most (3 chunks refused for their norm
-        # in that pair). Issue 45 stays open for it; this bound keeps the gap the
-        # restart left before it was repaired (0.099) from coming back.
-        assert distance <= clean + 0.05, (distance, clean)
+        # restarted replica's more (its updates grow after the return): in 6 pairs
+        # of bench/daemon_restart.py 0.021 to 0.031 against twins of 0.017 to 0.025,
+        # 0.005 more on average and 0.010 at most (before the norm bound used the
+        # replicas' median: 0.013 and 0.030, 3 chunks refused in one pair of 3).
+        # Issue 45 stays open for it; 0.03 leaves the spread of a loaded machine.
+        assert distance <= clean + 0.03, (distance, clean)
 
 
 def _clean_twin(root: Path, steps: int, config: str) -> float:

@@ -3,6 +3,7 @@ payloads directly, in any order, with duplicates and bad input."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import json
@@ -661,3 +662,48 @@ def test_a_run_resumed_after_its_last_dense_update_takes_every_later_update() ->
         a.receive("p1", p)
     assert a.stats.applied == len(sent)  # steps 31 to 50: none held by the state
     assert a.stats.before_state == len(finals["p1"])
+
+
+def test_the_norm_bound_holds_a_chunk_against_the_replicas_not_only_this_ones() -> None:
+    """A replica whose own updates ran small (here a hundredth of the others') held
+    an honest peer's chunk against its own RMS alone and refused it; the bound is the
+    lower median of the replicas' running RMS when that is more. A member's loud
+    chunks do not raise it: the median stays an honest replica's."""
+    quiet, b, c, liar = replica(0), replica(1), replica(2), replica(3)
+    names = ["p0", "p1", "p2", "p3"]
+    for r in (quiet, b, c, liar):
+        r.set_alive(names)
+    gen = torch.Generator().manual_seed(7)
+    for _ in range(12):  # past the warm-up
+        local_update(quiet, gen, scale=0.0001)
+    # The peers' chunks as the quiet replica hears them: refused while their running
+    # RMS warms up (as every chunk was before), taken from then on.
+    for r, name in ((b, "p1"), (c, "p2")):
+        for _ in range(6):
+            for p in local_update(r, gen):
+                with contextlib.suppress(RefusedChunk):
+                    quiet.receive(name, p)
+    warming = quiet.stats.refused.get("norm", 0)
+    applied = quiet.stats.applied
+    for _ in range(10):
+        for r, name in ((b, "p1"), (c, "p2")):
+            for p in local_update(r, gen):
+                quiet.receive(name, p)
+    assert quiet.stats.applied > applied and quiet.stats.refused.get("norm", 0) == warming
+    own = quiet.norms.rms[0]
+    honest = quiet.intake.influence.origins["p1"].chunk_rms[0][0]
+    assert honest > 50 * own  # held against its own alone, every one was refused
+    # A member whose chunks are a hundred times an honest peer's: still refused.
+    with torch.no_grad():
+        for bucket in liar.buckets:
+            bucket.add_(torch.randn(bucket.shape, generator=gen) * 100)
+    liar.local_step()
+    for p in liar.encode_update(liar.take_update(), 1):
+        with pytest.raises(RefusedChunk) as err:
+            quiet.receive("p3", p)
+        assert err.value.reason == "norm"
+    assert quiet.intake.rms_reference(0) == pytest.approx(
+        sorted(
+            [own] + [quiet.intake.influence.origins[n].chunk_rms[0][0] for n in ("p1", "p2", "p3")]
+        )[1]
+    )

@@ -147,6 +147,9 @@ class OriginRecord:
     """Per bucket: the step of its latest consensus fragment and the mean square of its
     difference from this replica's parameters of that step, per element."""
     budget: dict[int, tuple[float, int]] = field(default_factory=dict)
+    chunk_rms: dict[int, tuple[float, int]] = field(default_factory=dict)
+    """Per bucket: the running RMS of its update chunks and how many were seen (what
+    its own norm bound holds others' chunks against, as this replica sees it)."""
     """Per bucket: the norm it may still move this replica by, and the run's front
     (this replica's vouched step) when that was last topped up."""
 
@@ -389,6 +392,31 @@ class InfluenceBound:
         if len(rec.steps) > len(rec.step_list):
             rec.steps = set(rec.step_list)
             rec.taken_sq = {k: v for k, v in rec.taken_sq.items() if k[0] >= floor}
+
+    def record_rms(self, origin: str, bucket: int, rms: float) -> None:
+        """One update chunk of ``origin`` of RMS ``rms`` in ``bucket`` (every one it
+        sent, as it records its own: refused or not)."""
+        if rms > 0.0 and math.isfinite(rms):
+            rec = self.record(origin)
+            old, n = rec.chunk_rms.get(bucket, (0.0, 0))
+            rec.chunk_rms[bucket] = (rms if n == 0 else 0.9 * old + 0.1 * rms, n + 1)
+
+    def rms_reference(
+        self, bucket: int, alive: Container[str], own_rms: float, own_count: int
+    ) -> float | None:
+        """The lower median of the running chunk RMS in ``bucket`` over this replica
+        (``own_rms`` of ``own_count`` chunks) and the origins ``alive``, each once it
+        has sent ``norm_warmup_chunks``; None while none has."""
+        warm = self.train.norm_warmup_chunks
+        found = [
+            r.chunk_rms[bucket][0]
+            for name, r in self.origins.items()
+            if name in alive and r.chunk_rms.get(bucket, (0.0, 0))[1] >= warm
+        ]
+        if own_count >= warm:
+            found.append(own_rms)
+        found.sort()
+        return found[(len(found) - 1) // 2] if found else None
 
     def reference_sq(self, bucket: int, alive: Container[str]) -> float | None:
         """The lower median of the running squared norms of one update in ``bucket``

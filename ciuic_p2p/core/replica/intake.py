@@ -140,7 +140,8 @@ class ReplicaStats:
 
 class OwnNorms:
     """The running RMS of this replica's own chunks, per bucket: what a peer's chunk
-    is held against (written as this replica encodes, read as peers' chunks arrive)."""
+    is held against, with the other replicas' (:meth:`Intake.rms_reference`; written
+    as this replica encodes, read as peers' chunks arrive)."""
 
     def __init__(self, buckets: int) -> None:
         self.rms: list[float] = [0.0] * buckets
@@ -421,20 +422,32 @@ class Intake:
         self._check_once(self._params, origin, h)
         self._mix(origin, h, values, mine)
 
+    def rms_reference(self, bucket: int) -> float | None:
+        """What a peer's update chunk's RMS is held against in ``bucket``: this
+        replica's own running RMS, or the lower median of the replicas' (its own
+        included, core.replica.influence) when that is more. Against its own alone, a
+        replica whose updates ran small refused an honest peer's: a restarted
+        replica's, whose updates grow for a while after its return, at 52 times a
+        receiver's own. A member cannot raise the median above an honest replica's,
+        nor lower the bound below this replica's own. None before the warm-up."""
+        own, count = self.norms.rms[bucket], self.norms.count[bucket]
+        if count < self.train.norm_warmup_chunks:
+            return None
+        median = self.influence.rms_reference(bucket, self.roster.mesh_alive, own, count)
+        return own if median is None else max(own, median)
+
     def _apply_update(
         self, item: Prepared, h: ChunkHeader, state: PeerState | None, step: int
     ) -> None:
         origin, values = item.origin, item.values
         assert values is not None
-        ref = self.norms.rms[h.bucket]
-        if (
-            self.norms.count[h.bucket] >= self.train.norm_warmup_chunks
-            and item.rms > self.train.update_norm_max_ratio * ref
-        ):
+        self.influence.record_rms(origin, h.bucket, item.rms)
+        ref = self.rms_reference(h.bucket)
+        if ref is not None and item.rms > self.train.update_norm_max_ratio * ref:
             raise RefusedChunk(
                 "norm",
                 f"chunk from {origin} (step {h.step}) has RMS {item.rms:.3g}, over "
-                f"{self.train.update_norm_max_ratio:g} x this replica's own {ref:.3g}",
+                f"{self.train.update_norm_max_ratio:g} x the replicas' running {ref:.3g}",
                 origin,
                 PayloadKind.UPDATE,
             )

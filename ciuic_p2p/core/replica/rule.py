@@ -56,7 +56,8 @@ replica back toward a stale point by a different amount.
 
 Every chunk is checked before anything changes: run, layout, bucket and range, exactly
 once (per origin, incarnation, step, bucket, range start), and its RMS against the
-running RMS of this replica's own chunks of that bucket; a refusal is counted under
+running RMS of this replica's own chunks of that bucket (or the replicas' lower median
+of theirs, when more; core.replica.intake ``rms_reference``); a refusal is counted under
 its reason and the step goes on.
 """
 
