@@ -195,6 +195,10 @@ def test_promtool_accepts_a_live_scrape_of_a_daemon_with_a_trainer(tmp_path: Pat
                 loss.backward()
                 opt.step()
                 sync.step(loss=loss)  # carried to the daemon: ciuic_trainer_loss
+                # Each step's update its own send: a loop this fast outruns a busy
+                # encoder, whose steps merge into the next send (the hook never
+                # waits), and a daemon that saw one step published has no rate.
+                assert sync.encoder.idle.wait(30)
             fleet.wait(rate_reported, 30, "the trainer's rate in /metrics")
             assert sync.finish(30)
         finally:
