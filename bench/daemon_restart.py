@@ -145,8 +145,8 @@ def one_pair(root: Path, config: str) -> dict[str, Any]:
         unapplied += mine["chunks_sent"] - got - theirs["refused_by_origin"].get(mine["peer"], 0)
     return {
         "steps": steps,
-        "distance": round(distance, 5),
-        "twin_distance": round(twin_distance, 5),
+        "distance": float(f"{distance:.3g}"),
+        "twin_distance": float(f"{twin_distance:.3g}"),
         "refused": refused,
         "unapplied": unapplied,
         "finished_in_sync": [r["finished_in_sync"] for r in results],
@@ -174,10 +174,10 @@ def main() -> None:
         gaps = [r["distance"] - r["twin_distance"] for r in rows]
         report[bounds] = {
             "rows": rows,
-            "mean_distance": round(statistics.mean(r["distance"] for r in rows), 5),
-            "mean_twin_distance": round(statistics.mean(r["twin_distance"] for r in rows), 5),
-            "mean_gap": round(statistics.mean(gaps), 5),
-            "max_gap": round(max(gaps), 5),
+            "mean_distance": float(f"{statistics.mean(r['distance'] for r in rows):.3g}"),
+            "mean_twin_distance": float(f"{statistics.mean(r['twin_distance'] for r in rows):.3g}"),
+            "mean_gap": float(f"{statistics.mean(gaps):.3g}"),
+            "max_gap": float(f"{max(gaps):.3g}"),
             "unapplied": sum(r["unapplied"] for r in rows),
         }
         summary = {k: v for k, v in report[bounds].items() if k != "rows"}

@@ -139,6 +139,7 @@ def _trainer() -> dict[str, bytes]:
         ),
         "train_gone": tw.encode_presence(tw.PayloadKind.GONE, run),
         "train_envelope_update": tw.envelope(tw.PayloadKind.UPDATE),
+        "train_envelope_final": tw.envelope(tw.PayloadKind.FINAL),
         "trainer_hello": ts.json_frame(ts.TrainerFrame.HELLO, {"run": "golden-run"}),
         "trainer_deliver_header": ts.frame_header(ts.TrainerFrame.DELIVER, 1000)
         + ts.peer_prefix(PEER),

@@ -230,6 +230,8 @@ def validate(cfg: Sections) -> None:
         (1 <= t.set_aside_steps <= 100_000_000, "train.set_aside_steps",
          "must be in [1, 100000000]"),
         (t.finish_timeout_s > 0, "train.finish_timeout_s", "must be > 0"),
+        (0.0 < t.finish_average_distance_max_ratio <= 10.0,
+         "train.finish_average_distance_max_ratio", "must be in (0, 10]"),
         (t.stall_grace_s > 0, "train.stall_grace_s", "must be > 0"),
         (1 <= t.inner_steps <= 10_000, "train.inner_steps", "must be in [1, 10000]"),
         (t.mode != "outer" or t.staleness_bound_steps >= 2 * t.inner_steps,

@@ -20,6 +20,7 @@ QuicBackendName = Literal["aioquic", "qh3"]
 CongestionControl = Literal["cubic", "reno"]
 TrainMode = Literal["step", "outer"]
 OuterOptimizer = Literal["average", "nesterov"]
+FinishAverage = Literal["off", "fp16", "bf16", "fp32"]
 
 
 def host_name() -> str:
@@ -436,8 +437,9 @@ class TrainSection:
     consensus_mix: float = 0.5
     update_norm_max_ratio: float = 50.0
     """A peer chunk whose RMS exceeds this times the running RMS of this replica's own
-    chunks (of the same bucket), or of the replicas' lower median when that is more, is
-    refused: a faulty node cannot blow up the model."""
+    chunks (of the same bucket), or of the replicas' lower median when that is more,
+    per step the update covers (since its origin's previous one, at most
+    ``max_send_interval_steps``), is refused: a faulty node cannot blow up the model."""
     norm_warmup_chunks: int = 10
     """Own chunks seen before the norm bound applies."""
     influence_clip_ratio: float = 3.0
@@ -507,7 +509,8 @@ class TrainSection:
     outer_momentum: float = 0.9
     """``nesterov`` only. The momentum buffer is dense: 4 bytes per parameter more."""
     finish_timeout_s: float = 60.0
-    """How long :meth:`finish` waits for the other replicas' last chunks."""
+    """How long :meth:`finish` waits for the other replicas' last chunks, and as long
+    again for their copies in the last round (``finish_average``)."""
     finish_dense: bool = True
     """:meth:`finish` sends everything error feedback still holds as one dense INT8
     update, so every replica ends with the same parameters up to its rounding (the
@@ -518,6 +521,24 @@ class TrainSection:
     values, until settled). False: the last update is sparse like every other and
     each replica ends apart by its residual. Ignored in ``outer`` mode (a round's
     residual goes with the round)."""
+    finish_average: FinishAverage = "fp16"
+    """:meth:`finish` ends with a last round in which every replica averages the same
+    copies of all the replicas' parameters, its own included, in this dtype, so the
+    run ends as one model (up to the rounding of fp32 additions) whichever node a user
+    saves it from (core.replica.final). Its members are the replicas whose DONE was
+    heard. It costs one copy per replica on the wire, once per run (2 bytes per
+    parameter at ``fp16``: a node receives that from each other replica), and while
+    :meth:`finish` runs 2 bytes per parameter for the own copy (4 at ``fp32``) and 4
+    per element of the largest bucket. The copies' rounding (fp16: 2^-11 relative per
+    element) is in the end model. A bf16 or fp16 model sends its own dtype. ``off``:
+    each replica keeps its own parameters (they end apart by the last updates' rounding
+    and what the consensus mix did not cover)."""
+    finish_average_distance_max_ratio: float = 0.2
+    """A peer's copy in the last round whose RMS distance from this replica's copy
+    exceeds this times their RMS (the range's, or its bucket's when more) is refused:
+    a member moves a replica at most this far, divided by the number of copies.
+    Honest replicas end a run about 1% apart (2-3% after a daemon restart); replicas
+    that started from different weights are about 1.4 apart and are not averaged."""
     stall_grace_s: float = 0.5
     """A step waits at most this long for replicas past the staleness bound; then it
     goes on without them (counted as ``excused``) until their chunks catch up, so a

@@ -12,7 +12,7 @@ mode, one end of a socket pair). The daemon:
   session number), so that a restarted trainer's steps 1, 2, ... are new to its
   peers; when a trainer goes away without DONE, tells the run's replicas (GONE);
 - delivers only what the mesh verified: every payload a trainer acts on (UPDATE,
-  PARAMS, DONE, JOIN, GONE) comes with its origin daemon's signature over the mesh
+  PARAMS, DONE, JOIN, GONE, FINAL) comes with its origin daemon's signature over the mesh
   chunk, checked before any node delivers or forwards it (core.mesh.broadcast), and an
   update's own header must name that same origin (no member can pass its updates off
   as another's);
@@ -496,6 +496,9 @@ class TrainerServer:
             d.peer_id, header.incarnation, header.step, d.clock(), update, header.run_id
         )
         d.counters["chunks_published"] += 1
+        if msg.kind is PayloadKind.FINAL:
+            d.broadcast(payload)  # once per run: not a round's piece
+            return
         if msg.kind is PayloadKind.PARAMS:
             if header.step != self.snapshot_step:
                 self.snapshot.clear()
@@ -701,7 +704,7 @@ class TrainerServer:
                 run = decode_presence(msg.body).run_id
                 if msg.kind is PayloadKind.GONE:
                     self.progress.ended(delivery.origin, run, "gone")
-            if msg.kind in (PayloadKind.UPDATE, PayloadKind.PARAMS):
+            if msg.kind in (PayloadKind.UPDATE, PayloadKind.PARAMS, PayloadKind.FINAL):
                 # The mesh checked the origin's signature over the whole payload
                 # (core.mesh.broadcast): what is left is that the update is the origin's own.
                 t0 = time.perf_counter()

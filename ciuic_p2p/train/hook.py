@@ -24,6 +24,7 @@ import contextlib
 import os
 import signal
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ import torch
 from ciuic_p2p.config import Config
 from ciuic_p2p.core.codec.bucket import ChunkSource
 from ciuic_p2p.core.codec.layout import BucketLayout
+from ciuic_p2p.core.replica.final import FinalSummary
 from ciuic_p2p.core.replica.intake import Prepared
 from ciuic_p2p.core.replica.messages import (
     LayoutSummary,
@@ -183,6 +185,8 @@ class MeshSync:
         """The newest loss given to :meth:`step`."""
         self._rejoin_until = 0.0
         self._early: list[Any] = []
+        self.final_round: FinalSummary | None = None
+        """How :meth:`finish`'s last round went (core.replica.final)."""
         """Peer chunks that arrived before the state was restored, applied after it
         (applied before, they went into weights the restored state then replaced)."""
         self.replicas_heard_s: dict[str, float] = {}
@@ -542,7 +546,10 @@ class MeshSync:
             elif exc.reason != "set_aside":  # counted; said once when it was set aside
                 # A duplicate is the mesh's at-least-once delivery (a relay's repair, a
                 # leaving daemon's resend), not a fault: counted, not warned about.
-                level = log.debug if exc.reason == "duplicate" else log.warning
+                # A last round's copy refused is said once, in its summary
+                # (final_round_incomplete), not once per chunk.
+                quiet = exc.reason == "duplicate" or exc.kind is PayloadKind.FINAL
+                level = log.debug if quiet else log.warning
                 level("chunk_refused", step=r.step, reason=exc.reason, error=str(exc))
             return 0
 
@@ -616,10 +623,55 @@ class MeshSync:
             )
             complete = False
         r.settle(everything=True)
+        if not self._final_round(limit):
+            complete = False
         if self.encoder.idle.wait(limit):  # late joiners and a restart start from here
             self.state.hand_state(write_checkpoint_too=self.state.checkpoint_path is not None)
             self.encoder.idle.wait(limit)
         return complete
+
+    def _final_round(self, limit: float) -> bool:
+        """The run's last round (core.replica.final): every replica averages the same
+        copies of the replicas' parameters, so that the run ends as one model. Its
+        members are the replicas whose DONE was heard; it waits at most ``limit`` for
+        their copies. False when a member's copy did not come whole or a member
+        averaged another number of copies (the replicas may then end apart)."""
+        r, ch = self.replica, self.channel
+        if self.config.train.finish_average == "off" or r.intake.final is not None:
+            return True
+        members = [
+            name
+            for name, p in r.peers.items()
+            if p.done_at is not None and not r.intake.influence.set_aside(name, r.step)
+        ]
+        if not members:
+            return True
+        if not self.encoder.idle.wait(limit):
+            raise ChannelError(f"the encoder did not finish within {limit:g} s")
+        t0 = time.monotonic()
+        for payload in r.start_final(members):
+            ch.publish(payload)
+        deadline = t0 + limit
+        while not r.final_complete and time.monotonic() < deadline and not ch.closed:
+            ch.wait_any(0.05)
+            self.poll()
+            r.fold_final()
+        summary = r.end_final()
+        assert summary is not None
+        self.final_round = summary
+        fields = asdict(summary)
+        fields["seconds"] = round(time.monotonic() - t0, 3)
+        if summary.complete and not summary.counted_otherwise:
+            log.info("final_round", step=r.step, **fields)
+            return True
+        log.warning(
+            "final_round_incomplete",
+            step=r.step,
+            **fields,
+            hint="the replicas may end apart: see the refusals, the members missing "
+            "(train.finish_timeout_s) and the daemon's log",
+        )
+        return False
 
     # -- reporting ---------------------------------------------------------------------------
 
@@ -681,6 +733,7 @@ class MeshSync:
             "udp_bytes_sent": int(self.channel.stats.get("udp_bytes_sent", 0)),
             "mode": self.config.train.mode,
             "rounds_completed": r.outer.rounds_completed if r.outer is not None else 0,
+            "final_round": None if self.final_round is None else asdict(self.final_round),
         }
 
     def summary(self) -> str:
@@ -693,6 +746,11 @@ class MeshSync:
             f"peer(s); staleness p50 {s['staleness_p50']} p99 {s['staleness_p99']} of "
             f"{s['staleness_bound']} steps; waited {s['wait_s']:.1f} s; {refused} refused"
         )
+        final = self.final_round
+        if final is not None:
+            line += f"; ended as the mean of {final.members} replicas" + (
+                "" if final.complete else f" ({len(final.missing)} missing: not one model)"
+            )
         if s["checkpoint_path"]:
             line += f"; checkpoint {s['checkpoint_path']}"
         return line

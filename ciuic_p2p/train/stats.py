@@ -54,6 +54,7 @@ class SyncStats(TypedDict):
     udp_bytes_sent: int
     mode: str
     rounds_completed: int
+    final_round: dict[str, Any] | None
 
 
 STATS_DOC: dict[str, str] = {
@@ -118,4 +119,9 @@ STATS_DOC: dict[str, str] = {
     "mode": "`train.mode`: `step` or `outer`",
     "rounds_completed": "outer mode: rounds every live replica has sent, whose outer step "
     "is in this replica (0 in step mode)",
+    "final_round": "after `finish()`, its last round (`train.finish_average`): `members` "
+    "(copies averaged, this one's included), `complete`, `missing` (members whose whole "
+    "copy did not come), `refused` by reason, `distance_max` (how far apart the replicas "
+    "were before it, relative) and `counted_otherwise` (members that averaged another "
+    "number of copies); None before `finish()` or when no round ran",
 }

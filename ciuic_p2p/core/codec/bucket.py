@@ -86,6 +86,7 @@ _DENSE_DTYPES = {
     Codec.DENSE_FP16: torch.float16,
     Codec.DENSE_BF16: torch.bfloat16,
 }
+_CODEC_OF_DTYPE = {dtype: codec for codec, dtype in _DENSE_DTYPES.items()}
 _DENSE_BY_NAME = {"fp32": Codec.DENSE_FP32, "fp16": Codec.DENSE_FP16, "bf16": Codec.DENSE_BF16}
 _SPARSE_BY_MODE = {
     "int8": Codec.SPARSE_INT8,
@@ -542,11 +543,22 @@ class BucketEncoder:
         low = acc.to(_DENSE_DTYPES[self.spec.codec])
         return self._dense_chunks(low, step), low.to(torch.float32)
 
-    def _dense_chunks(self, values: torch.Tensor, step: int) -> list[bytearray]:
-        codec = self.spec.codec
+    def encode_copy(self, values: torch.Tensor, step: int) -> list[bytearray]:
+        """The whole bucket's parameters ``values``, already in an fp32, fp16 or bf16
+        dtype, as dense chunks of that dtype (the run's last round, core.replica.final;
+        no error feedback)."""
+        if values.dim() != 1 or values.numel() != self.numel:
+            raise ValueError("a copy holds the whole bucket")
+        return self._dense_chunks(values, step, _CODEC_OF_DTYPE[values.dtype])
+
+    def _dense_chunks(
+        self, values: torch.Tensor, step: int, codec: Codec | None = None
+    ) -> list[bytearray]:
+        if codec is None:
+            codec = self.spec.codec
+            if codec is Codec.DENSE_FP32:
+                self.stats.k = self.stats.selected = self.numel
         per_chunk = self.spec.chunk_payload_bytes // codec.value_bytes
-        if codec is Codec.DENSE_FP32:
-            self.stats.k = self.stats.selected = self.numel
         chunks = []
         for start in range(0, self.numel, per_chunk):
             end = min(self.numel, start + per_chunk)

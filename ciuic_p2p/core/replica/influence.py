@@ -560,6 +560,11 @@ class InfluenceBound:
         rec.budget[bucket] = (left - norm, max(since, front))
         return factor
 
+    def covered(self, origin: str, step: int) -> int:
+        """The steps ``origin``'s update of ``step`` covers (see :meth:`_covered`)."""
+        rec = self.origins.get(origin)
+        return self._covered([] if rec is None else rec.step_list, step)
+
     def _covered(self, steps: list[int], step: int) -> int:
         """The steps an update of ``step`` covers: since the one before it in
         ``steps`` (one send interval for a first), at most the longest merge an honest

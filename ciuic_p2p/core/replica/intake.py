@@ -6,7 +6,8 @@ then, between two steps, checks what does (the RMS bound against this replica's 
 updates, exactly once per origin, incarnation, step, bucket and range start), queues
 the values, and ``flush`` adds every queued chunk with two adds at positions per bucket.
 Every refusal names its reason (``other_run``, ``layout``, ``range``, ``malformed``,
-``duplicate``, ``norm``, ``pace``, ``set_aside``) and is counted; nothing changes
+``duplicate``, ``norm``, ``pace``, ``set_aside``; for the last round's copies also
+``final_member`` and ``late``) and is counted; nothing changes
 before a payload is accepted. What an accepted update may weigh and move is bounded by
 what this replica knows, not by what the chunk says (core.replica.influence).
 JOIN, GONE and DONE of another run sharing the mesh are ignored and counted apart.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -27,6 +29,7 @@ from ciuic_p2p.core.codec.bucket import ChunkSource, decode_chunk
 from ciuic_p2p.core.codec.chunk import ChunkHeader, parse_chunk
 from ciuic_p2p.core.codec.layout import BucketLayout, describe_layout
 from ciuic_p2p.core.codec.origin import ReplayWindow
+from ciuic_p2p.core.replica.final import FinalRefusal, FinalRound, FinalSummary, held_dtype
 from ciuic_p2p.core.replica.influence import InfluenceBound, PaceRefusal
 from ciuic_p2p.core.replica.messages import (
     PayloadKind,
@@ -103,6 +106,8 @@ class ReplicaStats:
     applied_from: collections.Counter[str] = field(default_factory=collections.Counter)
     """Updates applied per origin, kept after the origin left (one entry a member)."""
     params_mixed: int = 0
+    final_chunks: int = 0
+    """Chunks of the peers' copies taken in the last round (core.replica.final)."""
     params_unmatched: int = 0
     """Peer parameters of a step this replica kept none of its own for: not mixed."""
     before_state: int = 0
@@ -198,6 +203,13 @@ class Intake:
         """Origins' last updates' stamps a restored state holds (:meth:`set_finals`)."""
         """Per origin: update steps at or below this are in the restored state."""
         self._held: dict[tuple[int, int], list[HeldFragment]] = {}
+        self.final: FinalRound | None = None
+        """The run's last round, once this replica started it (:meth:`start_final`)."""
+        self.final_ended = False
+        self._final_early: list[Prepared] = []
+        """Peers' copies that came before this replica started its last round (it
+        was still applying their last updates); at most one model's worth each."""
+        self._final_early_elements: collections.Counter[str] = collections.Counter()
         """Per bucket and round: the chunks of fragments heard before any other
         origin's (``_mix``), for the rounds whose parameters are kept (two)."""
 
@@ -341,7 +353,7 @@ class Intake:
         except RefusedChunk as exc:
             exc.kind = msg.kind
             raise
-        if msg.kind is PayloadKind.PARAMS and h.codec.is_sparse:
+        if msg.kind in (PayloadKind.PARAMS, PayloadKind.FINAL) and h.codec.is_sparse:
             raise RefusedChunk("malformed", f"parameters from {origin} are not dense")
         rms = float(torch.linalg.vector_norm(decoded.values)) / math.sqrt(max(1, h.count))
         return Prepared(origin, msg.kind, h, decoded.positions, decoded.values, rms, h.step, 0)
@@ -370,7 +382,15 @@ class Intake:
                 account = self.roster.existing_account(exc.origin)
                 if account is not None:
                     account.refused += 1
-            counts = exc.reason not in ("duplicate", "set_aside", "other_run")
+            # Not faults: the mesh's repairs, a peer counted out of the last round
+            # (its DONE not heard here), a copy after the round ended.
+            counts = exc.reason not in (
+                "duplicate",
+                "set_aside",
+                "other_run",
+                "final_member",
+                "late",
+            )
             if counts and exc.origin and self.influence.refused(exc.origin, step):
                 until = step + self.train.set_aside_steps
                 self.stats.set_aside[exc.origin] = until
@@ -404,6 +424,8 @@ class Intake:
         assert h is not None and item.values is not None
         if item.kind is PayloadKind.PARAMS:
             self._apply_params(origin, h, item.values)
+        elif item.kind is PayloadKind.FINAL:
+            self._apply_final(item, h)
         else:
             self._apply_update(item, h, state, step)
 
@@ -421,6 +443,59 @@ class Intake:
         self._check_params(origin, h, values, mine)
         self._check_once(self._params, origin, h)
         self._mix(origin, h, values, mine)
+
+    def start_final(self, final: FinalRound, step: int) -> None:
+        """Start the last round: take the copies that came before it (refusals
+        counted in the round's summary)."""
+        self.final = final
+        early, self._final_early = self._final_early, []
+        self._final_early_elements.clear()
+        for item in early:
+            with contextlib.suppress(RefusedChunk):
+                self.apply(item, step)
+
+    def end_final(self) -> FinalSummary | None:
+        """End the last round: later copies are refused as ``late``."""
+        self.final_ended = True
+        self._final_early = []
+        return None if self.final is None else self.final.summary()
+
+    def _apply_final(self, item: Prepared, h: ChunkHeader) -> None:
+        origin, values = item.origin, item.values
+        assert values is not None
+        if self.final_ended:
+            raise RefusedChunk(
+                "late", f"final copy from {origin} after the last round", origin, item.kind
+            )
+        if self.final is None:
+            # Before this replica's own round (it still applies the peers' last
+            # updates): held, from a replica whose DONE was heard (it sends its copy
+            # after), one model's worth each at most, in the dtype it came in.
+            state = self.roster.existing_account(origin)
+            if state is None or state.done_at is None:
+                raise RefusedChunk(
+                    "final_member",
+                    f"final copy from {origin}, not a replica of this run that said DONE",
+                    origin,
+                    item.kind,
+                )
+            if self._final_early_elements[origin] + h.range_len > self.layout.numel:
+                raise RefusedChunk(
+                    "range",
+                    f"final copy from {origin} holds more than the model",
+                    origin,
+                    item.kind,
+                )
+            self._final_early_elements[origin] += h.range_len
+            held = values.to(held_dtype(h.codec))
+            self._final_early.append(dataclasses.replace(item, values=held))
+            return
+        try:
+            diff = self.final.take(origin, h.bucket, h.range_start, values, h.replicas)
+        except FinalRefusal as exc:
+            raise RefusedChunk(exc.reason, str(exc), origin, item.kind) from None
+        self.parameters.add_slice(h.bucket, h.range_start, diff)
+        self.stats.final_chunks += 1
 
     def rms_reference(self, bucket: int) -> float | None:
         """What a peer's update chunk's RMS is held against in ``bucket``: this
@@ -443,11 +518,16 @@ class Intake:
         assert values is not None
         self.influence.record_rms(origin, h.bucket, item.rms)
         ref = self.rms_reference(h.bucket)
-        if ref is not None and item.rms > self.train.update_norm_max_ratio * ref:
+        # Per step the update covers, as the clip holds it (core.replica.influence):
+        # a replica whose channel was full while its daemon restarted merged dozens of
+        # steps into one send, refused at 65 times one step's RMS.
+        covered = self.influence.covered(origin, h.step)
+        if ref is not None and item.rms > self.train.update_norm_max_ratio * ref * covered:
             raise RefusedChunk(
                 "norm",
-                f"chunk from {origin} (step {h.step}) has RMS {item.rms:.3g}, over "
-                f"{self.train.update_norm_max_ratio:g} x the replicas' running {ref:.3g}",
+                f"chunk from {origin} (step {h.step}, covering {covered}) has RMS "
+                f"{item.rms:.3g}, over {self.train.update_norm_max_ratio:g} x the "
+                f"replicas' running {ref:.3g} per step",
                 origin,
                 PayloadKind.UPDATE,
             )

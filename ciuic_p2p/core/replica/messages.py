@@ -6,8 +6,9 @@ Mesh payload (version 1), carried as the payload of a mesh ``CHUNK``::
     off size field
       0    2 magic      b"CT"
       2    1 version    1
-      3    1 kind       UPDATE 1 | PARAMS 2 | DONE 3 | JOIN 4 | GONE 5
-      4    .  body      UPDATE, PARAMS: one chunk (core.codec.chunk, signed by its origin)
+      3    1 kind       UPDATE 1 | PARAMS 2 | DONE 3 | JOIN 4 | GONE 5 | FINAL 6
+      4    .  body      UPDATE, PARAMS, FINAL: one chunk (core.codec.chunk, signed
+                        by its origin)
                         DONE: run_id (16) + last step (u64 LE) + update
                         chunks sent in all (u64 LE)
                         JOIN, GONE: run_id (16) [+ JOIN: the sender's
@@ -20,7 +21,9 @@ replica's parameters (dense, for the consensus mix); ``DONE`` says the origin to
 last step, so that nobody waits for it any more; ``JOIN`` says a trainer of the run is
 attached to the origin (the replicas of a run are the members that sent it, not every
 member of the mesh); ``GONE``, sent by a daemon whose trainer went away without
-``DONE``, says it no longer is.
+``DONE``, says it no longer is. ``FINAL`` is one chunk of a replica's whole
+parameters, sent once at the end of its run (dense, fp16 by default: the last round,
+core.replica.final).
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ class PayloadKind(enum.IntEnum):
     DONE = 3
     JOIN = 4
     GONE = 5
+    FINAL = 6
 
 
 @dataclass(frozen=True, slots=True)

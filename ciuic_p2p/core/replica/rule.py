@@ -76,6 +76,13 @@ from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource, 
 from ciuic_p2p.core.codec.chunk import ChunkHeader, Codec
 from ciuic_p2p.core.codec.layout import BucketLayout
 from ciuic_p2p.core.codec.select import RunParts, sequential
+from ciuic_p2p.core.replica.final import (
+    FINAL_DTYPES,
+    FinalRound,
+    FinalSummary,
+    copy_dtype,
+    own_copy,
+)
 from ciuic_p2p.core.replica.intake import (
     STALENESS_BINS,
     Intake,
@@ -416,6 +423,64 @@ class Replica:
         m = self.mean_send_bytes
         self.mean_send_bytes = sent_bytes if m == 0.0 else 0.9 * m + 0.1 * sent_bytes
         return payloads
+
+    def start_final(self, members: Iterable[str]) -> list[bytes]:
+        """Start the run's last round (core.replica.final; ``train.finish_average``
+        names the copies' dtype): this replica's parameters become its copy as sent,
+        returned as ``FINAL`` payloads to publish, and ``members``' copies are
+        averaged in as they arrive. Training thread, with the encoder idle."""
+        names = sorted(set(members) - {self.peer})
+        wanted = FINAL_DTYPES[self.train.finish_average]
+        count = len(names) + 1
+        step = self.step
+        own: list[torch.Tensor] = []
+        payloads: list[bytes] = []
+        self.flush(wait=True)
+        for enc, bucket in zip(self.encoders, self.buckets, strict=True):
+            copy = own_copy(bucket, copy_dtype(bucket, wanted))
+            own.append(copy)
+            enc.replicas = count  # the chunks say how many copies their origin averages
+            payloads += [envelope(PayloadKind.FINAL) + c for c in enc.encode_copy(copy, step)]
+            with torch.no_grad():
+                self.parameters.add_slice(enc.bucket, 0, copy.float() - bucket)
+            self.fold_final()  # one bucket's difference at a time
+        self.intake.start_final(
+            FinalRound(own, names, self.train.finish_average_distance_max_ratio), self.step
+        )
+        self.fold_final()
+        sent = sum(len(p) for p in payloads)
+        self.stats.bytes_published += sent
+        return payloads
+
+    @property
+    def final_complete(self) -> bool:
+        """Every member's whole copy is in (after :meth:`start_final`)."""
+        final = self.intake.final
+        return final is not None and final.complete
+
+    def fold_final(self) -> None:
+        """Add what the last round took to the model and the base now (each peer's
+        copy's difference would otherwise wait for an encoder read that never comes,
+        at 4 bytes per parameter per peer). With the encoder idle."""
+        self.parameters.flush(wait=True)
+        with self.parameters.reading():
+            pass
+
+    def end_final(self) -> FinalSummary | None:
+        """End the last round (later copies are refused as late); its summary, None
+        when none was started."""
+        self.fold_final()
+        final = self.intake.final
+        if final is not None and not final.complete:
+            # What was added is (sum of the copies taken - own) / members: scaled to
+            # the copies each element got, it is their mean.
+            for b, counts in final.coverage():
+                with torch.no_grad():
+                    moved = self.buckets[b].float() - final.own[b].float()  # a new tensor
+                    moved.mul_(final.count / counts - 1.0)
+                self.parameters.add_slice(b, 0, moved)
+                self.fold_final()
+        return self.intake.end_final()
 
     def snapshot_params(self) -> Fragment:
         """This step's consensus fragment of the parameters (training thread; 1/F of
