@@ -10,6 +10,7 @@ import random
 import pytest
 import torch
 
+from ciuic_p2p.config import FinishAverage
 from ciuic_p2p.core.codec.chunk import Codec, parse_chunk
 from ciuic_p2p.core.replica.final import FINAL_DTYPES, FinalRound, copy_dtype
 from ciuic_p2p.core.replica.messages import (
@@ -61,7 +62,7 @@ def _offer(r: Replica, origin: str, payloads: list[bytes]) -> list[str]:
     [("fp16", Codec.DENSE_FP16), ("bf16", Codec.DENSE_BF16), ("fp32", Codec.DENSE_FP32)],
 )
 def test_the_last_round_ends_every_replica_at_the_mean_of_the_same_copies(
-    dtype: str, codec: Codec
+    dtype: FinishAverage, codec: Codec
 ) -> None:
     reps = _trained(3, dataclasses.replace(TRAIN, finish_average=dtype))
     for r in reps:
