@@ -19,6 +19,7 @@ from ciuic_p2p.config.locate import (
     not_found_hint,
     socket_candidates,
 )
+from ciuic_p2p.core.replica.parameters import AddSink
 from ciuic_p2p.logsetup import configure_trainer_logging, get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel, LocalDaemon
 from ciuic_p2p.train.checkpoint import checkpoint_choice
@@ -118,18 +119,45 @@ def attach(
     if process_group is not None:
         import torch.distributed as dist  # noqa: PLC0415
 
+        from ciuic_p2p.core.replica.mirror import MirrorLog  # noqa: PLC0415
         from ciuic_p2p.train.localranks import LocalRanks  # noqa: PLC0415
 
         lead: MeshSync | None = None
+        log: MirrorLog | None = None
         if dist.get_rank(process_group) == 0:
-            leader = attach(
-                model, optimizer, run=run, socket_path=socket_path, daemon=daemon,
-                config=cfg, min_replicas=min_replicas, join_timeout_s=join_timeout_s,
+            # The other ranks replay its adds; outer mode's step is not in the log yet.
+            log = MirrorLog() if cfg.train.mode == "step" else None
+            lead = _attach_replica(
+                model, optimizer, cfg, file_named, run=run, socket_path=socket_path,
+                daemon=daemon, min_replicas=min_replicas, join_timeout_s=join_timeout_s,
                 seed=seed, checkpoint_dir=checkpoint_dir, handle_sigterm=handle_sigterm,
+                sink=log,
             )  # fmt: skip
-            assert isinstance(leader, MeshSync)
-            lead = leader
-        return LocalRanks(model, optimizer, process_group, lead, cfg.codec.dense_below_numel)
+        return LocalRanks(model, optimizer, process_group, lead, cfg.codec.dense_below_numel, log)
+    return _attach_replica(
+        model, optimizer, cfg, file_named, run=run, socket_path=socket_path, daemon=daemon,
+        min_replicas=min_replicas, join_timeout_s=join_timeout_s, seed=seed,
+        checkpoint_dir=checkpoint_dir, handle_sigterm=handle_sigterm,
+    )  # fmt: skip
+
+
+def _attach_replica(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    cfg: Config,
+    file_named: bool,
+    *,
+    run: str,
+    socket_path: str | Path | None,
+    daemon: LocalDaemon | None,
+    min_replicas: int,
+    join_timeout_s: float,
+    seed: int,
+    checkpoint_dir: str | Path | None,
+    handle_sigterm: bool | None,
+    sink: AddSink | None = None,
+) -> MeshSync:
+    """One replica's hook (``attach`` without a process group)."""
     ckpt_path = checkpoint_choice(checkpoint_dir, cfg.store.checkpoint_dir)
     if optimizer is not None and optimizer.state:
         raise ValueError("attach before the optimizer's first step")
@@ -158,6 +186,7 @@ def attach(
             seed=seed,
             embedded=daemon,
             checkpoint_dir=ckpt_path,
+            sink=sink,
         )
         if handle_sigterm or (
             handle_sigterm is None

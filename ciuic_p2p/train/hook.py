@@ -44,6 +44,7 @@ from ciuic_p2p.core.replica.messages import (
     encode_presence,
     run_id_of,
 )
+from ciuic_p2p.core.replica.parameters import AddSink
 from ciuic_p2p.core.replica.rule import RefusedChunk, Replica
 from ciuic_p2p.core.replica.schedule import (
     EncodeParams,
@@ -113,7 +114,10 @@ class MeshSync:
         seed: int = 0,
         embedded: LocalDaemon | None = None,
         checkpoint_dir: CheckpointChoice = None,
+        sink: AddSink | None = None,
     ) -> None:
+        """``sink``: told of every add to the parameters (core.replica.mirror: a node's
+        other local ranks replay them)."""
         self.model = model
         self.optimizer = optimizer
         self.channel = channel
@@ -141,6 +145,7 @@ class MeshSync:
             seed,
             run_parts=thread_parts,
             gate=ThreadGate(self.buckets[0].device),
+            sink=sink,
         )
         if checkpoint_dir == DAEMON_NAMED:
             checkpoint_dir, why = daemon_named_dir(welcome.get("checkpoint_dir"), os.environ)

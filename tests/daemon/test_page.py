@@ -240,7 +240,13 @@ async def test_status_page_at_n_nodes_shows_runs_trainers_and_health_on_one_scre
                 step = await page.locator(f"#row-{peers[name]} td.step").inner_text()
                 assert 3 <= int(step) < OTHER_STEP0, (name, step)
 
-        # The graph's labels do not overlap, and every edge kept its label.
+        # The graph's labels do not overlap, and every edge kept its label (once every
+        # link is drawn again: the stall may have dropped one for a moment).
+        await page.wait_for_function(
+            "n => document.querySelectorAll('g.link').length === n * (n - 1) / 2",
+            arg=n,
+            timeout=30_000,
+        )
         laid = await page.evaluate(OVERLAPS_JS)
         assert not laid["clash"], laid
         assert laid["edges"] == n * (n - 1) // 2 and laid["hidden"] == 0, laid

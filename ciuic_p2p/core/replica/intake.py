@@ -38,6 +38,7 @@ from ciuic_p2p.core.replica.messages import (
     decode_payload,
     decode_presence,
 )
+from ciuic_p2p.core.replica.mirror import AddedChunk, AddedPull
 from ciuic_p2p.core.replica.outer import OuterStep
 from ciuic_p2p.core.replica.parameters import Fragment, Parameters
 from ciuic_p2p.core.replica.roster import PeerState, Roster
@@ -77,6 +78,8 @@ class Prepared:
     """DONE: update chunks the origin sent in all."""
     ask: bool = False
     """JOIN: the origin wants this replica's JOIN in answer."""
+    body: memoryview | None = None
+    """A chunk's bytes as they came (core.replica.mirror replays them elsewhere)."""
 
 
 MAX_HELD_CHUNKS = 4096
@@ -94,6 +97,7 @@ class HeldFragment:
     header: ChunkHeader
     diff: torch.Tensor
     diff_sq: float
+    body: memoryview | None
 
 
 @dataclass(slots=True)
@@ -106,6 +110,8 @@ class ReplicaStats:
     applied_from: collections.Counter[str] = field(default_factory=collections.Counter)
     """Updates applied per origin, kept after the origin left (one entry a member)."""
     params_mixed: int = 0
+    chunk_bytes_received: int = 0
+    """Bytes of the peers' update and consensus chunks decoded here."""
     final_chunks: int = 0
     """Chunks of the peers' copies taken in the last round (core.replica.final)."""
     params_unmatched: int = 0
@@ -356,7 +362,11 @@ class Intake:
         if msg.kind in (PayloadKind.PARAMS, PayloadKind.FINAL) and h.codec.is_sparse:
             raise RefusedChunk("malformed", f"parameters from {origin} are not dense")
         rms = float(torch.linalg.vector_norm(decoded.values)) / math.sqrt(max(1, h.count))
-        return Prepared(origin, msg.kind, h, decoded.positions, decoded.values, rms, h.step, 0)
+        if msg.kind is not PayloadKind.FINAL:
+            self.stats.chunk_bytes_received += len(msg.body)
+        return Prepared(
+            origin, msg.kind, h, decoded.positions, decoded.values, rms, h.step, 0, body=msg.body
+        )
 
     def apply(self, item: Prepared | RefusedChunk, step: int) -> None:
         """Apply a prepared payload (training thread; ``step``: this replica's),
@@ -423,13 +433,15 @@ class Intake:
         h = item.header
         assert h is not None and item.values is not None
         if item.kind is PayloadKind.PARAMS:
-            self._apply_params(origin, h, item.values)
+            self._apply_params(origin, h, item.values, item.body)
         elif item.kind is PayloadKind.FINAL:
             self._apply_final(item, h)
         else:
             self._apply_update(item, h, state, step)
 
-    def _apply_params(self, origin: str, h: ChunkHeader, values: torch.Tensor) -> None:
+    def _apply_params(
+        self, origin: str, h: ChunkHeader, values: torch.Tensor, body: memoryview | None
+    ) -> None:
         self._drop_expired_held()
         mine = self._own_fragment(h)
         if mine is None:
@@ -442,7 +454,7 @@ class Intake:
             return
         self._check_params(origin, h, values, mine)
         self._check_once(self._params, origin, h)
-        self._mix(origin, h, values, mine)
+        self._mix(origin, h, values, mine, body)
 
     def start_final(self, final: FinalRound, step: int) -> None:
         """Start the last round: take the copies that came before it (refusals
@@ -574,7 +586,8 @@ class Intake:
         w *= factor
         if w > 0.0:
             if self.outer is None:
-                self.parameters.add(h, item.positions, values, w)
+                source = None if item.body is None else AddedChunk(item.body)
+                self.parameters.add(h, item.positions, values, w, source)
             else:
                 coefficient = self.outer.coefficient(h.step)
                 self.parameters.add(h, item.positions, values, w * coefficient)
@@ -645,7 +658,14 @@ class Intake:
                 PayloadKind.PARAMS,
             )
 
-    def _mix(self, origin: str, h: ChunkHeader, values: torch.Tensor, mine: torch.Tensor) -> None:
+    def _mix(
+        self,
+        origin: str,
+        h: ChunkHeader,
+        values: torch.Tensor,
+        mine: torch.Tensor,
+        body: memoryview | None,
+    ) -> None:
         """Pulls this replica toward a peer's fragment, clipped against the other
         origins' (core.replica.influence ``mix_scale``). The first fragment of a bucket,
         heard before any other origin's of its round, has nothing to be clipped
@@ -664,16 +684,23 @@ class Intake:
             if len(held) >= MAX_HELD_CHUNKS:
                 self.stats.clipped += 1  # more chunks than a bucket's fragment has
                 return
-            held.append(HeldFragment(origin, h, diff, diff_sq))
+            held.append(HeldFragment(origin, h, diff, diff_sq, body))
             return
-        self._pull(origin, h, diff, diff_sq)
+        self._pull(origin, h, diff, diff_sq, body)
         for other in self._held.pop(key, []):
             if other.origin != origin and other.origin in alive:
-                self._pull(other.origin, other.header, other.diff, other.diff_sq)
+                self._pull(other.origin, other.header, other.diff, other.diff_sq, other.body)
             else:
                 self.stats.clipped += 1
 
-    def _pull(self, origin: str, h: ChunkHeader, diff: torch.Tensor, diff_sq: float) -> None:
+    def _pull(
+        self,
+        origin: str,
+        h: ChunkHeader,
+        diff: torch.Tensor,
+        diff_sq: float,
+        body: memoryview | None,
+    ) -> None:
         mix = self.train.consensus_mix / max(1, self.replicas - 1)
         alive = self.roster.mesh_alive
         factor = self.influence.mix_scale(origin, h.bucket, h.step, diff_sq, alive)
@@ -683,7 +710,8 @@ class Intake:
             return
         with torch.no_grad():
             diff.mul_(mix * factor)
-        self.parameters.add_slice(h.bucket, h.range_start, diff)
+        source = None if body is None else AddedPull(body, mix * factor)
+        self.parameters.add_slice(h.bucket, h.range_start, diff, source)
         self.stats.params_mixed += 1
 
     def _drop_expired_held(self) -> None:

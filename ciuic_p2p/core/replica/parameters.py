@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -106,18 +106,44 @@ class OneThread:
         return None
 
 
-_Sparse = tuple[torch.Tensor, torch.Tensor]
+_Sparse = tuple[torch.Tensor, torch.Tensor, object]
+"""positions, values, where they came from (the sink's)."""
 _Pending = tuple[int, torch.Tensor | None, int, torch.Tensor, float]
 """bucket, positions (None: a dense slice), slice start, values, weight."""
 
 
+class AddSink(Protocol):
+    """Told of every add to ``p`` as it is made, in order (core.replica.mirror: the
+    other local ranks of a node replay them). ``source``: what the values came from,
+    as the caller of :meth:`Parameters.add` said (None: nothing but themselves)."""
+
+    def snapshot(self, index: int, step: int, fragments: int) -> None:
+        """Consensus fragment ``index`` of ``fragments`` was taken at ``step`` here."""
+
+    def applied(
+        self,
+        bucket: int,
+        positions: torch.Tensor | None,
+        start: int,
+        values: torch.Tensor,
+        w: float,
+        source: Any,
+    ) -> None: ...
+
+
 class Parameters:
-    def __init__(self, buckets: Sequence[torch.Tensor], gate: AccessGate | None = None) -> None:
+    def __init__(
+        self,
+        buckets: Sequence[torch.Tensor],
+        gate: AccessGate | None = None,
+        sink: AddSink | None = None,
+    ) -> None:
         self.buckets = list(buckets)
+        self.sink = sink
         self.base = [b.detach().clone() for b in self.buckets]
         self.gate: AccessGate = gate or OneThread()
         self._queued: dict[tuple[int, float], list[_Sparse]] = {}
-        self._queued_dense: list[_Pending] = []
+        self._queued_dense: list[tuple[_Pending, object]] = []
         self._base_pending: list[_Pending] = []
         """In ``p`` already, not yet in the base (the encoder adds them)."""
         self.traffic_bytes = 0
@@ -136,18 +162,19 @@ class Parameters:
         positions: torch.Tensor | None,
         values: torch.Tensor,
         w: float,
+        source: object = None,
     ) -> None:
-        """Queue ``w * values`` for the model and the base."""
+        """Queue ``w * values`` for the model and the base (``source``: for the sink)."""
         if positions is None:
-            self._queued_dense.append((h.bucket, None, h.range_start, values, w))
+            self._queued_dense.append(((h.bucket, None, h.range_start, values, w), source))
             return
         if h.range_start:
             positions = positions + h.range_start
-        self._queued.setdefault((h.bucket, w), []).append((positions, values))
+        self._queued.setdefault((h.bucket, w), []).append((positions, values, source))
 
-    def add_slice(self, bucket: int, start: int, diff: torch.Tensor) -> None:
+    def add_slice(self, bucket: int, start: int, diff: torch.Tensor, source: object = None) -> None:
         """Queue ``diff`` for a slice of a bucket and of the base (the consensus mix)."""
-        self._queued_dense.append((bucket, None, start, diff, 1.0))
+        self._queued_dense.append(((bucket, None, start, diff, 1.0), source))
 
     def queued(self) -> bool:
         return bool(self._queued or self._queued_dense)
@@ -166,18 +193,24 @@ class Parameters:
         return True
 
     def _flush(self) -> None:
+        sink = self.sink
         with torch.no_grad():
             for (bucket, w), parts in self._queued.items():
                 # Each chunk's own adds: concatenating them first cost as much as the
                 # adds (fresh buffers of 12 bytes per value, measured at 100M, 1%).
-                for positions, values in parts:
+                for positions, values, source in parts:
                     add_at(self.buckets[bucket], positions, values, w)
                     self.traffic_bytes += values.numel() * (8 + 4 + 8)
                     self._base_pending.append((bucket, positions, 0, values, w))
-            for bucket, _, start, values, w in self._queued_dense:
+                    if sink is not None:
+                        sink.applied(bucket, positions, 0, values, w, source)
+            for pending, source in self._queued_dense:
+                bucket, _, start, values, w = pending
                 self.buckets[bucket][start : start + values.numel()].add_(values, alpha=w)
                 self.traffic_bytes += values.numel() * (4 + 8)
-            self._base_pending += self._queued_dense
+                self._base_pending.append(pending)
+                if sink is not None:
+                    sink.applied(bucket, None, start, values, w, source)
         self._queued.clear()
         self._queued_dense = []
 

@@ -92,9 +92,11 @@ from ciuic_p2p.core.replica.intake import (
     ReplicaStats,
 )
 from ciuic_p2p.core.replica.messages import PayloadKind, envelope
+from ciuic_p2p.core.replica.mirror import AddedChunk
 from ciuic_p2p.core.replica.outer import OuterStep
 from ciuic_p2p.core.replica.parameters import (
     AccessGate,
+    AddSink,
     Fragment,
     Parameters,
     Range,
@@ -154,13 +156,16 @@ class Replica:
         *,
         gate: AccessGate | None = None,
         numpy_scan: bool | None = None,
+        sink: AddSink | None = None,
     ) -> None:
         """``run_parts``: how the encoders' CPU scans run their parts (codec.select);
         ``gate``: keeps the encoder thread's reads and the training thread's adds apart
         (core.replica.parameters; none needed when both run on one thread);
-        ``numpy_scan``: see codec.select.ApproxTopK."""
+        ``numpy_scan``: see codec.select.ApproxTopK; ``sink``: told of every add to
+        the parameters (core.replica.mirror, for a node's other local ranks)."""
         self.layout = layout
-        self.parameters = Parameters(buckets, gate)
+        self.parameters = Parameters(buckets, gate, sink)
+        self.sink = sink
         self.buckets = self.parameters.buckets
         self.base = self.parameters.base
         self.source = source
@@ -172,11 +177,11 @@ class Replica:
         """This replica's consensus fragments at the steps it sent them (the newest
         two): a peer's parameters of step s are compared with ours of step s."""
         self._debts: collections.deque[
-            tuple[int, int, int, int, int, torch.Tensor | None, torch.Tensor]
+            tuple[int, int, int, int, int, torch.Tensor | None, torch.Tensor, bytearray]
         ] = collections.deque()
-        """Own sent chunks not yet settled, with the replica count they claimed
-        (appended by the encoder thread); their weight is read when they are settled
-        (:meth:`_own_weight`)."""
+        """Own sent chunks not yet settled, with the replica count they claimed and
+        their bytes (appended by the encoder thread); their weight is read when they
+        are settled (:meth:`_own_weight`)."""
         self.roster = Roster(peer, train.staleness_bound_steps)
         self.norms = OwnNorms(len(layout.buckets))
         self.stats = ReplicaStats()
@@ -358,7 +363,7 @@ class Replica:
         debts = self._debts
         outer = self.outer
         while debts and debts[0][0] <= floor:
-            step, claimed, bucket, start, length, positions, values = debts.popleft()
+            step, claimed, bucket, start, length, positions, values, payload = debts.popleft()
             w = self._own_weight(step, claimed)
             if outer is not None:
                 # The rounds before this one are complete too (the floor is past
@@ -370,7 +375,10 @@ class Replica:
             else:
                 weight = w
             if weight != 1.0:
-                self.parameters.add(Range(bucket, start, length), positions, values, weight - 1.0)
+                self.parameters.add(
+                    Range(bucket, start, length), positions, values, weight - 1.0,
+                    AddedChunk(payload),
+                )  # fmt: skip
             n += 1
         if outer is not None:
             for kick in outer.complete_through(floor):
@@ -497,6 +505,8 @@ class Replica:
                 starts.append(start)
                 values.append(bucket[start : start + length].clone())
         fragment = Fragment(index, self.step, tuple(starts), tuple(values))
+        if self.sink is not None:
+            self.sink.snapshot(index, self.step, fragments)
         while len(self.own_params) >= 2:
             self.own_params.pop(min(self.own_params))
         self.own_params[self.step] = fragment
@@ -607,7 +617,7 @@ class Replica:
             if outer is not None:  # the kick every replica adds at the next completion
                 for b, kick in zip(out, outer.held, strict=False):
                     b.add_(kick)
-            for step, claimed, bucket, start, _length, positions, values in self._debts:
+            for step, claimed, bucket, start, _length, positions, values, _ in self._debts:
                 weight = w = self._own_weight(step, claimed)
                 if outer is not None:
                     weight = w * (outer.coefficient(step) + outer.early_correction(step)[0])
@@ -628,7 +638,7 @@ class Replica:
             return []
         with torch.no_grad():
             out = [m.clone() for m in outer.buffers]
-            for step, claimed, bucket, start, _length, positions, values in self._debts:
+            for step, claimed, bucket, start, _length, positions, values, _ in self._debts:
                 factor = self._own_weight(step, claimed) * outer.early_correction(step)[1]
                 _add_into(out[bucket], start, positions, values, factor)
             for d in outer.deferred:
@@ -697,7 +707,16 @@ class Replica:
             h.bucket, h.step, sent.positions, h.range_start, sent.values
         )
         self._debts.append(
-            (h.step, h.replicas, h.bucket, h.range_start, h.range_len, sent.positions, sent.values)
+            (
+                h.step,
+                h.replicas,
+                h.bucket,
+                h.range_start,
+                h.range_len,
+                sent.positions,
+                sent.values,
+                sent.payload,
+            )
         )
         rms = float(torch.linalg.vector_norm(sent.values)) / math.sqrt(max(1, h.count))
         self.norms.record(h.bucket, rms)
