@@ -125,8 +125,7 @@ def attach(
         lead: MeshSync | None = None
         log: MirrorLog | None = None
         if dist.get_rank(process_group) == 0:
-            # The other ranks replay its adds; outer mode's step is not in the log yet.
-            log = MirrorLog() if cfg.train.mode == "step" else None
+            log = MirrorLog()  # the other ranks replay its adds
             lead = _attach_replica(
                 model, optimizer, cfg, file_named, run=run, socket_path=socket_path,
                 daemon=daemon, min_replicas=min_replicas, join_timeout_s=join_timeout_s,

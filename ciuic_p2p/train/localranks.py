@@ -8,10 +8,10 @@ into its parameters. The other ranks replay what it added (core.replica.mirror):
 peers' chunks and its own at their settlement, as their compressed bytes with the
 weight each was added at, so a rank receives about the chunks its node received, not
 the model (before, every bucket was broadcast after every step: 4 GB per step at 1B).
-In ``outer`` mode, whose outer step the log does not carry yet, the buckets are still
-broadcast whole. At attach the restored state (parameters, optimizer state, start
-step) reaches every rank as tensors (the optimizer state's layout alone is pickled),
-and ``finish()`` ends with one whole broadcast (its last round is dense anyway).
+In ``outer`` mode with Nesterov momentum, a round's momentum kick goes dense, once a
+round. At attach the restored state (parameters, optimizer state, start step) reaches
+every rank as tensors (the optimizer state's layout alone is pickled), and
+``finish()`` ends with one whole broadcast (its last round is dense anyway).
 
     dist.init_process_group("gloo")          # torchrun sets the environment
     model = DDP(Net())

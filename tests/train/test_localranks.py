@@ -74,6 +74,13 @@ influence_disagreement = 0.0
 """
 
 
+OUTER = """mode = "outer"
+inner_steps = 10
+"""
+"""Rounds of 10 steps, averaged (with Nesterov momentum a round's kick would go to the
+other ranks dense: 4 bytes per parameter a round)."""
+
+
 def json_objects(text: str) -> list[dict[str, Any]]:
     """Every JSON object printed: the two ranks share torchrun's stdout, and when they
     finish at the same moment one's line can land inside the other's."""
@@ -87,7 +94,8 @@ def json_objects(text: str) -> list[dict[str, Any]]:
     return found
 
 
-def test_torchrun_two_ranks_per_node_two_nodes(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["step", "outer"])
+def test_torchrun_two_ranks_per_node_two_nodes(tmp_path: Path, mode: str) -> None:
     names = spread_nodes("cities11", 2)
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
@@ -96,7 +104,8 @@ def test_torchrun_two_ranks_per_node_two_nodes(tmp_path: Path) -> None:
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     procs: list[subprocess.Popen[str]] = []
-    with LocalCluster("cities11", names, tmp_path / "c", CONFIG, rate_scale=0.1) as cluster:
+    config = CONFIG if mode == "step" else CONFIG + OUTER
+    with LocalCluster("cities11", names, tmp_path / "c", config, rate_scale=0.1) as cluster:
         cluster.start()
         port = free_port_block(2)
         try:

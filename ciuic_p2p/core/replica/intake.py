@@ -585,12 +585,12 @@ class Intake:
             self.stats.clipped += 1
         w *= factor
         if w > 0.0:
+            source = None if item.body is None else AddedChunk(item.body)
             if self.outer is None:
-                source = None if item.body is None else AddedChunk(item.body)
                 self.parameters.add(h, item.positions, values, w, source)
             else:
                 coefficient = self.outer.coefficient(h.step)
-                self.parameters.add(h, item.positions, values, w * coefficient)
+                self.parameters.add(h, item.positions, values, w * coefficient, source)
                 self.outer.record(h.bucket, h.range_start, item.positions, values, w, h.step)
         if state is not None:
             state.step = max(state.step, h.step)
