@@ -23,6 +23,7 @@ from ciuic_p2p.core.replica.parameters import AddSink
 from ciuic_p2p.logsetup import configure_trainer_logging, get_logger
 from ciuic_p2p.train.channel import ChannelError, DaemonChannel, LocalDaemon
 from ciuic_p2p.train.checkpoint import checkpoint_choice
+from ciuic_p2p.train.encoder import check_unsharded
 from ciuic_p2p.train.hook import MeshSync
 
 if TYPE_CHECKING:
@@ -113,6 +114,7 @@ def attach(
     ``process_group``: the local ranks of a node with several GPUs (under torchrun);
     they train as one replica (train.localranks): the group's first rank talks to the
     daemon, the others follow it."""
+    check_unsharded(model)  # before any connection: the answer does not depend on it
     file_named = config is not None or bool(os.environ.get("CIUIC_CONFIG"))
     cfg = config or load_layered(node_config_file(None, os.environ), os.environ)
     configure_trainer_logging(cfg.log)

@@ -23,9 +23,26 @@ import torch
 from ciuic_p2p.core.codec.layout import BucketLayout, canonical_name
 
 
+def check_unsharded(model: torch.nn.Module) -> None:
+    """Raise ValueError, naming the parameter and what to do instead, when a trainable
+    parameter is sharded (a DTensor: FSDP2's ``fully_shard``, tensor parallelism): the
+    hook makes each parameter a view into flat buckets of the whole model, which a
+    shard is not (before, attach failed deep inside with "aten.copy_.default got mixed
+    torch.Tensor and DTensor")."""
+    for name, p in model.named_parameters():
+        if p.requires_grad and hasattr(p, "placements") and hasattr(p, "to_local"):
+            raise ValueError(
+                f"{canonical_name(name)} is a DTensor (sharded by FSDP2's fully_shard or "
+                "tensor parallelism): attach does not take sharded parameters yet; train "
+                "the node's ranks with DistributedDataParallel and pass process_group= "
+                "(docs/guides/frameworks.md), or run one rank per node"
+            )
+
+
 def flatten_parameters(model: torch.nn.Module, layout: BucketLayout) -> list[torch.Tensor]:
     """Move the model's trainable parameters into flat fp32 buckets on their device and
     make each parameter a view into its bucket (values kept)."""
+    check_unsharded(model)
     params = {canonical_name(n): p for n, p in model.named_parameters()}
     devices = {p.device for p in params.values()}
     if len(devices) != 1:

@@ -194,3 +194,40 @@ def test_the_restored_optimizer_state_reaches_every_rank_as_tensors(tmp_path: Pa
     states = [(tmp_path / f"state-{rank}.txt").read_text() for rank in range(2)]
     assert states[0] == states[1], states  # the same state on both ranks
     assert "exp_avg" in states[0] and "step" in states[0]
+
+
+FSDP2_SCRIPT = r"""
+import sys, torch, torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+from ciuic_p2p.train.attach import attach
+
+dist.init_process_group("gloo")
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+fully_shard(model)
+try:
+    where = sys.argv[1] + "/nowhere.sock"
+    attach(model, run="r", socket_path=where, process_group=dist.group.WORLD)
+except ValueError as exc:
+    print(f"rank {dist.get_rank()}: {exc}", flush=True)
+dist.destroy_process_group()
+"""
+
+
+def test_a_model_sharded_with_fsdp2_is_refused_at_attach_with_what_to_do(tmp_path: Path) -> None:
+    """Until sharded replicas are built, a DTensor parameter is refused at once, on
+    every rank, naming the parameter and the way that works (before: a deep DTensor
+    error from the first copy)."""
+    script = tmp_path / "fsdp2.py"
+    script.write_text(FSDP2_SCRIPT)
+    repo = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
+        "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port_block(1)), str(script),
+        str(tmp_path),
+    ]  # fmt: skip
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        assert f"rank {rank}: 0.weight is a DTensor" in done.stdout, done.stdout
+    assert "DistributedDataParallel" in done.stdout
