@@ -27,9 +27,48 @@ from ciuic_p2p.train.hook import MeshSync
 pytestmark = pytest.mark.network
 
 
-def test_three_embedded_replicas_train_and_apply_every_chunk_once(tmp_path: Path) -> None:
+def _start_daemons(tmp_path: Path, config: Config, count: int = 3) -> list[EmbeddedDaemon]:
+    """``count`` embedded daemons of one new cluster, each joining through the first."""
     now = dt.datetime.now(dt.UTC)
     ca = ClusterCA.create("embedded", now)
+    daemons: list[EmbeddedDaemon] = []
+    for i in range(count):
+        key = NodeKey.generate()
+        cfg = dataclasses.replace(config, node=dataclasses.replace(config.node, name=f"n{i}"))
+        daemon = EmbeddedDaemon(
+            cfg, key, ca.issue(key.public_key, now), Trust(ca.certificate),
+            state_dir=tmp_path / f"n{i}", join=daemons[0].address if daemons else None,
+        )  # fmt: skip
+        daemon.start()
+        daemons.append(daemon)
+    return daemons
+
+
+def _attach_all(
+    models: list[torch.nn.Module],
+    optimizers: list[torch.optim.Optimizer],
+    daemons: list[EmbeddedDaemon],
+    config: Config,
+) -> list[MeshSync]:
+    """attach() waits until every trainer joined the run: attach them at once."""
+    attached: dict[int, MeshSync] = {}
+
+    def attach_one(i: int) -> None:
+        attached[i] = attach(
+            models[i], optimizers[i], run="t", daemon=daemons[i], config=config,
+            min_replicas=len(models), join_timeout_s=60,
+        )  # fmt: skip
+
+    threads = [threading.Thread(target=attach_one, args=(i,)) for i in range(len(models))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(90)
+    assert sorted(attached) == list(range(len(models)))
+    return [attached[i] for i in range(len(models))]
+
+
+def test_three_embedded_replicas_train_and_apply_every_chunk_once(tmp_path: Path) -> None:
     base = Config.wan()
     config = dataclasses.replace(
         base,
@@ -45,21 +84,10 @@ def test_three_embedded_replicas_train_and_apply_every_chunk_once(tmp_path: Path
     )
     daemons: list[EmbeddedDaemon] = []
     syncs: list[MeshSync] = []
-    models, optimizers = [], []
+    models: list[torch.nn.Module] = []
+    optimizers: list[torch.optim.Optimizer] = []
     try:
-        for i in range(3):
-            key = NodeKey.generate()
-            cfg = dataclasses.replace(config, node=dataclasses.replace(config.node, name=f"n{i}"))
-            daemon = EmbeddedDaemon(
-                cfg,
-                key,
-                ca.issue(key.public_key, now),
-                Trust(ca.certificate),
-                state_dir=tmp_path / f"n{i}",
-                join=daemons[0].address if daemons else None,
-            )
-            daemon.start()
-            daemons.append(daemon)
+        daemons += _start_daemons(tmp_path, config)
         for _ in daemons:
             torch.manual_seed(0)
             model = torch.nn.Sequential(
@@ -67,28 +95,14 @@ def test_three_embedded_replicas_train_and_apply_every_chunk_once(tmp_path: Path
             )
             models.append(model)
             optimizers.append(torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9))
-        # attach() waits until all three trainers joined the run: attach them at once.
-        attached: dict[int, MeshSync] = {}
-
-        def attach_one(i: int) -> None:
-            attached[i] = attach(
-                models[i], optimizers[i], run="t", daemon=daemons[i], config=config,
-                min_replicas=3, join_timeout_s=60,
-            )  # fmt: skip
-
-        threads = [threading.Thread(target=attach_one, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
-        syncs.extend(attached[i] for i in range(3))
+        syncs += _attach_all(models, optimizers, daemons, config)
         gen = torch.Generator().manual_seed(1)
         target = torch.randn(16, 1, generator=gen)
         first = last = 0.0
         for step in range(120):
-            for model, opt, sync in zip(models, optimizers, syncs, strict=True):
+            for net, opt, sync in zip(models, optimizers, syncs, strict=True):
                 x = torch.randn(32, 16, generator=gen)
-                loss = ((model(x) - x @ target) ** 2).mean()
+                loss = ((net(x) - x @ target) ** 2).mean()
                 opt.zero_grad()
                 loss.backward()
                 opt.step()
@@ -184,8 +198,6 @@ def test_finish_leaves_three_replicas_as_one_model(tmp_path: Path, mode: str) ->
     every pair of replicas is within 1e-3 (relative L2). Each replica's own residual
     and the consensus mix's partial cover left them 0.6-1.0% apart; the last round
     averages the same copies everywhere."""
-    now = dt.datetime.now(dt.UTC)
-    ca = ClusterCA.create("embedded", now)
     base = Config.wan()
     config = dataclasses.replace(
         base,
@@ -196,16 +208,9 @@ def test_finish_leaves_three_replicas_as_one_model(tmp_path: Path, mode: str) ->
     daemons: list[EmbeddedDaemon] = []
     syncs: dict[int, MeshSync] = {}
     try:
-        for i in range(3):
-            key = NodeKey.generate()
-            cfg = dataclasses.replace(config, node=dataclasses.replace(config.node, name=f"n{i}"))
-            daemon = EmbeddedDaemon(
-                cfg, key, ca.issue(key.public_key, now), Trust(ca.certificate),
-                state_dir=tmp_path / f"n{i}", join=daemons[0].address if daemons else None,
-            )  # fmt: skip
-            daemon.start()
-            daemons.append(daemon)
-        models, optimizers = [], []
+        daemons += _start_daemons(tmp_path, config)
+        models: list[torch.nn.Module] = []
+        optimizers: list[torch.optim.Optimizer] = []
         for _ in daemons:
             torch.manual_seed(0)
             models.append(
@@ -214,19 +219,7 @@ def test_finish_leaves_three_replicas_as_one_model(tmp_path: Path, mode: str) ->
                 )
             )
             optimizers.append(torch.optim.AdamW(models[-1].parameters(), lr=3e-3))
-
-        def attach_one(i: int) -> None:
-            syncs[i] = attach(
-                models[i], optimizers[i], run="t", daemon=daemons[i], config=config,
-                min_replicas=3, join_timeout_s=60,
-            )  # fmt: skip
-
-        threads = [threading.Thread(target=attach_one, args=(i,)) for i in range(3)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
-        assert sorted(syncs) == [0, 1, 2]
+        syncs.update(enumerate(_attach_all(models, optimizers, daemons, config)))
         gens = [torch.Generator().manual_seed(10 + i) for i in range(3)]  # each its data
         target = torch.randn(16, 1, generator=torch.Generator().manual_seed(1))
         for _ in range(200):

@@ -179,9 +179,8 @@ dist.destroy_process_group()
 """
 
 
-def test_the_restored_optimizer_state_reaches_every_rank_as_tensors(tmp_path: Path) -> None:
-    script = tmp_path / "opt.py"
-    script.write_text(OPTIMIZER_SCRIPT)
+def _torchrun_two_ranks(script: Path, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    """``script TMP_PATH`` on two local gloo ranks under torchrun, to its end."""
     repo = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
     cmd = [
@@ -189,7 +188,13 @@ def test_the_restored_optimizer_state_reaches_every_rank_as_tensors(tmp_path: Pa
         "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port_block(1)), str(script),
         str(tmp_path),
     ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
+
+
+def test_the_restored_optimizer_state_reaches_every_rank_as_tensors(tmp_path: Path) -> None:
+    script = tmp_path / "opt.py"
+    script.write_text(OPTIMIZER_SCRIPT)
+    done = _torchrun_two_ranks(script, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     states = [(tmp_path / f"state-{rank}.txt").read_text() for rank in range(2)]
     assert states[0] == states[1], states  # the same state on both ranks
@@ -219,14 +224,7 @@ def test_a_model_sharded_with_fsdp2_is_refused_at_attach_with_what_to_do(tmp_pat
     error from the first copy)."""
     script = tmp_path / "fsdp2.py"
     script.write_text(FSDP2_SCRIPT)
-    repo = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(repo), "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-        "2", "--master-addr", "127.0.0.1", "--master-port", str(free_port_block(1)), str(script),
-        str(tmp_path),
-    ]  # fmt: skip
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120, check=False)
+    done = _torchrun_two_ranks(script, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: 0.weight is a DTensor" in done.stdout, done.stdout
