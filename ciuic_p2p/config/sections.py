@@ -435,11 +435,15 @@ class TrainSection:
     round then costs about 0.8 of a 1% update, and all of the model is mixed every
     ``consensus_interval_steps * consensus_fragments`` steps)."""
     consensus_mix: float = 0.5
-    update_norm_max_ratio: float = 50.0
+    update_norm_max_ratio: float = 200.0
     """A peer chunk whose RMS exceeds this times the running RMS of this replica's own
     chunks (of the same bucket), or of the replicas' lower median when that is more,
     per step the update covers (since its origin's previous one, at most
-    ``max_send_interval_steps``), is refused: a faulty node cannot blow up the model."""
+    ``max_send_interval_steps``, or ``inner_steps`` in outer mode), is refused: a faulty
+    node cannot blow up the model. What a chunk under it moves is clipped per step it
+    covers (``influence_clip_ratio``): this bound only keeps garbage out. At 50, honest
+    updates of a replica back from its daemon's restart (its loss still higher, its
+    SGD steps larger) were refused at 52 to 66 times the median, 5 a run in 1 run of 3."""
     norm_warmup_chunks: int = 10
     """Own chunks seen before the norm bound applies."""
     influence_clip_ratio: float = 3.0
@@ -526,17 +530,21 @@ class TrainSection:
     copies of all the replicas' parameters, its own included, in this dtype, so the
     run ends as one model (up to the rounding of fp32 additions) whichever node a user
     saves it from (core.replica.final). Its members are the replicas whose DONE was
-    heard. It costs one copy per replica on the wire, once per run (2 bytes per
-    parameter at ``fp16``: a node receives that from each other replica), and while
-    :meth:`finish` runs 2 bytes per parameter for the own copy (4 at ``fp32``) and 4
-    per element of the largest bucket. The copies' rounding (fp16: 2^-11 relative per
-    element) is in the end model. A bf16 or fp16 model sends its own dtype. ``off``:
+    heard, at a step within ``staleness_bound_steps`` of this one's. It costs one copy
+    per replica on the wire, once per run (2 bytes per parameter at ``fp16``: a node
+    receives that from each other replica). While :meth:`finish` runs it holds 4 bytes
+    per parameter (the own copy, and the copy's chunks until sent; twice that at
+    ``fp32``) and up to 12 per element of the largest bucket; a peer's copy that comes
+    before this replica's round is held until then (its values, at most one model's
+    worth per peer). The copies' rounding (fp16: 2^-11 relative per element above 6e-5,
+    where fp16 turns subnormal) is in the end model. ``off``:
     each replica keeps its own parameters (they end apart by the last updates' rounding
     and what the consensus mix did not cover)."""
     finish_average_distance_max_ratio: float = 0.2
     """A peer's copy in the last round whose RMS distance from this replica's copy
     exceeds this times their RMS (the range's, or its bucket's when more) is refused:
-    a member moves a replica at most this far, divided by the number of copies.
+    a member moves a replica at most this far, divided by the number of copies that
+    reached it (M when every member's came; fewer when some did not).
     Honest replicas end a run about 1% apart (2-3% after a daemon restart); replicas
     that started from different weights are about 1.4 apart and are not averaged."""
     stall_grace_s: float = 0.5

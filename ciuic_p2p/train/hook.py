@@ -638,16 +638,22 @@ class MeshSync:
     def _final_round(self, limit: float) -> bool:
         """The run's last round (core.replica.final): every replica averages the same
         copies of the replicas' parameters, so that the run ends as one model. Its
-        members are the replicas whose DONE was heard; it waits at most ``limit`` for
-        their copies. False when a member's copy did not come whole or a member
-        averaged another number of copies (the replicas may then end apart)."""
+        members are the replicas whose DONE was heard at a step within the staleness
+        bound of this one's (one that ended long before is not averaged in); it waits
+        at most ``limit`` for their copies. False when a member's copy did not come
+        whole (the replicas may then end apart); a second call answers as the first."""
         r, ch = self.replica, self.channel
+        if self.final_round is not None:
+            return self.final_round.complete
         if self.config.train.finish_average == "off" or r.intake.final is not None:
             return True
+        bound = self.config.train.staleness_bound_steps
         members = [
             name
             for name, p in r.peers.items()
-            if p.done_at is not None and not r.intake.influence.set_aside(name, r.step)
+            if p.done_at is not None
+            and abs(p.done_at - r.step) <= bound
+            and not r.intake.influence.set_aside(name, r.step)
         ]
         if not members:
             return True
@@ -669,14 +675,16 @@ class MeshSync:
         if summary.complete and not summary.counted_otherwise:
             log.info("final_round", step=r.step, **fields)
             return True
+        # A member that averaged another number of copies heard other DONEs: said,
+        # not failed (a member can claim any count).
         log.warning(
-            "final_round_incomplete",
+            "final_round_incomplete" if not summary.complete else "final_round_counts_differ",
             step=r.step,
             **fields,
             hint="the replicas may end apart: see the refusals, the members missing "
             "(train.finish_timeout_s) and the daemon's log",
         )
-        return False
+        return summary.complete
 
     # -- reporting ---------------------------------------------------------------------------
 

@@ -73,7 +73,12 @@ class LocalRanks:
         self.steps = 0
         if optimizer is not None:
             broadcast_optimizer_state(
-                optimizer, self.sync is not None, self.leader, group, self.comm_device
+                optimizer,
+                self.sync is not None,
+                self.leader,
+                group,
+                self.comm_device,
+                self.buckets[0].device,
             )
         self._broadcast()
         if mirror is not None:
@@ -159,10 +164,13 @@ def broadcast_optimizer_state(
     source: int,
     group: Any,
     comm_device: torch.device,
+    local_device: torch.device,
 ) -> None:
     """The source rank's optimizer state (restored at attach) into every rank's
     optimizer: its layout pickled, its tensors broadcast as tensors (pickling the
-    whole state copied it twice on the source and once more in every other rank)."""
+    whole state copied it twice on the source and once more in every other rank).
+    A tensor the source holds on a GPU lands on ``local_device`` (this rank's), one on
+    the CPU (Adam's step count) stays there."""
     tensors: list[torch.Tensor] = []
     layout = [_strip(optimizer.state_dict(), tensors) if is_source else None]
     dist.broadcast_object_list(layout, src=source, group=group)
@@ -173,7 +181,7 @@ def broadcast_optimizer_state(
         else:
             t = torch.empty(shape, dtype=getattr(torch, dtype), device=comm_device)
         dist.broadcast(t, src=source, group=group)
-        received.append(t.to(device))
+        received.append(t.to("cpu" if device == "cpu" else local_device))
     state = _fill(layout[0], received)
     if not is_source and isinstance(state, dict) and state.get("state"):
         optimizer.load_state_dict(state)

@@ -302,4 +302,4 @@ def test_a_fragment_heard_before_any_other_of_its_round_waits_for_one(chunk_byte
         for p in late:
             receiver.receive("p1", p)
     assert receiver.stats.params_mixed == len(rounds[1]) + len(rounds[2])
-    assert len(receiver.intake._held) <= len(receiver.buckets) * 2
+    assert len(receiver.intake.consensus._held) <= len(receiver.buckets) * 2

@@ -94,14 +94,11 @@ def test_a_trainer_outlives_its_daemons_restart(tmp_path: Path, bounds: str) -> 
         # Applied, every one. After its return the restarted replica's updates grow
         # for a while (its optimizer meets the others' progress of the gap at once):
         # held against a receiver's own RMS alone, 0 to 7 of its chunks a run passed
-        # 50 times it and were refused; against the replicas' median none in 12 pairs
-        # of bench/daemon_restart.py, but in 2 test runs of about 10 one chunk, a
-        # single step's update at 57 times the median (the bound doing its job on a
-        # spike; the last round still ends the replicas as one model).
-        refused = theirs["sync"]["refused"]
-        assert set(refused) <= {"norm"} and sum(refused.values()) <= 1, refused
-        got = theirs["sync"]["applied_from"][mine["peer"]]
-        assert got + theirs["sync"]["refused_by_origin"][mine["peer"]] == mine["chunks_sent"]
+        # 50 times it and were refused; against the replicas' median at 50 times, 1 to
+        # 5 a run in 1 run of 3 (its loss still higher, its SGD steps 52 to 66 times
+        # the others'); at 200 (the default now), none: clipped, not refused.
+        assert theirs["sync"]["refused"] == {}, theirs["sync"]["refused"]
+        assert theirs["sync"]["applied_from"][mine["peer"]] == mine["chunks_sent"]
         # What the others sent while its daemon was down reached it after the restart
         # (its daemon resumed each origin where it stopped, and the gap was repaired
         # from the origins, which keep their chunks): before, a third of theirs never did.

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from ciuic_p2p.config import FinishAverage
-from ciuic_p2p.core.codec.chunk import Codec, parse_chunk
+from ciuic_p2p.core.codec.chunk import Codec, build_chunk, parse_chunk
+from ciuic_p2p.core.replica import final as final_module
 from ciuic_p2p.core.replica.final import FINAL_DTYPES, FinalRound, copy_dtype
 from ciuic_p2p.core.replica.messages import (
     PayloadKind,
@@ -185,7 +186,11 @@ def test_early_copies_are_held_to_one_model_per_replica() -> None:
     a, b = _trained(2)
     copy_b = b.start_final([a.peer, b.peer])
     assert _offer(a, b.peer, copy_b) == []  # held: a has not started its round
-    assert set(_offer(a, b.peer, copy_b[:1])) == {"range"}  # more than one model's worth
+    assert set(_offer(a, b.peer, copy_b[:1])) == {"duplicate"}  # the same chunk again
+    bucket = next(i for i, x in enumerate(a.buckets) if x.numel() >= 2048)
+    tail = a.buckets[bucket].numel() - 1  # another chunking of a bucket's tail
+    more = _copy_chunk(b, bucket, 1, tail, envelope(PayloadKind.FINAL))
+    assert _offer(a, b.peer, [more]) == ["range"]  # past one model's worth
     a.start_final([a.peer, b.peer])
     assert a.final_complete
 
@@ -203,3 +208,50 @@ def test_a_round_counts_its_members_once() -> None:
     final = FinalRound(own, ["p1", "p2", "p1"], 0.2)
     assert final.count == 3 and not final.complete
     assert final.missing() == ["p1", "p2"]
+
+
+def _copy_chunk(r: Replica, bucket: int, start: int, length: int, base: bytes) -> bytes:
+    """A FINAL payload of ``r``'s copy of ``bucket[start : start + length]`` (a
+    member's own chunking), its header built like an honest one's."""
+    enc = r.encoders[bucket]
+    values = r.buckets[bucket][start : start + length].detach().to(torch.float16)
+    header = enc._header(Codec.DENSE_FP16, r.step, start, length, length)
+    return base + bytes(build_chunk(header, [values.numpy().tobytes()]))
+
+
+def test_a_member_cannot_make_a_replica_hold_or_track_tiny_pieces(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Copies in pieces no honest replica sends are refused, held early or not; a
+    piece delivered twice before the round does not take its member's place; a
+    member's disjoint pieces are tracked up to a bound."""
+    a, b = _trained(2)
+    env = envelope(PayloadKind.FINAL)
+    bucket = next(i for i, x in enumerate(a.buckets) if x.numel() >= 2048)
+    assert _offer(a, b.peer, [_copy_chunk(b, bucket, 0, 0, env)]) == ["malformed"]
+    assert _offer(a, b.peer, [_copy_chunk(b, bucket, 0, 10, env)]) == ["malformed"]
+    copy = b.start_final([a.peer, b.peer])
+    assert _offer(a, b.peer, copy) == []  # held early
+    assert set(_offer(a, b.peer, copy)) == {"duplicate"}  # the mesh again: not counted
+    a.start_final([a.peer, b.peer])
+    assert a.final_complete
+    # Tracking: disjoint pieces beyond MAX_PIECES per bucket are refused.
+    monkeypatch.setattr(final_module, "MIN_CHUNK_ELEMENTS", 1)
+    monkeypatch.setattr(final_module, "MAX_PIECES", 2)
+    c, d = _trained(2)
+    c.start_final([c.peer, d.peer])
+    pieces = [_copy_chunk(d, bucket, s, 10, env) for s in (0, 20, 40)]
+    assert _offer(c, d.peer, pieces) == ["range"]
+    assert _offer(c, d.peer, [_copy_chunk(d, bucket, 10, 10, env)]) == []  # joins two
+
+
+def test_updates_are_refused_once_the_last_round_began() -> None:
+    """An update taken during the round would move this replica alone, and the
+    round's rescaling would amplify it."""
+    a, b = _trained(2)
+    gen = torch.Generator().manual_seed(11)
+    late: list[bytes] = []
+    while not late:
+        late = local_update(b, gen, scale=0.001)
+    a.start_final([a.peer, b.peer])
+    assert set(_offer(a, b.peer, late)) == {"late"}

@@ -170,11 +170,13 @@ if rank == 0:  # the first rank restored a state: two steps in
     for _ in range(2):
         model(torch.randn(5, 4)).sum().backward()
         opt.step()
-broadcast_optimizer_state(opt, rank == 0, 0, dist.group.WORLD, torch.device("cpu"))
+cpu = torch.device("cpu")
+broadcast_optimizer_state(opt, rank == 0, 0, dist.group.WORLD, cpu, cpu)
 state = opt.state_dict()["state"]
 sums = {k: {n: float(v.double().sum()) for n, v in s.items()} for k, s in state.items()}
 with open(f"{sys.argv[1]}/state-{rank}.txt", "w") as f:
     f.write(repr(sums))
+dist.barrier()  # both ranks done with gloo before it goes (one teardown in six aborted)
 dist.destroy_process_group()
 """
 
@@ -214,6 +216,7 @@ try:
     attach(model, run="r", socket_path=where, process_group=dist.group.WORLD)
 except ValueError as exc:
     print(f"rank {dist.get_rank()}: {exc}", flush=True)
+dist.barrier()
 dist.destroy_process_group()
 """
 

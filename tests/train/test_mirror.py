@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+import struct
 
 import pytest
 import torch
 
 from ciuic_p2p.core.codec.bucket import ChunkSource
 from ciuic_p2p.core.codec.layout import BucketLayout
-from ciuic_p2p.core.replica.messages import run_id_of
+from ciuic_p2p.core.replica.messages import decode_payload, run_id_of
 from ciuic_p2p.core.replica.mirror import MirrorError, MirrorLog, MirrorReplay
 from ciuic_p2p.core.replica.rule import Replica
 from ciuic_p2p.train.hook import flatten_parameters
@@ -84,3 +85,22 @@ def test_a_bad_log_is_refused_with_a_typed_error() -> None:
             replay.apply(bad)
     with pytest.raises(MirrorError, match="snapshot"):
         replay.apply(b"\x01\x03" + (5).to_bytes(8, "little") + (9).to_bytes(4, "little") * 2)
+
+
+def test_a_pull_that_does_not_fit_its_snapshot_is_a_typed_error() -> None:
+    """A sparse chunk logged as a pull, after a one-fragment snapshot: its values do
+    not fit the range (before: a RuntimeError of torch)."""
+    log = MirrorLog()
+    lead = _replica(0, log)
+    gen = torch.Generator().manual_seed(2)
+    sent: list[bytes] = []
+    while not sent:
+        sent = _step(lead, [torch.randn(b.shape, generator=gen) for b in lead.buckets], None)
+    body = bytes(decode_payload(sent[0]).body)
+    h_step = lead.step
+    replay = MirrorReplay([b.clone() for b in lead.buckets])
+    snapshot = b"\x03" + h_step.to_bytes(8, "little") + (0).to_bytes(4, "little")
+    snapshot += (1).to_bytes(4, "little")
+    pull = b"\x02" + struct.pack("<dI", 0.5, len(body)) + body
+    with pytest.raises(MirrorError):
+        replay.apply(b"\x01" + snapshot + pull)

@@ -42,8 +42,16 @@ __all__ = [
     "copy_dtype",
     "held_dtype",
     "own_copy",
+    "shape_error",
 ]
 
+MIN_CHUNK_ELEMENTS = 1024
+"""The fewest elements a chunk of an honest copy holds, but for its bucket's last
+(``codec.chunk_payload_bytes`` is at least 4096, a value at most 4 bytes): a copy
+in smaller pieces is refused, so a member cannot make a replica track millions."""
+MAX_PIECES = 4096
+"""Disjoint ranges tracked per member and bucket (adjacent ones merge: an honest copy
+in order is one): more gaps than the mesh's reordering leaves are refused."""
 _SENT_DTYPES = {
     Codec.DENSE_FP16: torch.float16,
     Codec.DENSE_BF16: torch.bfloat16,
@@ -62,6 +70,16 @@ def copy_dtype(bucket: torch.Tensor, wanted: torch.dtype) -> torch.dtype:
     # refused as non-finite.
     overflows = bucket.numel() > 0 and float(bucket.detach().abs().max()) >= 65504.0
     return torch.bfloat16 if wanted == torch.float16 and overflows else wanted
+
+
+def shape_error(bucket_numel: int, start: int, length: int) -> str | None:
+    """Why a copy's chunk of ``[start, start + length)`` in a bucket of
+    ``bucket_numel`` elements is not one an honest replica sends, or None."""
+    if length < 1:
+        return "an empty range"
+    if length < MIN_CHUNK_ELEMENTS and start + length != bucket_numel:
+        return f"{length} elements, fewer than {MIN_CHUNK_ELEMENTS} short of its bucket's end"
+    return None
 
 
 def held_dtype(codec: Codec) -> torch.dtype:
@@ -166,6 +184,9 @@ class FinalRound:
         end = start + values.numel()
         if not 0 <= bucket < len(self.own) or not 0 <= start < end <= self.own[bucket].numel():
             raise FinalRefusal("range", f"final copy from {origin} lies outside the model")
+        why = shape_error(self.own[bucket].numel(), start, end - start)
+        if why is not None:
+            raise FinalRefusal("malformed", f"final copy from {origin}: {why}")
         ranges = self._ranges.setdefault((origin, bucket), [])
         at = bisect.bisect_left(ranges, (start, end))
         if (at > 0 and ranges[at - 1][1] > start) or (at < len(ranges) and ranges[at][0] < end):
@@ -173,6 +194,12 @@ class FinalRound:
                 "duplicate",
                 f"final copy from {origin} of bucket {bucket} [{start}, {end}) overlaps "
                 "a range already taken",
+            )
+        joins_before = at > 0 and ranges[at - 1][1] == start
+        joins_after = at < len(ranges) and ranges[at][0] == end
+        if not joins_before and not joins_after and len(ranges) >= MAX_PIECES:
+            raise FinalRefusal(
+                "range", f"final copy from {origin} of bucket {bucket} in too many pieces"
             )
         mine = self.own[bucket][start:end].float()
         with torch.no_grad():
@@ -190,7 +217,15 @@ class FinalRound:
             )
         if scale > 0.0:
             self.distance_max = max(self.distance_max, dist / scale)
-        ranges.insert(at, (start, end))
+        # Kept merged: an honest copy, in order or nearly, stays one range or a few.
+        if joins_before and joins_after:
+            ranges[at - 1] = (ranges[at - 1][0], ranges.pop(at)[1])
+        elif joins_before:
+            ranges[at - 1] = (ranges[at - 1][0], end)
+        elif joins_after:
+            ranges[at] = (start, ranges[at][1])
+        else:
+            ranges.insert(at, (start, end))
         self.received[origin] += end - start
         return diff.div_(self.count)
 

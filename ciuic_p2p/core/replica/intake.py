@@ -5,6 +5,8 @@ trainer's channel decodes on its reader thread while the model computes); ``appl
 then, between two steps, checks what does (the RMS bound against this replica's own
 updates, exactly once per origin, incarnation, step, bucket and range start), queues
 the values, and ``flush`` adds every queued chunk with two adds at positions per bucket.
+Consensus fragments go to the consensus mix (core.replica.consensus), the last
+round's copies to core.replica.final.
 Every refusal names its reason (``other_run``, ``layout``, ``range``, ``malformed``,
 ``duplicate``, ``norm``, ``pace``, ``set_aside``; for the last round's copies also
 ``final_member`` and ``late``) and is counted; nothing changes
@@ -19,9 +21,7 @@ import collections
 import contextlib
 import dataclasses
 import math
-from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from ciuic_p2p.config.sections import TrainSection
@@ -29,7 +29,15 @@ from ciuic_p2p.core.codec.bucket import ChunkSource, decode_chunk
 from ciuic_p2p.core.codec.chunk import ChunkHeader, parse_chunk
 from ciuic_p2p.core.codec.layout import BucketLayout, describe_layout
 from ciuic_p2p.core.codec.origin import ReplayWindow
-from ciuic_p2p.core.replica.final import FinalRefusal, FinalRound, FinalSummary, held_dtype
+from ciuic_p2p.core.replica.consensus import MAX_HELD_CHUNKS, ConsensusMix
+from ciuic_p2p.core.replica.figures import STALENESS_BINS, OwnNorms, ReplicaStats
+from ciuic_p2p.core.replica.final import (
+    FinalRefusal,
+    FinalRound,
+    FinalSummary,
+    held_dtype,
+    shape_error,
+)
 from ciuic_p2p.core.replica.influence import InfluenceBound, PaceRefusal
 from ciuic_p2p.core.replica.messages import (
     PayloadKind,
@@ -38,132 +46,22 @@ from ciuic_p2p.core.replica.messages import (
     decode_payload,
     decode_presence,
 )
-from ciuic_p2p.core.replica.mirror import AddedChunk, AddedPull
+from ciuic_p2p.core.replica.mirror import AddedChunk
 from ciuic_p2p.core.replica.outer import OuterStep
 from ciuic_p2p.core.replica.parameters import Fragment, Parameters
+from ciuic_p2p.core.replica.received import Prepared, RefusedChunk
 from ciuic_p2p.core.replica.roster import PeerState, Roster
-from ciuic_p2p.errors import CiuicError, CodecError, ReplayedChunkError
+from ciuic_p2p.errors import CodecError, ReplayedChunkError
 
-STALENESS_BINS = 4096
-
-
-class RefusedChunk(CiuicError):
-    """A peer's chunk that this replica will not apply (reason in ``reason``)."""
-
-    def __init__(
-        self, reason: str, message: str, origin: str = "", kind: PayloadKind | None = None
-    ) -> None:
-        super().__init__(message)
-        self.reason = reason
-        self.origin = origin
-        self.kind = kind
-        self.set_aside_until: int | None = None
-        """Set when this refusal set its origin aside (until this replica's step)."""
-        """What was refused, when known (only refused updates count toward the
-        origin's total at the end of a run)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Prepared:
-    """A decoded, checked payload waiting to be applied."""
-
-    origin: str
-    kind: PayloadKind
-    header: ChunkHeader | None
-    positions: torch.Tensor | None
-    values: torch.Tensor | None
-    rms: float
-    step: int
-    chunks: int
-    """DONE: update chunks the origin sent in all."""
-    ask: bool = False
-    """JOIN: the origin wants this replica's JOIN in answer."""
-    body: memoryview | None = None
-    """A chunk's bytes as they came (core.replica.mirror replays them elsewhere)."""
-
-
-MAX_HELD_CHUNKS = 4096
-"""Fragment chunks held per bucket and round (``_mix``): a bucket's fragment is one
-chunk per ``codec.chunk_payload_bytes`` of it (a 4 GiB bucket at 1 MiB), from at most
-a few origins before the second one's first arrives; past it a chunk is dropped."""
-
-
-@dataclass(frozen=True, slots=True)
-class HeldFragment:
-    """A consensus fragment's difference from this replica's parameters of its step,
-    waiting for another origin's in its bucket to be clipped against."""
-
-    origin: str
-    header: ChunkHeader
-    diff: torch.Tensor
-    diff_sq: float
-    body: memoryview | None
-
-
-@dataclass(slots=True)
-class ReplicaStats:
-    steps: int = 0
-    sends: int = 0
-    chunks_sent: int = 0
-    bytes_published: int = 0
-    applied: int = 0
-    applied_from: collections.Counter[str] = field(default_factory=collections.Counter)
-    """Updates applied per origin, kept after the origin left (one entry a member)."""
-    params_mixed: int = 0
-    chunk_bytes_received: int = 0
-    """Bytes of the peers' update and consensus chunks decoded here."""
-    final_chunks: int = 0
-    """Chunks of the peers' copies taken in the last round (core.replica.final)."""
-    params_unmatched: int = 0
-    """Peer parameters of a step this replica kept none of its own for: not mixed."""
-    before_state: int = 0
-    """Peer chunks dropped because the state this replica restored holds them."""
-    excused: int = 0
-    """Times a replica was excused from the staleness bound (see Replica.excuse)."""
-    other_runs: int = 0
-    """JOIN, GONE and DONE of other runs on the same mesh, ignored."""
-    refused: collections.Counter[str] = field(default_factory=collections.Counter)
-    last_refusal: str = ""
-    clipped: int = 0
-    """Peer update chunks taken at less than their full norm or weight (the influence
-    bound: an update past the clip, an origin working against this replica's
-    direction), and consensus fragments mixed at less than their full pull (clipped, or
-    heard with no other origin's to hold them against and dropped)."""
-    weight_raised: int = 0
-    """Peer update chunks whose claimed replica count was below the replicas whose
-    updates of the steps before (within the staleness bound) reached this one,
-    weighted by that count instead."""
-    set_aside: dict[str, int] = field(default_factory=dict)
-    """Origins set aside after repeated refusals: until which of this replica's steps."""
-    backoffs: int = 0
-    """Times the backlog was over the high mark (interval doubled, density halved)."""
-    residual_norm: float = 0.0
-    residual_norm_max: float = 0.0
-    staleness: np.ndarray = field(default_factory=lambda: np.zeros(STALENESS_BINS, np.int64))
-
-    def staleness_quantile(self, q: float) -> int:
-        total = int(self.staleness.sum())
-        if total == 0:
-            return 0
-        idx = int(np.searchsorted(np.cumsum(self.staleness), math.ceil(q * total)))
-        return min(idx, STALENESS_BINS - 1)
-
-
-class OwnNorms:
-    """The running RMS of this replica's own chunks, per bucket: what a peer's chunk
-    is held against, with the other replicas' (:meth:`Intake.rms_reference`; written
-    as this replica encodes, read as peers' chunks arrive)."""
-
-    def __init__(self, buckets: int) -> None:
-        self.rms: list[float] = [0.0] * buckets
-        self.count: list[int] = [0] * buckets
-
-    def record(self, bucket: int, rms: float) -> None:
-        n = self.count[bucket]
-        if rms > 0.0:
-            old = self.rms[bucket]
-            self.rms[bucket] = rms if n == 0 else 0.9 * old + 0.1 * rms
-            self.count[bucket] = n + 1
+__all__ = [
+    "MAX_HELD_CHUNKS",
+    "STALENESS_BINS",
+    "Intake",
+    "OwnNorms",
+    "Prepared",
+    "RefusedChunk",
+    "ReplicaStats",
+]
 
 
 class Intake:
@@ -196,7 +94,6 @@ class Intake:
         self.stats = stats
         self.outer = outer
         self._updates = ReplayWindow(window_steps=1 << 16)
-        self._params = ReplayWindow(window_steps=1 << 16)
         self.influence = InfluenceBound(
             train,
             len(parameters.buckets),
@@ -204,11 +101,20 @@ class Intake:
             roster.me,
             announced=lambda: ((name, p.step) for name, p in roster.peers.items()),
         )
+        self.consensus = ConsensusMix(
+            parameters=parameters,
+            roster=roster,
+            norms=norms,
+            own_params=own_params,
+            influence=self.influence,
+            train=train,
+            stats=stats,
+            replicas=lambda: self.replicas,
+        )
         self.floors: dict[str, int] = {}
+        """Per origin: update steps at or below this are in the restored state."""
         self.held_finals: dict[str, int] = {}
         """Origins' last updates' stamps a restored state holds (:meth:`set_finals`)."""
-        """Per origin: update steps at or below this are in the restored state."""
-        self._held: dict[tuple[int, int], list[HeldFragment]] = {}
         self.final: FinalRound | None = None
         """The run's last round, once this replica started it (:meth:`start_final`)."""
         self.final_ended = False
@@ -216,8 +122,7 @@ class Intake:
         """Peers' copies that came before this replica started its last round (it
         was still applying their last updates); at most one model's worth each."""
         self._final_early_elements: collections.Counter[str] = collections.Counter()
-        """Per bucket and round: the chunks of fragments heard before any other
-        origin's (``_mix``), for the rounds whose parameters are kept (two)."""
+        self._final_early_keys: set[tuple[str, int, int]] = set()
 
     @property
     def weight(self) -> float:
@@ -430,31 +335,21 @@ class Intake:
             if state is not None:
                 state.done_at, state.chunks_sent = item.step, item.chunks
             return
+        if self.final is not None and item.kind is not PayloadKind.FINAL:
+            # The last round averages what every replica held when it began: an
+            # update taken during it would move this replica alone, and the round's
+            # rescaling would amplify it.
+            raise RefusedChunk(
+                "late", f"chunk from {origin} after the last round began", origin, item.kind
+            )
         h = item.header
         assert h is not None and item.values is not None
         if item.kind is PayloadKind.PARAMS:
-            self._apply_params(origin, h, item.values, item.body)
+            self.consensus.apply(origin, h, item.values, item.body)
         elif item.kind is PayloadKind.FINAL:
             self._apply_final(item, h)
         else:
             self._apply_update(item, h, state, step)
-
-    def _apply_params(
-        self, origin: str, h: ChunkHeader, values: torch.Tensor, body: memoryview | None
-    ) -> None:
-        self._drop_expired_held()
-        mine = self._own_fragment(h)
-        if mine is None:
-            # We sent none at that step (joined since, skipped, or the peer's is
-            # older than the fragments we keep): nothing to compare it with, so it
-            # is not mixed. Holding it against our parameters of now instead
-            # refused honest late fragments (a peer 20 steps behind in outer mode).
-            self._check_once(self._params, origin, h)
-            self.stats.params_unmatched += 1
-            return
-        self._check_params(origin, h, values, mine)
-        self._check_once(self._params, origin, h)
-        self._mix(origin, h, values, mine, body)
 
     def start_final(self, final: FinalRound, step: int) -> None:
         """Start the last round: take the copies that came before it (refusals
@@ -462,6 +357,7 @@ class Intake:
         self.final = final
         early, self._final_early = self._final_early, []
         self._final_early_elements.clear()
+        self._final_early_keys.clear()
         for item in early:
             with contextlib.suppress(RefusedChunk):
                 self.apply(item, step)
@@ -470,6 +366,7 @@ class Intake:
         """End the last round: later copies are refused as ``late``."""
         self.final_ended = True
         self._final_early = []
+        self._final_early_keys.clear()
         return None if self.final is None else self.final.summary()
 
     def _apply_final(self, item: Prepared, h: ChunkHeader) -> None:
@@ -491,6 +388,14 @@ class Intake:
                     origin,
                     item.kind,
                 )
+            why = shape_error(self.parameters.buckets[h.bucket].numel(), *_span(h))
+            if why is not None:
+                raise RefusedChunk("malformed", f"final copy from {origin}: {why}", origin)
+            key = (origin, h.bucket, h.range_start)
+            if key in self._final_early_keys:  # the mesh's at-least-once delivery
+                raise RefusedChunk(
+                    "duplicate", f"final copy from {origin} held already", origin, item.kind
+                )
             if self._final_early_elements[origin] + h.range_len > self.layout.numel:
                 raise RefusedChunk(
                     "range",
@@ -498,9 +403,12 @@ class Intake:
                     origin,
                     item.kind,
                 )
+            self._final_early_keys.add(key)
             self._final_early_elements[origin] += h.range_len
             held = values.to(held_dtype(h.codec))
-            self._final_early.append(dataclasses.replace(item, values=held))
+            # Its bytes are not kept: only the mirror of a node's local ranks reads
+            # them, and it records nothing of the last round.
+            self._final_early.append(dataclasses.replace(item, values=held, body=None))
             return
         try:
             diff = self.final.take(origin, h.bucket, h.range_start, values, h.replicas)
@@ -628,99 +536,6 @@ class Intake:
             raise RefusedChunk(
                 "duplicate", f"chunk from {origin}: {exc}", origin, PayloadKind.UPDATE
             ) from None
-
-    def _own_fragment(self, h: ChunkHeader) -> torch.Tensor | None:
-        """Our parameters of the same step and span as a peer's fragment, if we kept
-        them (``own_params``: the fragments of our last two consensus rounds)."""
-        fragment = self.own_params.get(h.step)
-        return None if fragment is None else fragment.slice_of(h.bucket, *_span(h))
-
-    def _check_params(
-        self, origin: str, h: ChunkHeader, values: torch.Tensor, own: torch.Tensor
-    ) -> None:
-        """Parameters far from ours, measured against our parameters' own scale (a
-        faulty node, not drift), are refused; see ``train.params_distance_max_ratio``."""
-        n = math.sqrt(max(1, h.range_len))
-        dist = float(torch.linalg.vector_norm(values - own)) / n
-        scale = float(torch.linalg.vector_norm(own)) / n
-        t = self.train
-        floor = 0.0
-        if self.norms.count[h.bucket] >= t.norm_warmup_chunks:
-            floor = t.update_norm_max_ratio * self.norms.rms[h.bucket]
-        allowed = max(t.params_distance_max_ratio * scale, floor)
-        # Where ours are all zero and no floor exists yet, nothing is allowed to move.
-        if not math.isfinite(dist) or dist > allowed:
-            raise RefusedChunk(
-                "norm",
-                f"parameters from {origin} (step {h.step}) are {dist:.3g} RMS away from "
-                f"this replica's ({scale:.3g} RMS), over the {allowed:.3g} allowed",
-                origin,
-                PayloadKind.PARAMS,
-            )
-
-    def _mix(
-        self,
-        origin: str,
-        h: ChunkHeader,
-        values: torch.Tensor,
-        mine: torch.Tensor,
-        body: memoryview | None,
-    ) -> None:
-        """Pulls this replica toward a peer's fragment, clipped against the other
-        origins' (core.replica.influence ``mix_scale``). The first fragment of a bucket,
-        heard before any other origin's of its round, has nothing to be clipped
-        against: where the run has other replicas to send one, its chunks are held
-        until another origin's comes (then all are mixed, each held against the
-        others), or dropped once this replica keeps no parameters of its round."""
-        with torch.no_grad():
-            diff = values.sub(mine)
-            diff_sq = float(torch.dot(diff.float(), diff.float())) / max(1, diff.numel())
-        alive = self.roster.mesh_alive
-        known = self.influence.drift_known(origin, h.bucket, h.step, diff_sq, alive)
-        key = (h.bucket, h.step)
-        if not known and self.replicas > 2:
-            # With one other replica its fragment is the whole of the others' view.
-            held = self._held.setdefault(key, [])
-            if len(held) >= MAX_HELD_CHUNKS:
-                self.stats.clipped += 1  # more chunks than a bucket's fragment has
-                return
-            held.append(HeldFragment(origin, h, diff, diff_sq, body))
-            return
-        self._pull(origin, h, diff, diff_sq, body)
-        for other in self._held.pop(key, []):
-            if other.origin != origin and other.origin in alive:
-                self._pull(other.origin, other.header, other.diff, other.diff_sq, other.body)
-            else:
-                self.stats.clipped += 1
-
-    def _pull(
-        self,
-        origin: str,
-        h: ChunkHeader,
-        diff: torch.Tensor,
-        diff_sq: float,
-        body: memoryview | None,
-    ) -> None:
-        mix = self.train.consensus_mix / max(1, self.replicas - 1)
-        alive = self.roster.mesh_alive
-        factor = self.influence.mix_scale(origin, h.bucket, h.step, diff_sq, alive)
-        if factor < 1.0:
-            self.stats.clipped += 1
-        if factor <= 0.0:
-            return
-        with torch.no_grad():
-            diff.mul_(mix * factor)
-        source = None if body is None else AddedPull(body, mix * factor)
-        self.parameters.add_slice(h.bucket, h.range_start, diff, source)
-        self.stats.params_mixed += 1
-
-    def _drop_expired_held(self) -> None:
-        """A held fragment whose round we keep no parameters of any more: no other
-        origin's came to hold it against, and it is not mixed."""
-        for key, held in list(self._held.items()):
-            if key[1] not in self.own_params:
-                del self._held[key]
-                self.stats.clipped += len(held)
 
 
 def _span(h: ChunkHeader) -> tuple[int, int]:

@@ -190,9 +190,14 @@ class MirrorReplay:
 
     def _chunk(self, body: memoryview, weight: float, *, mix: bool) -> None:
         try:
-            decoded = decode_chunk(body, self.buckets[0].device)
+            self._add_chunk(body, weight, mix=mix)
         except CodecError as exc:
             raise MirrorError(f"mirror chunk: {exc}") from None
+        except RuntimeError as exc:  # a chunk whose shape does not fit what it names
+            raise MirrorError(f"mirror chunk does not fit: {exc}") from None
+
+    def _add_chunk(self, body: memoryview, weight: float, *, mix: bool) -> None:
+        decoded = decode_chunk(body, self.buckets[0].device)
         h = decoded.header
         if (
             h.bucket >= len(self.buckets)
