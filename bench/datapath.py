@@ -340,6 +340,16 @@ def summarize(
         "backlog_trend": trend,
         "refused": {k: v for t in trainers for k, v in t["refused"].items()},
         "finished_complete": all(t["complete"] for t in trainers),
+        # finish(): the residual sent dense, then the last round (each replica's fp16
+        # copy published once, the others' averaged in).
+        "finish_s_max": max(t.get("finish_s", 0.0) for t in trainers),
+        "finish_published_mb_max": max(t.get("finish_published_bytes", 0) for t in trainers) / 1e6,
+        "final_round_complete": all(
+            (t.get("final_round") or {}).get("complete", False) for t in trainers
+        ),
+        "final_round_s_max": max(
+            (t.get("final_round") or {}).get("seconds", 0.0) for t in trainers
+        ),
         "machine_note": "trainers' compute padded to step_s with sleep (host CPU free)",
     }
     result.update(staleness(trainers))

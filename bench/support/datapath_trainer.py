@@ -148,7 +148,9 @@ def main() -> int:
     elapsed = time.monotonic() - t_start
     st = sync.stats
     held = int(st["hook_held_bytes"])
+    t_finish = time.monotonic()
     complete = sync.finish(timeout_s=120)
+    finish_s = time.monotonic() - t_finish
     final = sync.stats
     sync.close()
     out: dict[str, Any] = {
@@ -183,6 +185,9 @@ def main() -> int:
         "snapshots_sent": final["snapshots_sent"],
         "bytes_published": final["bytes_published"],
         "complete": complete,
+        "finish_s": finish_s,
+        "finish_published_bytes": final["bytes_published"] - st["bytes_published"],
+        "final_round": final["final_round"],
         "density": final["density"],
         "send_interval": final["send_interval"],
     }

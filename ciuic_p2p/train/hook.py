@@ -24,7 +24,7 @@ import contextlib
 import os
 import signal
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -667,11 +667,11 @@ class MeshSync:
             ch.wait_any(0.05)
             self.poll()
             r.fold_final()
-        summary = r.end_final()
-        assert summary is not None
+        ended = r.end_final()
+        assert ended is not None
+        summary = replace(ended, seconds=round(time.monotonic() - t0, 3))
         self.final_round = summary
         fields = asdict(summary)
-        fields["seconds"] = round(time.monotonic() - t0, 3)
         if summary.complete and not summary.counted_otherwise:
             log.info("final_round", step=r.step, **fields)
             return True

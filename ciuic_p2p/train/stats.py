@@ -122,6 +122,6 @@ STATS_DOC: dict[str, str] = {
     "final_round": "after `finish()`, its last round (`train.finish_average`): `members` "
     "(copies averaged, this one's included), `complete`, `missing` (members whose whole "
     "copy did not come), `refused` by reason, `distance_max` (how far apart the replicas "
-    "were before it, relative) and `counted_otherwise` (members that averaged another "
-    "number of copies); None before `finish()` or when no round ran",
+    "were before it, relative), `counted_otherwise` (members that averaged another "
+    "number of copies) and `seconds`; None before `finish()` or when no round ran",
 }

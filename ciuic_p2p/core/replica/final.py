@@ -120,6 +120,8 @@ class FinalSummary:
     counted_otherwise: list[str] = field(default_factory=list)
     """Members whose copies say they average another number of copies: they heard
     other members' DONE, and end at another mean than this replica."""
+    seconds: float = 0.0
+    """How long the round took, from publishing this replica's copy (the hook's)."""
 
 
 class FinalRound:
