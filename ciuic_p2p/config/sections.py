@@ -532,9 +532,9 @@ class TrainSection:
     saves it from (core.replica.final). Its members are the replicas whose DONE was
     heard, at a step within ``staleness_bound_steps`` of this one's. It costs one copy
     per replica on the wire, once per run (2 bytes per parameter at ``fp16``: a node
-    receives that from each other replica). While :meth:`finish` runs it holds 4 bytes
-    per parameter (the own copy, and the copy's chunks until sent; twice that at
-    ``fp32``) and up to 12 per element of the largest bucket; a peer's copy that comes
+    receives that from each other replica). While :meth:`finish` runs it holds 2 bytes
+    per parameter (the own copy; 4 at ``fp32``), one bucket's chunks as they are sent,
+    and up to 12 bytes per element of the largest bucket; a peer's copy that comes
     before this replica's round is held until then (its values, at most one model's
     worth per peer). The copies' rounding (fp16: 2^-11 relative per element above 6e-5,
     where fp16 turns subnormal) is in the end model. ``off``:

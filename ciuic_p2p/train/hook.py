@@ -660,8 +660,7 @@ class MeshSync:
         if not self.encoder.idle.wait(limit):
             raise ChannelError(f"the encoder did not finish within {limit:g} s")
         t0 = time.monotonic()
-        for payload in r.start_final(members):
-            ch.publish(payload)
+        r.start_final(members, ch.publish)
         deadline = t0 + limit
         while not r.final_complete and time.monotonic() < deadline and not ch.closed:
             ch.wait_any(0.05)

@@ -47,6 +47,13 @@ def _trained(count: int, train: object = TRAIN) -> list[Replica]:
     return reps
 
 
+def _start(r: Replica, members: list[str]) -> list[bytes]:
+    """Start ``r``'s last round; the payloads of its copy, as it published them."""
+    published: list[bytes] = []
+    r.start_final(members, published.append)
+    return published
+
+
 def _offer(r: Replica, origin: str, payloads: list[bytes]) -> list[str]:
     """Hand ``r`` a peer's copy; the reasons of the chunks it refused."""
     refused = []
@@ -72,7 +79,7 @@ def test_the_last_round_ends_every_replica_at_the_mean_of_the_same_copies(
     before = consensus_distance([snapshot(r) for r in reps])
     assert before > 1e-2, before  # the residuals keep them apart
     # The first replica starts its round last: the others' copies reach it early.
-    copies = {r.peer: r.start_final([o.peer for o in reps]) for r in reps[1:]}
+    copies = {r.peer: _start(r, [o.peer for o in reps]) for r in reps[1:]}
     assert all(not r.final_complete for r in reps[1:])
     rng = random.Random(3)
     inbox = [(r, origin, p) for r in reps for origin, ps in copies.items() for p in ps]
@@ -80,7 +87,7 @@ def test_the_last_round_ends_every_replica_at_the_mean_of_the_same_copies(
     rng.shuffle(inbox)
     for r, origin, p in inbox:
         r.receive(origin, p)
-    copies[reps[0].peer] = reps[0].start_final([o.peer for o in reps])
+    copies[reps[0].peer] = _start(reps[0], [o.peer for o in reps])
     for r in reps[1:]:
         assert _offer(r, reps[0].peer, copies[reps[0].peer]) == []
     summaries = []
@@ -125,8 +132,8 @@ def test_a_member_moves_a_replica_only_within_the_bound() -> None:
     with torch.no_grad():
         for bucket in liar.buckets:  # three times its parameters: 2 RMS away
             bucket.mul_(3.0)
-    far = liar.start_final(names)
-    copy_a, copy_b = a.start_final(names), b.start_final(names)
+    far = _start(liar, names)
+    copy_a, copy_b = _start(a, names), _start(b, names)
     copies = {a.peer: snapshot(a), b.peer: snapshot(b)}  # each its own copy, as sent
     for r, other, copy in ((a, b, copy_b), (b, a, copy_a)):
         assert set(_offer(r, liar.peer, far)) == {"norm"}
@@ -150,9 +157,9 @@ def test_a_member_moves_a_replica_only_within_the_bound() -> None:
                 mine + push * (0.95 * ratio * rms / float(push.norm()) * mine.numel() ** 0.5)
             )
     own = snapshot(a)
-    a.start_final(names)
-    assert _offer(a, liar.peer, liar.start_final(names)) == []
-    assert _offer(a, b.peer, b.start_final(names)) == []
+    _start(a, names)
+    assert _offer(a, liar.peer, _start(liar, names)) == []
+    assert _offer(a, b.peer, _start(b, names)) == []
     for before, after in zip(own, snapshot(a), strict=True):
         rms = float(before.norm()) / math.sqrt(before.numel())
         moved = float((after - before).norm()) / math.sqrt(before.numel())
@@ -163,14 +170,14 @@ def test_a_member_moves_a_replica_only_within_the_bound() -> None:
 def test_copies_that_do_not_belong_to_the_round_are_refused() -> None:
     a, b, c = _trained(3)
     stranger = replica(7)
-    early = stranger.start_final([a.peer])
+    early = _start(stranger, [a.peer])
     # Before a's round: not a replica of this run, so not held.
     assert set(_offer(a, stranger.peer, early[:1])) == {"final_member"}
-    copy_b = b.start_final([a.peer, b.peer, c.peer])
-    a.start_final([a.peer, b.peer])  # c's DONE not heard here: a member count of 2
+    copy_b = _start(b, [a.peer, b.peer, c.peer])
+    _start(a, [a.peer, b.peer])  # c's DONE not heard here: a member count of 2
     assert _offer(a, b.peer, copy_b) == []
     assert set(_offer(a, b.peer, copy_b[:2])) == {"duplicate"}  # a range taken twice
-    assert set(_offer(a, c.peer, c.start_final([a.peer, b.peer, c.peer])[:1])) == {"final_member"}
+    assert set(_offer(a, c.peer, _start(c, [a.peer, b.peer, c.peer])[:1])) == {"final_member"}
     summary = a.end_final()
     assert summary is not None and summary.complete
     assert summary.counted_otherwise == [b.peer]  # b averages three copies, a two
@@ -184,14 +191,14 @@ def test_copies_that_do_not_belong_to_the_round_are_refused() -> None:
 
 def test_early_copies_are_held_to_one_model_per_replica() -> None:
     a, b = _trained(2)
-    copy_b = b.start_final([a.peer, b.peer])
+    copy_b = _start(b, [a.peer, b.peer])
     assert _offer(a, b.peer, copy_b) == []  # held: a has not started its round
     assert set(_offer(a, b.peer, copy_b[:1])) == {"duplicate"}  # the same chunk again
     bucket = next(i for i, x in enumerate(a.buckets) if x.numel() >= 2048)
     tail = a.buckets[bucket].numel() - 1  # another chunking of a bucket's tail
     more = _copy_chunk(b, bucket, 1, tail, envelope(PayloadKind.FINAL))
     assert _offer(a, b.peer, [more]) == ["range"]  # past one model's worth
-    a.start_final([a.peer, b.peer])
+    _start(a, [a.peer, b.peer])
     assert a.final_complete
 
 
@@ -230,16 +237,16 @@ def test_a_member_cannot_make_a_replica_hold_or_track_tiny_pieces(
     bucket = next(i for i, x in enumerate(a.buckets) if x.numel() >= 2048)
     assert _offer(a, b.peer, [_copy_chunk(b, bucket, 0, 0, env)]) == ["malformed"]
     assert _offer(a, b.peer, [_copy_chunk(b, bucket, 0, 10, env)]) == ["malformed"]
-    copy = b.start_final([a.peer, b.peer])
+    copy = _start(b, [a.peer, b.peer])
     assert _offer(a, b.peer, copy) == []  # held early
     assert set(_offer(a, b.peer, copy)) == {"duplicate"}  # the mesh again: not counted
-    a.start_final([a.peer, b.peer])
+    _start(a, [a.peer, b.peer])
     assert a.final_complete
     # Tracking: disjoint pieces beyond MAX_PIECES per bucket are refused.
     monkeypatch.setattr(final_module, "MIN_CHUNK_ELEMENTS", 1)
     monkeypatch.setattr(final_module, "MAX_PIECES", 2)
     c, d = _trained(2)
-    c.start_final([c.peer, d.peer])
+    _start(c, [c.peer, d.peer])
     pieces = [_copy_chunk(d, bucket, s, 10, env) for s in (0, 20, 40)]
     assert _offer(c, d.peer, pieces) == ["range"]
     assert _offer(c, d.peer, [_copy_chunk(d, bucket, 10, 10, env)]) == []  # joins two
@@ -253,5 +260,5 @@ def test_updates_are_refused_once_the_last_round_began() -> None:
     late: list[bytes] = []
     while not late:
         late = local_update(b, gen, scale=0.001)
-    a.start_final([a.peer, b.peer])
+    _start(a, [a.peer, b.peer])
     assert set(_offer(a, b.peer, late)) == {"late"}

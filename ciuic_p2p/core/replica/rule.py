@@ -65,7 +65,7 @@ from __future__ import annotations
 
 import collections
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -432,23 +432,27 @@ class Replica:
         self.mean_send_bytes = sent_bytes if m == 0.0 else 0.9 * m + 0.1 * sent_bytes
         return payloads
 
-    def start_final(self, members: Iterable[str]) -> list[bytes]:
+    def start_final(self, members: Iterable[str], publish: Callable[[bytes], None]) -> int:
         """Start the run's last round (core.replica.final; ``train.finish_average``
         names the copies' dtype): this replica's parameters become its copy as sent,
-        returned as ``FINAL`` payloads to publish, and ``members``' copies are
-        averaged in as they arrive. Training thread, with the encoder idle."""
+        handed to ``publish`` as ``FINAL`` payloads a bucket at a time (never the whole
+        copy's chunks at once), and ``members``' copies are averaged in as they
+        arrive; the bytes published. Training thread, with the encoder idle."""
         names = sorted(set(members) - {self.peer})
         wanted = FINAL_DTYPES[self.train.finish_average]
         count = len(names) + 1
         step = self.step
         own: list[torch.Tensor] = []
-        payloads: list[bytes] = []
+        sent = 0
         self.flush(wait=True)
         for enc, bucket in zip(self.encoders, self.buckets, strict=True):
             copy = own_copy(bucket, copy_dtype(bucket, wanted))
             own.append(copy)
             enc.replicas = count  # the chunks say how many copies their origin averages
-            payloads += [envelope(PayloadKind.FINAL) + c for c in enc.encode_copy(copy, step)]
+            for chunk in enc.encode_copy(copy, step):
+                payload = envelope(PayloadKind.FINAL) + chunk
+                sent += len(payload)
+                publish(payload)
             with torch.no_grad():
                 self.parameters.add_slice(enc.bucket, 0, copy.float() - bucket)
             self.fold_final()  # one bucket's difference at a time
@@ -456,9 +460,8 @@ class Replica:
             FinalRound(own, names, self.train.finish_average_distance_max_ratio), self.step
         )
         self.fold_final()
-        sent = sum(len(p) for p in payloads)
         self.stats.bytes_published += sent
-        return payloads
+        return sent
 
     @property
     def final_complete(self) -> bool:
