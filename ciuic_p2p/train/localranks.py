@@ -48,7 +48,7 @@ class LocalRanks:
         mirror: MirrorLog | None = None,
     ) -> None:
         """``mirror``: on the first rank, the log its replica records its adds in
-        (None there: the buckets go whole every step)."""
+        (None on the others)."""
         self.group = group
         self.leader = dist.get_global_rank(group, 0) if group is not None else 0
         self.sync = leader_sync
@@ -61,13 +61,11 @@ class LocalRanks:
         self.comm_device = (
             self.buckets[0].device if dist.get_backend(group) == "nccl" else torch.device("cpu")
         )
-        # Where to begin and whether the adds are replayed, everywhere.
-        told = [(leader_sync.start_step, mirror is not None) if leader_sync else None]
+        # Where to begin, everywhere.
+        told = [leader_sync.start_step if leader_sync else None]
         dist.broadcast_object_list(told, src=self.leader, group=group)
-        start, mirrored = told[0]  # type: ignore[misc]
-        self.start_step = int(start)
-        self.replay = MirrorReplay(self.buckets) if mirrored and leader_sync is None else None
-        self.mirrored = bool(mirrored)
+        self.start_step = int(told[0])  # type: ignore[arg-type]
+        self.replay = MirrorReplay(self.buckets) if leader_sync is None else None
         self.received_bytes = 0
         """Bytes this rank received from the first rank after attach, per step."""
         self.steps = 0
@@ -111,12 +109,7 @@ class LocalRanks:
         if self.sync is not None:
             self.sync.step()
         self.steps += 1
-        if self.mirrored:
-            self._send_log()
-        else:
-            self._broadcast()
-            if self.sync is None:
-                self.received_bytes += sum(b.numel() * b.element_size() for b in self.buckets)
+        self._send_log()
 
     def finish(self, timeout_s: float | None = None) -> bool:
         if self.mirror is not None:
@@ -133,7 +126,6 @@ class LocalRanks:
             return {
                 **self.sync.stats,
                 "local_ranks": ranks,
-                "mirrored": self.mirrored,
                 "mirror_bytes_sent": 0 if self.mirror is None else self.mirror.bytes_taken,
                 "mirror_entries": {} if self.mirror is None else dict(self.mirror.kinds),
                 "chunk_bytes_received": self.sync.replica.stats.chunk_bytes_received,
@@ -142,7 +134,6 @@ class LocalRanks:
             "step": None,
             "local_ranks": ranks,
             "leader": False,
-            "mirrored": self.mirrored,
             "received_bytes": self.received_bytes,
             "steps": self.steps,
         }

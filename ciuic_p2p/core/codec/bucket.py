@@ -81,13 +81,13 @@ _MAX_SCALE = {
     Codec.SPARSE_INT2: _FLT_MAX / max_code(2),
 }
 
-_DENSE_DTYPES = {
+DENSE_DTYPES = {
     Codec.DENSE_FP32: torch.float32,
     Codec.DENSE_FP16: torch.float16,
     Codec.DENSE_BF16: torch.bfloat16,
 }
-_CODEC_OF_DTYPE = {dtype: codec for codec, dtype in _DENSE_DTYPES.items()}
-_DENSE_BY_NAME = {"fp32": Codec.DENSE_FP32, "fp16": Codec.DENSE_FP16, "bf16": Codec.DENSE_BF16}
+_CODEC_OF_DTYPE = {dtype: codec for codec, dtype in DENSE_DTYPES.items()}
+DENSE_BY_NAME = {"fp32": Codec.DENSE_FP32, "fp16": Codec.DENSE_FP16, "bf16": Codec.DENSE_BF16}
 _SPARSE_BY_MODE = {
     "int8": Codec.SPARSE_INT8,
     "fp16": Codec.SPARSE_FP16,
@@ -138,7 +138,7 @@ class BucketSpec:
         if sparse:
             codec = _SPARSE_BY_MODE[section.value_mode]
         else:
-            codec = _DENSE_BY_NAME[section.dense_dtype]
+            codec = DENSE_BY_NAME[section.dense_dtype]
         return cls(
             codec=codec,
             density=section.density,
@@ -540,7 +540,7 @@ class BucketEncoder:
             codes, scales = quantize_int8(acc, block)
             sent = dequantize_int8(codes, scales, block)
             return self._dense_int8_chunks(codes, scales, step), sent
-        low = acc.to(_DENSE_DTYPES[self.spec.codec])
+        low = acc.to(DENSE_DTYPES[self.spec.codec])
         return self._dense_chunks(low, step), low.to(torch.float32)
 
     def encode_copy(self, values: torch.Tensor, step: int) -> list[bytearray]:
@@ -655,7 +655,7 @@ def decode_chunk(
     elif codec is Codec.DENSE_BF16:
         values = value_bytes.view(torch.bfloat16).to(torch.float32)
     else:
-        values = value_bytes.view(_DENSE_DTYPES[codec]).to(torch.float32)
+        values = value_bytes.view(DENSE_DTYPES[codec]).to(torch.float32)
     if not codec.has_scales and not bool(torch.isfinite(values).all()):
         raise InconsistentChunkError("non-finite value in chunk")
     found: torch.Tensor | None = None

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ciuic_p2p.core.codec.bucket import DENSE_BY_NAME, DENSE_DTYPES
 from ciuic_p2p.core.codec.chunk import Codec
 from ciuic_p2p.errors import CiuicError
 
@@ -52,12 +53,7 @@ in smaller pieces is refused, so a member cannot make a replica track millions."
 MAX_PIECES = 4096
 """Disjoint ranges tracked per member and bucket (adjacent ones merge: an honest copy
 in order is one): more gaps than the mesh's reordering leaves are refused."""
-_SENT_DTYPES = {
-    Codec.DENSE_FP16: torch.float16,
-    Codec.DENSE_BF16: torch.bfloat16,
-    Codec.DENSE_FP32: torch.float32,
-}
-FINAL_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+FINAL_DTYPES = {name: DENSE_DTYPES[codec] for name, codec in DENSE_BY_NAME.items()}
 """``train.finish_average`` values other than ``off``: the dtype copies are sent in."""
 
 
@@ -85,7 +81,7 @@ def shape_error(bucket_numel: int, start: int, length: int) -> str | None:
 def held_dtype(codec: Codec) -> torch.dtype:
     """The dtype a copy's decoded values are held in until this replica's round
     starts: the one they were sent in (exact), fp32 for any other dense codec."""
-    return _SENT_DTYPES.get(codec, torch.float32)
+    return DENSE_DTYPES.get(codec, torch.float32)
 
 
 def own_copy(bucket: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

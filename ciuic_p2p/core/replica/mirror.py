@@ -80,7 +80,6 @@ class MirrorLog:
 
     def __init__(self) -> None:
         self._parts: list[bytes | bytearray | memoryview] = []
-        self._bytes = 0
         self.paused = False
         """Once paused (``finish``, which ends with a whole broadcast) nothing is
         recorded."""
@@ -91,7 +90,7 @@ class MirrorLog:
     def pause(self) -> None:
         """Record nothing from now on (what is recorded is dropped)."""
         self.paused = True
-        self._parts, self._bytes = [], 0
+        self._parts = []
 
     def applied(
         self,
@@ -132,14 +131,13 @@ class MirrorLog:
 
     def take(self) -> bytes:
         """Everything recorded since the last call, as one log."""
-        parts, self._parts, self._bytes = self._parts, [], 0
+        parts, self._parts = self._parts, []
         out = b"".join([bytes((VERSION,)), *parts])
         self.bytes_taken += len(out)
         return out
 
     def _add(self, *parts: bytes | bytearray | memoryview) -> None:
         self._parts.extend(parts)
-        self._bytes += sum(len(p) for p in parts)
 
 
 class MirrorReplay:

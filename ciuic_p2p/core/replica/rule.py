@@ -165,7 +165,6 @@ class Replica:
         the parameters (core.replica.mirror, for a node's other local ranks)."""
         self.layout = layout
         self.parameters = Parameters(buckets, gate, sink)
-        self.sink = sink
         self.buckets = self.parameters.buckets
         self.base = self.parameters.base
         self.source = source
@@ -177,11 +176,11 @@ class Replica:
         """This replica's consensus fragments at the steps it sent them (the newest
         two): a peer's parameters of step s are compared with ours of step s."""
         self._debts: collections.deque[
-            tuple[int, int, int, int, int, torch.Tensor | None, torch.Tensor, bytearray]
+            tuple[int, int, int, int, int, torch.Tensor | None, torch.Tensor, bytearray | None]
         ] = collections.deque()
-        """Own sent chunks not yet settled, with the replica count they claimed and
-        their bytes (appended by the encoder thread); their weight is read when they
-        are settled (:meth:`_own_weight`)."""
+        """Own sent chunks not yet settled, with the replica count they claimed and,
+        for a sink, their bytes (appended by the encoder thread); their weight is read
+        when they are settled (:meth:`_own_weight`)."""
         self.roster = Roster(peer, train.staleness_bound_steps)
         self.norms = OwnNorms(len(layout.buckets))
         self.stats = ReplicaStats()
@@ -377,7 +376,7 @@ class Replica:
             if weight != 1.0:
                 self.parameters.add(
                     Range(bucket, start, length), positions, values, weight - 1.0,
-                    AddedChunk(payload),
+                    None if payload is None else AddedChunk(payload),
                 )  # fmt: skip
             n += 1
         if outer is not None:
@@ -508,8 +507,8 @@ class Replica:
                 starts.append(start)
                 values.append(bucket[start : start + length].clone())
         fragment = Fragment(index, self.step, tuple(starts), tuple(values))
-        if self.sink is not None:
-            self.sink.snapshot(index, self.step, fragments)
+        if self.parameters.sink is not None:
+            self.parameters.sink.snapshot(index, self.step, fragments)
         while len(self.own_params) >= 2:
             self.own_params.pop(min(self.own_params))
         self.own_params[self.step] = fragment
@@ -718,7 +717,8 @@ class Replica:
                 h.range_len,
                 sent.positions,
                 sent.values,
-                sent.payload,
+                # Only a node's other local ranks need the bytes (core.replica.mirror).
+                sent.payload if self.parameters.sink is not None else None,
             )
         )
         rms = float(torch.linalg.vector_norm(sent.values)) / math.sqrt(max(1, h.count))
