@@ -16,10 +16,14 @@ every chunk, plus the set above it; a chunk already seen is dropped, never deliv
 or forwarded again. A sequence number is the origin's *session* (the incarnation its
 daemon started with) times 2^40 plus its count in that session, so a restarted
 origin's chunks are new to the nodes that hold its previous life's: a higher session
-starts the origin's log afresh (what its previous life left missing is given up; every
-chunk of the new session is expected, so what it sent before this node heard it is
-repaired), and a chunk of a lower one is a straggler of a life that ended, dropped
-(``stale``). A
+starts the origin's log afresh (every chunk of the new session is expected, so what it
+sent before this node heard it is repaired). The previous life's log is kept beside it
+for ``chunk_retain_s`` (``ended``): what that life sent and this node still lacks is
+repaired from the members that hold it, as long as they keep it (the origin's new life
+does not). Before, it was given up at once, and a node that lagged behind when the
+origin restarted never got what its previous life sent last (a third of a restarted
+daemon's chunks, now and then, in tests/train/test_daemon_restart.py). A chunk of a
+session older than both is a straggler of a life that ended, dropped (``stale``). A
 node that restarts itself resumes each origin where its previous life stopped
 (``resume``, saved by the daemon at its stop): what came meanwhile is a gap, repaired
 like any other, and nothing it delivered before comes again.
@@ -222,6 +226,9 @@ class Disseminator:
         self.identities = identities
         self.rng = random.Random(seed ^ 0x5EED)
         self.logs: dict[str, OriginLog] = {}
+        self.ended: dict[str, tuple[OriginLog, float]] = {}
+        """Per restarted origin, its previous session's log and when it ended: what that
+        life sent is still repaired from holders, for ``chunk_retain_s``."""
         self._base = min(max(0, session), MAX_SESSION) << SESSION_SHIFT
         self.next_seq = self._base + 1
         self.chunks = ChunkStore(node, settings)
@@ -333,10 +340,13 @@ class Disseminator:
         (see the module docstring)."""
         log = self.logs.get(origin)
         session = high >> SESSION_SHIFT
+        if log is not None and session < log.session:
+            log = self._ended_log(origin, session)
+            if log is None:
+                self.stale += 1
+                return
         if log is not None and session == log.session:
             self._learn(log, high, holder, now)
-        elif log is not None and session < log.session:
-            self.stale += 1
         elif not self.identities.knows(origin) or (
             origin not in self._claims and len(self._claims) >= MAX_ORIGINS
         ):
@@ -349,21 +359,23 @@ class Disseminator:
             claim.holders.note(holder)
             self._arm_heads(now)
 
-    def _log(self, origin: str, seq: int) -> OriginLog | None:
+    def _log(self, origin: str, seq: int, now: float) -> OriginLog | None:
         """The origin's log for the session of ``seq``, a signed chunk's number (a new
         log for a newer session); None for a session older than the one known."""
         session = seq >> SESSION_SHIFT
         log = self.logs.get(origin)
         if log is not None and session < log.session:
-            self.stale += 1
-            return None
+            ended = self._ended_log(origin, session)
+            if ended is None:
+                self.stale += 1
+            return ended
         if log is None and len(self.logs) >= MAX_ORIGINS and origin not in self.live():
             self.unknown_origins += 1
             return None
         if log is None or session > log.session:
-            if log is not None:  # restarted: its previous life's gaps will never fill
+            if log is not None:  # restarted: its previous life's gaps fill from holders
                 self.restarts_seen += 1
-                self.lost += sum(1 for q in log.missing_since if not log.has(q))
+                self._end_session(origin, log, now)
             base = session << SESSION_SHIFT
             # A known origin that restarted sent every chunk of its new session to a
             # mesh that knew it (and keeps them: own_chunk_retain_s), so all of them
@@ -376,6 +388,21 @@ class Disseminator:
             self._forget_repaired(origin)
             self.logs[origin] = log
         return log
+
+    def _end_session(self, origin: str, log: OriginLog, now: float) -> None:
+        """Keep ``origin``'s log of a session that ended beside the new one (one per
+        origin: the one before it is given up, its gaps counted lost)."""
+        before = self.ended.pop(origin, None)
+        if before is not None:
+            self.lost += _missing(before[0])
+        self.ended[origin] = (log, now)
+
+    def _ended_log(self, origin: str, session: int) -> OriginLog | None:
+        """``origin``'s log of ``session`` if it is the one that ended last, still kept."""
+        ended = self.ended.get(origin)
+        if ended is None or ended[0].session != session:
+            return None
+        return ended[0]
 
     def _resume_log(self, origin: str, log: OriginLog, seq: int) -> None:
         """Start ``origin``'s new log where this node's previous life stopped, when it
@@ -424,22 +451,23 @@ class Disseminator:
             self.duplicates += 1
             return
         known = self.logs.get(chunk.origin)
-        if known is not None:
-            if chunk.seq >> SESSION_SHIFT < known.session:
+        if known is not None and chunk.seq >> SESSION_SHIFT < known.session:
+            known = self._ended_log(chunk.origin, chunk.seq >> SESSION_SHIFT)
+            if known is None:
                 self.stale += 1
                 return
-            if known.has(chunk.seq):
-                self.duplicates += 1  # no signature to check: nothing changes but a lag
-                self._note_late_copy(known, sender, chunk, now)
-                awaited = self._awaited.get((chunk.origin, chunk.seq))
-                if awaited is not None and awaited[0] == sender:
-                    del self._awaited[(chunk.origin, chunk.seq)]
-                    self._relay_outcome(sender, chunk.origin, True, now)
-                return
+        if known is not None and known.has(chunk.seq):
+            self.duplicates += 1  # no signature to check: nothing changes but a lag
+            self._note_late_copy(known, sender, chunk, now)
+            awaited = self._awaited.get((chunk.origin, chunk.seq))
+            if awaited is not None and awaited[0] == sender:
+                del self._awaited[(chunk.origin, chunk.seq)]
+                self._relay_outcome(sender, chunk.origin, True, now)
+            return
         if not self.identities.verify_chunk(chunk):
             self.bad_signatures += 1
             return
-        log = self._log(chunk.origin, chunk.seq)
+        log = self._log(chunk.origin, chunk.seq, now)
         if log is None:
             return
         self._note_arrival(log, sender, chunk, now)
@@ -655,49 +683,61 @@ class Disseminator:
         self._ask_claims(now)
         live = set(self.live())
         for origin, log in self.logs.items():
-            wanted = []
-            # A relay that failed this node is not waited for: asked of others at once.
-            wait_s = self.repair_wait_s(origin) if self._counts_on_relay(origin) else 0.0
             # While its origin lives it still holds the chunk (own_chunk_retain_s): a
             # round of 1 MiB pieces on 5 Mbit/s links outlasted chunk_retain_s, and a
             # number given up then was never asked for again (the round never ended).
             keep_asking_s = s.chunk_retain_s
             if origin in live:
                 keep_asking_s = max(keep_asking_s, s.own_chunk_retain_s)
-            for seq, since in sorted(log.missing_since.items()):
-                if log.has(seq):
-                    continue
-                if now - since > keep_asking_s and log.asks.get(seq, 0) >= GIVE_UP_ASKS:
-                    # Given up: counted and no longer asked for, but not held: the
-                    # number was only claimed, and a real chunk that comes later is
-                    # still delivered (once).
-                    self.lost += 1
-                    log.forget_missing(seq)
-                    continue
-                asked = log.requested_at.get(seq)
-                # No blind back-off: one (tried, up to 16-32 x) delayed real repairs
-                # by seconds and pushed replicas past the staleness bound. The wait
-                # follows the measured lags instead, and a second copy queued behind
-                # the first the adapter's outbox refuses (daemon.outbox).
-                if now - since >= wait_s and (
-                    asked is None or now - asked >= self._reask_wait_s(log.asked_of.get(seq))
-                ):
-                    wanted.append(seq)
-                    log.requested_at[seq] = now
-                    log.asks[seq] = log.asks.get(seq, 0) + 1
-                if len(wanted) >= MAX_WANT:
-                    break
-            log.track(now)  # the window moves on as the gap fills
-            if wanted:
-                self._ask(origin, log, wanted)
+            self._repair(origin, log, now, keep_asking_s, origin_holds=True)
+        for origin, (log, ended_at) in list(self.ended.items()):
+            # The origin's new life holds none of these: asked of the holders alone.
+            self._repair(origin, log, now, s.chunk_retain_s, origin_holds=False)
+            if now - ended_at > s.chunk_retain_s and not _missing(log):
+                del self.ended[origin]  # nobody keeps that life's chunks any longer
         self.chunks.evict(now)
 
-    def _ask(self, origin: str, log: OriginLog, wanted: list[int]) -> None:
+    def _repair(
+        self, origin: str, log: OriginLog, now: float, keep_asking_s: float, origin_holds: bool
+    ) -> None:
+        """Ask for what ``log`` lacks and has waited for long enough; give up what was
+        asked for often enough and longer than ``keep_asking_s`` ago."""
+        wanted = []
+        # A relay that failed this node is not waited for: asked of others at once.
+        wait_s = self.repair_wait_s(origin) if self._counts_on_relay(origin) else 0.0
+        for seq, since in sorted(log.missing_since.items()):
+            if log.has(seq):
+                continue
+            if now - since > keep_asking_s and log.asks.get(seq, 0) >= GIVE_UP_ASKS:
+                # Given up: counted and no longer asked for, but not held: the
+                # number was only claimed, and a real chunk that comes later is
+                # still delivered (once).
+                self.lost += 1
+                log.forget_missing(seq)
+                continue
+            asked = log.requested_at.get(seq)
+            # No blind back-off: one (tried, up to 16-32 x) delayed real repairs
+            # by seconds and pushed replicas past the staleness bound. The wait
+            # follows the measured lags instead, and a second copy queued behind
+            # the first the adapter's outbox refuses (daemon.outbox).
+            if now - since >= wait_s and (
+                asked is None or now - asked >= self._reask_wait_s(log.asked_of.get(seq))
+            ):
+                wanted.append(seq)
+                log.requested_at[seq] = now
+                log.asks[seq] = log.asks.get(seq, 0) + 1
+            if len(wanted) >= MAX_WANT:
+                break
+        log.track(now)  # the window moves on as the gap fills
+        if wanted:
+            self._ask(origin, log, wanted, origin_holds)
+
+    def _ask(self, origin: str, log: OriginLog, wanted: list[int], origin_holds: bool) -> None:
         """WANTs for ``wanted``: of the next announcer, and every second ask of a
         number of its origin, while it lives: the announcers may all lack it (each
         announces the highest it holds, gaps below it or not), and the origin holds
         every chunk it sent for ``chunk_retain_s``."""
-        to_origin = [q for q in wanted if log.asks[q] % 2 == 0]
+        to_origin = [q for q in wanted if log.asks[q] % 2 == 0] if origin_holds else []
         if to_origin and origin in self.live():
             wanted = [q for q in wanted if log.asks[q] % 2]
             for seq in to_origin:
@@ -705,10 +745,12 @@ class Disseminator:
             self._send(origin, Want(origin, tuple(to_origin)))
         holder = log.holders.next() if wanted else None
         for _ in range(3):  # the last four announcers, a failing relay passed over
-            if holder not in self.distrusted:
+            if holder not in self.distrusted and (origin_holds or holder != origin):
                 break
             holder = log.holders.next()
-        if holder in self.distrusted and origin in self.live():
+        if not origin_holds and holder == origin:
+            holder = None  # its new life holds none of its previous life's chunks
+        if holder in self.distrusted and origin_holds and origin in self.live():
             holder = origin
         if holder is not None:
             for seq in wanted:
@@ -729,7 +771,7 @@ class Disseminator:
         ):
             return
         if self._turn_left <= 0:  # a new turn through the origins starts here
-            self._turn_left = len(self.logs)
+            self._turn_left = len(self.logs) + len(self.ended)
             # What this turn covers: a change kept during it is announced by the next.
             self._announced_changes = self._held_changes
             if changed:
@@ -783,7 +825,8 @@ class Disseminator:
         origins is announced over several rounds, never in a message too large to
         send."""
         own = [(self.node, self.next_seq - 1)] if self.next_seq - 1 > self._base else []
-        others = [(o, max(log.held_high, log.contiguous)) for o, log in self.logs.items()]
+        logs = [*self.logs.items(), *((o, log) for o, (log, _) in self.ended.items())]
+        others = [(o, max(log.held_high, log.contiguous)) for o, log in logs]
         if others:
             start = self._heads_turn % len(others)
             others = others[start:] + others[:start]
@@ -805,11 +848,12 @@ class Disseminator:
     def forget(self, origin: str) -> None:
         """An origin left for good: stop expecting its chunks."""
         self.logs.pop(origin, None)
+        self.ended.pop(origin, None)
         self._claims.pop(origin, None)
         self._shape.pop(origin, None)
         self._relay_since.pop(origin, None)
         self._forget_repaired(origin)
-        self._turn_left = min(self._turn_left, len(self.logs))  # a turn that can end
+        self._turn_left = min(self._turn_left, len(self.logs) + len(self.ended))
 
     def _forget_repaired(self, origin: str) -> None:
         for key in [k for k in self._repaired_since if k[0] == origin]:
@@ -827,3 +871,8 @@ class Disseminator:
     def take_deliveries(self) -> list[Delivery]:
         out, self.deliveries = self.deliveries, []
         return out
+
+
+def _missing(log: OriginLog) -> int:
+    """Numbers ``log`` knows exist and lacks."""
+    return sum(1 for q in log.missing_since if not log.has(q))
