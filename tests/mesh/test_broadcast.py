@@ -268,6 +268,54 @@ def test_what_a_restarted_origins_previous_life_sent_is_repaired_from_holders() 
     assert d.take_deliveries() == [] and d.stale == stale + 1
 
 
+def test_an_origin_that_left_and_came_back_is_expected_whole() -> None:
+    """A daemon restarted under its trainer leaves (its members forget it), then
+    comes back and at once sends what its trainer kept meanwhile. Its last chunks
+    before it left still reach a node that lacked them (from a holder), and its new
+    life is expected from its first chunk, whichever this node hears first. Before,
+    leaving dropped its log, and the new life was taken as a stranger's: only the 64
+    chunks before the first heard were expected (in CI, 213 of a restarted trainer's
+    690 chunks never reached one replica)."""
+    settings = MeshSection(heads_interval_s=0.05, repair_after_s=0.1, chunk_retain_s=30.0)
+    live = ["me", "holder", "origin"]
+    d = Disseminator(
+        "me",
+        settings,
+        children=lambda origin, route, size: [],
+        live=lambda: live,
+        identities=identities("me", "origin"),
+    )
+    for seq in range(1, 11):
+        d.handle(Message("origin", chunk("origin", seq)), now=0.0)
+    d.handle(Message("holder", Heads((("origin", 20),))), now=0.0)
+    live.remove("origin")
+    d.forget("origin", now=0.05)  # it left
+    wanted: set[int] = set()
+    for tick in range(1, 10):
+        d.handle_timer(0.05 + 0.1 * tick)
+        for to, m in d.messages_to_send():
+            if isinstance(m.body, Want):
+                assert to == "holder"
+                wanted.update(m.body.seqs)
+    assert wanted == set(range(11, 21))
+    for seq in range(11, 21):
+        d.handle(Message("holder", chunk("origin", seq, hops=255)), now=1.0)
+    live.append("origin")
+    new = [(1 << SESSION_SHIFT) + q for q in range(1, 201)]
+    d.handle(Message("origin", chunk("origin", new[150])), now=2.0)  # heard first
+    for tick in range(1, 40):
+        d.handle_timer(2.0 + 0.1 * tick)
+        for _, m in d.messages_to_send():
+            if isinstance(m.body, Want):
+                for seq in m.body.seqs:
+                    d.handle(Message("origin", chunk("origin", seq, hops=255)), now=2.0)
+    for seq in new[151:]:
+        d.handle(Message("origin", chunk("origin", seq)), now=6.0)
+    got = [x.seq for x in d.take_deliveries()]
+    assert sorted(got) == list(range(1, 21)) + new and len(got) == len(set(got))
+    assert d.lost == 0
+
+
 @pytest.mark.parametrize(
     ("resumed", "gap"),
     [(False, 150), (True, 150), (True, 10)],

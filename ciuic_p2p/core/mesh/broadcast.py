@@ -17,13 +17,16 @@ or forwarded again. A sequence number is the origin's *session* (the incarnation
 daemon started with) times 2^40 plus its count in that session, so a restarted
 origin's chunks are new to the nodes that hold its previous life's: a higher session
 starts the origin's log afresh (every chunk of the new session is expected, so what it
-sent before this node heard it is repaired). The previous life's log is kept beside it
-for ``chunk_retain_s`` (``ended``): what that life sent and this node still lacks is
-repaired from the members that hold it, as long as they keep it (the origin's new life
-does not). Before, it was given up at once, and a node that lagged behind when the
-origin restarted never got what its previous life sent last (a third of a restarted
-daemon's chunks, now and then, in tests/train/test_daemon_restart.py). A chunk of a
-session older than both is a straggler of a life that ended, dropped (``stale``). A
+sent before this node heard it is repaired, whichever it hears first). The previous
+life's log is kept beside it for ``chunk_retain_s`` (``ended``), as is the log of an
+origin that left (a daemon restarted under its trainer leaves first): what that life
+sent and this node still lacks is repaired from the members that hold it, as long as
+they keep it (the origin's new life does not). Before, leaving dropped the log and a
+new session gave the old one up: a node that lagged behind lost what the previous life
+sent last, and took the new life for a stranger's, expecting only the 64 chunks before
+the first it heard (213 of a restarted trainer's 690 chunks never reached one replica
+in a CI run of tests/train/test_daemon_restart.py). A chunk of a session older than
+both is a straggler of a life that ended, dropped (``stale``). A
 node that restarts itself resumes each origin where its previous life stopped
 (``resume``, saved by the daemon at its stop): what came meanwhile is a gap, repaired
 like any other, and nothing it delivered before comes again.
@@ -226,9 +229,13 @@ class Disseminator:
         self.identities = identities
         self.rng = random.Random(seed ^ 0x5EED)
         self.logs: dict[str, OriginLog] = {}
-        self.ended: dict[str, tuple[OriginLog, float]] = {}
-        """Per restarted origin, its previous session's log and when it ended: what that
-        life sent is still repaired from holders, for ``chunk_retain_s``."""
+        self.ended: OrderedDict[str, tuple[OriginLog, float]] = OrderedDict()
+        """Per origin that restarted or left, its ended session's log and when it
+        ended: what that life sent is still repaired from holders, for
+        ``chunk_retain_s`` (at most ``MAX_ORIGINS``, the oldest given up first)."""
+        self._heard: OrderedDict[str, None] = OrderedDict()
+        """Origins this node had a log of (the most recent ``MAX_ORIGINS``): a new
+        session of one is a restart, and all of it is expected."""
         self._base = min(max(0, session), MAX_SESSION) << SESSION_SHIFT
         self.next_seq = self._base + 1
         self.chunks = ChunkStore(node, settings)
@@ -338,14 +345,11 @@ class Disseminator:
     def _claim(self, origin: str, high: int, holder: str, now: float) -> None:
         """A HEADS entry: tracked in the origin's signed session, else asked for once
         (see the module docstring)."""
-        log = self.logs.get(origin)
         session = high >> SESSION_SHIFT
-        if log is not None and session < log.session:
-            log = self._ended_log(origin, session)
-            if log is None:
-                self.stale += 1
-                return
-        if log is not None and session == log.session:
+        log = self._ended_log(origin, session) or self.logs.get(origin)
+        if self._is_stale(origin, session):
+            self.stale += 1
+        elif log is not None and session == log.session:
             self._learn(log, high, holder, now)
         elif not self.identities.knows(origin) or (
             origin not in self._claims and len(self._claims) >= MAX_ORIGINS
@@ -363,12 +367,13 @@ class Disseminator:
         """The origin's log for the session of ``seq``, a signed chunk's number (a new
         log for a newer session); None for a session older than the one known."""
         session = seq >> SESSION_SHIFT
-        log = self.logs.get(origin)
-        if log is not None and session < log.session:
-            ended = self._ended_log(origin, session)
-            if ended is None:
-                self.stale += 1
+        ended = self._ended_log(origin, session)
+        if ended is not None:
             return ended
+        if self._is_stale(origin, session):
+            self.stale += 1
+            return None
+        log = self.logs.get(origin)
         if log is None and len(self.logs) >= MAX_ORIGINS and origin not in self.live():
             self.unknown_origins += 1
             return None
@@ -382,11 +387,16 @@ class Disseminator:
             # are expected, not only the reorder window before the first heard here:
             # a restarted daemon sends at once what its trainer kept while it was
             # away, and the first of those were never asked for.
-            window = REORDER_WINDOW if log is None else MAX_GAP
+            known = log is not None or origin in self.ended or origin in self._heard
+            window = MAX_GAP if known else REORDER_WINDOW
             log = OriginLog(contiguous=max(base, seq - 1 - window), session=session)
             self._resume_log(origin, log, seq)
             self._forget_repaired(origin)
             self.logs[origin] = log
+            self._heard[origin] = None
+            self._heard.move_to_end(origin)
+            if len(self._heard) > MAX_ORIGINS:
+                self._heard.popitem(last=False)
         return log
 
     def _end_session(self, origin: str, log: OriginLog, now: float) -> None:
@@ -396,6 +406,16 @@ class Disseminator:
         if before is not None:
             self.lost += _missing(before[0])
         self.ended[origin] = (log, now)
+        if len(self.ended) > MAX_ORIGINS:
+            self.lost += _missing(self.ended.popitem(last=False)[1][0])
+
+    def _is_stale(self, origin: str, session: int) -> bool:
+        """``session`` is older than what this node tracks of ``origin`` (its current
+        log, else its ended one) and is not the ended one."""
+        log = self.logs.get(origin)
+        ended = self.ended.get(origin)
+        newest = log.session if log is not None else ended[0].session if ended else -1
+        return session < newest and self._ended_log(origin, session) is None
 
     def _ended_log(self, origin: str, session: int) -> OriginLog | None:
         """``origin``'s log of ``session`` if it is the one that ended last, still kept."""
@@ -450,12 +470,13 @@ class Disseminator:
         if chunk.origin == self.node:
             self.duplicates += 1
             return
-        known = self.logs.get(chunk.origin)
-        if known is not None and chunk.seq >> SESSION_SHIFT < known.session:
-            known = self._ended_log(chunk.origin, chunk.seq >> SESSION_SHIFT)
-            if known is None:
-                self.stale += 1
-                return
+        session = chunk.seq >> SESSION_SHIFT
+        if self._is_stale(chunk.origin, session):
+            self.stale += 1
+            return
+        known = self._ended_log(chunk.origin, session) or self.logs.get(chunk.origin)
+        if known is not None and known.session != session:
+            known = None  # a newer session: its signature is checked, then it opens a log
         if known is not None and known.has(chunk.seq):
             self.duplicates += 1  # no signature to check: nothing changes but a lag
             self._note_late_copy(known, sender, chunk, now)
@@ -845,10 +866,14 @@ class Disseminator:
         self._turn_left = max(0, self._turn_left - max(0, taken - len(own)))
         return out
 
-    def forget(self, origin: str) -> None:
-        """An origin left for good: stop expecting its chunks."""
-        self.logs.pop(origin, None)
-        self.ended.pop(origin, None)
+    def forget(self, origin: str, now: float) -> None:
+        """An origin left (its daemon stopped): nothing more of this life is to come,
+        but what it sent before and this node lacks is repaired from the holders for
+        ``chunk_retain_s`` (its log is kept as ended: a daemon restarted under its
+        trainer leaves, and its last chunks were still on their way)."""
+        log = self.logs.pop(origin, None)
+        if log is not None:
+            self._end_session(origin, log, now)
         self._claims.pop(origin, None)
         self._shape.pop(origin, None)
         self._relay_since.pop(origin, None)

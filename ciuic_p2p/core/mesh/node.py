@@ -405,7 +405,7 @@ class MeshNode:
                     self.rttmap.forget(event.node)
                     self.dissemination.forget_relay(event.node)
                 if event.state == State.LEFT:
-                    self.dissemination.forget(event.node)
+                    self.dissemination.forget(event.node, now)
             self._events.extend(m.events)
             m.events.clear()
             # Routes and plans follow the view, not the events: a member accusing
