@@ -137,6 +137,14 @@ def _trainer() -> dict[str, bytes]:
         "train_join_layout": tw.encode_presence(
             tw.PayloadKind.JOIN, run, 40, True, tw.LayoutSummary(0x0123456789ABCDEF, 12, 85_002)
         ),
+        "train_join_stateless": tw.encode_presence(
+            tw.PayloadKind.JOIN,
+            run,
+            40,
+            False,
+            tw.LayoutSummary(0x0123456789ABCDEF, 12, 85_002),
+            stateless=True,
+        ),
         "train_gone": tw.encode_presence(tw.PayloadKind.GONE, run),
         "train_envelope_update": tw.envelope(tw.PayloadKind.UPDATE),
         "train_envelope_final": tw.envelope(tw.PayloadKind.FINAL),

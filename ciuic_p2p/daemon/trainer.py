@@ -2,7 +2,9 @@
 
 One trainer at a time speaks the frames of core.replica.messages on a Unix socket (mode
 0660: the daemon's account and group; default ``STATE_DIR/trainer.sock``; in embedded
-mode, one end of a socket pair). The daemon:
+mode, one end of a socket pair); a trainer that shards its model over local ranks has
+one session per rank, the others under the first's incarnation (daemon.rankwriters).
+The daemon:
 
 - signs each chunk the trainer publishes with the node key (the trainer never holds
   it), keeps the newest parameter chunks (the snapshot that the elastic-training
@@ -73,6 +75,7 @@ from ciuic_p2p.core.store.messages import ANY_VERSION
 from ciuic_p2p.daemon.control import serve_unix
 from ciuic_p2p.daemon.metrics import TrainingProgress
 from ciuic_p2p.daemon.node import MeshDaemon
+from ciuic_p2p.daemon.rankwriters import MAX_RANKS, RankWriters
 from ciuic_p2p.daemon.store import StoreError, StoreService
 from ciuic_p2p.errors import CiuicError, CodecError
 from ciuic_p2p.identity import PEER_ID_PREFIX, peer_id_of
@@ -172,6 +175,8 @@ class TrainerServer:
         only its deliveries are held (others' cannot push them out)."""
         self._done = False
         self._tasks: list[asyncio.Task[None]] = []
+        self.ranks = RankWriters(MAX_WRITE_BUFFER, MAX_HELD, MAX_HELD_BYTES)
+        """A sharded trainer's other ranks (daemon.rankwriters)."""
         self._replicas: dict[str, tuple[bytes, str]] = {}
         """Each origin whose run chunks or announcements were delivered here: (its run,
         ``live``, ``ended`` after its DONE or ``gone`` after its GONE), for ``runs``."""
@@ -332,17 +337,40 @@ class TrainerServer:
     # -- one trainer ---------------------------------------------------------------------
 
     async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        """A connection: the trainer, or (its HELLO names a rank) another rank of the
+        sharded trainer attached (daemon.rankwriters); its first frames decide."""
+        frames = TrainerFrameReader()
+        first: list[tuple[TrainerFrame, memoryview]] = []
+        with contextlib.suppress(TrainWireError, ConnectionError, asyncio.IncompleteReadError):
+            while not first and (data := await reader.read(1 << 20)):
+                first = list(frames.feed(data))
+        if not first:
+            writer.close()
+            return
+        if _names_rank(*first[0]):
+            await self._rank_client(reader, writer, frames, first)
+            return
         if self.writer is not None and not self.writer.is_closing():
             writer.write(json_frame(TrainerFrame.WELCOME, {"error": "a trainer is attached"}))
             writer.close()
             return
+        await self._trainer_client(reader, writer, frames, first)
+
+    async def _trainer_client(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        frames: TrainerFrameReader,
+        first: list[tuple[TrainerFrame, memoryview]],
+    ) -> None:
         self.writer = writer
         self._hello = False
-        frames = TrainerFrameReader()
         counters = self.daemon.counters
         # This task's own context: every event it logs names the trainer session.
         structlog.contextvars.bind_contextvars(trainer_session=counters["trainer_sessions"] + 1)
         try:
+            for ftype, body in first:
+                self._on_frame(ftype, body)
             while data := await reader.read(1 << 20):
                 for ftype, body in frames.feed(data):
                     self._on_frame(ftype, body)
@@ -359,6 +387,7 @@ class TrainerServer:
                 log.info("trainer_detached", run=self.progress.run, done=self._done)
             writer.close()
             if self.writer is writer:
+                self.ranks.close()  # its other ranks' sessions are its replica's
                 self._parts.clear()  # half-sent objects go with their session
                 self._objects.clear()
                 self.writer = None
@@ -384,9 +413,12 @@ class TrainerServer:
         """A trainer says which run it trains: welcome it, and hand it what was held
         for that run."""
         d = self.daemon
-        run = parse_json(body).get("run")
+        hello = parse_json(body)
+        run, ranks = hello.get("run"), hello.get("ranks", 1)
         if not isinstance(run, str) or not run:
             raise TrainWireError("HELLO names no run")
+        if type(ranks) is not int or not 1 <= ranks <= MAX_RANKS:
+            raise TrainWireError(f"HELLO's ranks must be in [1, {MAX_RANKS}]")
         self._run_id = self._expected_run = run_id_of(run)
         self.state_name = "state/" + self._run_id.hex()
         self.progress.trainer_attached(run, self._run_id, d.peer_id)  # the metrics' run label
@@ -395,19 +427,10 @@ class TrainerServer:
         self._sessions += 1
         self._members = d.mesh.view()
         self._hello = True
-        log.info("trainer_attached", run=run[:64], session=self._sessions)
-        self._write(
-            json_frame(
-                TrainerFrame.WELCOME,
-                {
-                    "peer": d.peer_id,
-                    "public_key": d.key.public_key.hex(),
-                    "incarnation": (d.mesh.incarnation << 20) + self._sessions,
-                    "members": self._members,
-                    "checkpoint_dir": self.checkpoint_dir(),
-                },
-            )
-        )
+        log.info("trainer_attached", run=run[:64], session=self._sessions, ranks=ranks)
+        incarnation = (d.mesh.incarnation << 20) + self._sessions
+        self.ranks.expect(ranks, incarnation)
+        self._write(json_frame(TrainerFrame.WELCOME, self._welcome(incarnation)))
         while self._held:  # what came for this run while no trainer was here
             droppable, held_run, parts = self._held.popleft()
             if held_run is not None and held_run != self._run_id:
@@ -415,6 +438,85 @@ class TrainerServer:
                 continue
             self._write(*parts, droppable=droppable)
         self._held_bytes = 0
+
+    def _welcome(self, incarnation: int, rank: int = 0) -> dict[str, Any]:
+        d = self.daemon
+        return {
+            "peer": d.peer_id,
+            "public_key": d.key.public_key.hex(),
+            "incarnation": incarnation,
+            "members": self._members,
+            # Only the first rank writes the replica's checkpoints.
+            "checkpoint_dir": self.checkpoint_dir() if rank == 0 else None,
+        }
+
+    async def _rank_client(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        frames: TrainerFrameReader,
+        first: list[tuple[TrainerFrame, memoryview]],
+    ) -> None:
+        """Another rank of the attached sharded trainer (daemon.rankwriters): its HELLO
+        names its rank and the first rank's incarnation; then it publishes its shard's
+        chunks and asks for statistics, and gets every delivery of the run."""
+        rank = 0
+        counters = self.daemon.counters
+        try:
+            for ftype, body in first:
+                rank = self._rank_frame(rank, ftype, body, writer)
+            while data := await reader.read(1 << 20):
+                for ftype, body in frames.feed(data):
+                    rank = self._rank_frame(rank, ftype, body, writer)
+        except TrainWireError as exc:
+            counters["trainer_protocol_errors"] += 1
+            log.warning("trainer_rank_refused", rank=rank, reason=str(exc))
+            with contextlib.suppress(Exception):
+                writer.write(json_frame(TrainerFrame.WELCOME, {"error": str(exc)}))
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            self.ranks.detach(rank, writer)
+            writer.close()
+            if rank:
+                log.info("trainer_rank_detached", rank=rank)
+
+    def _rank_frame(
+        self, rank: int, ftype: TrainerFrame, body: memoryview, writer: asyncio.StreamWriter
+    ) -> int:
+        """One frame of another rank's session (``rank`` 0: before its HELLO); its rank."""
+        if rank == 0:
+            return self._rank_hello(ftype, body, writer)
+        if ftype is TrainerFrame.PUBLISH:
+            kind = decode_payload(body).kind
+            if kind not in (PayloadKind.UPDATE, PayloadKind.FINAL):
+                raise TrainWireError(f"rank {rank} publishes no {kind.name}")
+            self._publish(body)
+        elif ftype is TrainerFrame.STATS_REQUEST:
+            writer.write(self._stats_reply())
+        else:
+            raise TrainWireError(f"rank {rank} does not send {ftype.name}")
+        return rank
+
+    def _rank_hello(
+        self, ftype: TrainerFrame, body: memoryview, writer: asyncio.StreamWriter
+    ) -> int:
+        if ftype is not TrainerFrame.HELLO:
+            raise TrainWireError("a rank says HELLO first")
+        if not self._attached() or not self.ranks.expecting():
+            raise TrainWireError("no sharded trainer's first rank is attached here")
+        hello = parse_json(body)
+        if hello.get("run") != self.progress.run:
+            raise TrainWireError("a rank's HELLO names another run than its first rank's")
+        rank, incarnation = hello.get("rank"), hello.get("incarnation")
+        why = self.ranks.admit(rank, incarnation)
+        if why is not None:
+            raise TrainWireError(why)
+        assert isinstance(rank, int) and isinstance(incarnation, int)
+        writer.write(json_frame(TrainerFrame.WELCOME, self._welcome(incarnation, rank)))
+        self.ranks.attach(rank, writer)
+        log.info("trainer_rank_attached", rank=rank, of=self.ranks.ranks)
+        return rank
 
     def _on_frame(self, ftype: TrainerFrame, body: memoryview) -> None:
         d = self.daemon
@@ -452,7 +554,6 @@ class TrainerServer:
             raise TrainWireError(f"a trainer does not send {ftype.name}")
 
     def _stats_frame(self, body: memoryview) -> None:
-        d = self.daemon
         if len(body):
             for origin, until in self.progress.report(parse_json(body)):
                 log.warning(
@@ -463,15 +564,17 @@ class TrainerServer:
                 )
                 if self.checkpoints is not None:
                     self.checkpoints.origin_set_aside(origin, until, self.progress.run)
-        self._write(
-            json_frame(
-                TrainerFrame.STATS,
-                {
-                    "udp_bytes_sent": d.transport.udp_bytes_sent,
-                    "backlog_bytes": d.backlog_bytes(),
-                    "counters": dict(d.counters),
-                },
-            )
+        self._write(self._stats_reply())
+
+    def _stats_reply(self) -> bytes:
+        d = self.daemon
+        return json_frame(
+            TrainerFrame.STATS,
+            {
+                "udp_bytes_sent": d.transport.udp_bytes_sent,
+                "backlog_bytes": d.backlog_bytes(),
+                "counters": dict(d.counters),
+            },
         )
 
     def _publish(self, body: memoryview) -> None:
@@ -736,13 +839,15 @@ class TrainerServer:
             counters["deliveries_other_run"] += 1  # runs share the mesh, not trainers
             return
         prefix = peer_prefix(delivery.origin)
-        self._write(
+        parts = (
             frame_header(TrainerFrame.DELIVER, len(prefix) + len(delivery.payload)),
             prefix,
             delivery.payload,
-            droppable=msg.kind in (PayloadKind.UPDATE, PayloadKind.PARAMS),
-            run=run,
         )
+        droppable = msg.kind in (PayloadKind.UPDATE, PayloadKind.PARAMS)
+        self._write(*parts, droppable=droppable, run=run)
+        if self._attached():
+            self.ranks.write(*parts, droppable=droppable)
 
     def direct(self, peer: str, payload: bytes) -> None:
         prefix = peer_prefix(peer)
@@ -819,7 +924,19 @@ class TrainerServer:
             view = self.daemon.mesh.view()
             if view != self._members:
                 self._members = view
-                self._write(json_frame(TrainerFrame.MEMBERS, {"alive": view}))
+                frame = json_frame(TrainerFrame.MEMBERS, {"alive": view})
+                self._write(frame)
+                self.ranks.write(frame)
+
+
+def _names_rank(ftype: TrainerFrame, body: memoryview) -> bool:
+    """A HELLO of a sharded trainer's rank other than the first."""
+    if ftype is not TrainerFrame.HELLO:
+        return False
+    try:
+        return parse_json(body).get("rank") is not None
+    except TrainWireError:
+        return False
 
 
 def _sample_request(

@@ -25,6 +25,7 @@ from ciuic_p2p.train.channel import ChannelError, DaemonChannel, LocalDaemon
 from ciuic_p2p.train.checkpoint import checkpoint_choice
 from ciuic_p2p.train.encoder import check_unsharded
 from ciuic_p2p.train.hook import MeshSync
+from ciuic_p2p.train.sharded import is_sharded
 
 if TYPE_CHECKING:
     from ciuic_p2p.train.localranks import LocalRanks
@@ -112,12 +113,23 @@ def attach(
     ``sync.stats["checkpoint_path"]`` says where.
 
     ``process_group``: the local ranks of a node with several GPUs (under torchrun);
-    they train as one replica (train.localranks): the group's first rank talks to the
-    daemon, the others follow it."""
-    check_unsharded(model)  # before any connection: the answer does not depend on it
+    they train as one replica. A model sharded with FSDP2 (``fully_shard``): each rank
+    trains its shard and talks to the daemon itself (train.sharded). A replicated one
+    (DDP): the group's first rank talks to the daemon, the others follow it
+    (train.localranks)."""
+    sharded = is_sharded(model)
+    if not sharded or process_group is None:
+        check_unsharded(model)  # before any connection: the answer does not depend on it
     file_named = config is not None or bool(os.environ.get("CIUIC_CONFIG"))
     cfg = config or load_layered(node_config_file(None, os.environ), os.environ)
     configure_trainer_logging(cfg.log)
+    if sharded:
+        return _attach_replica(
+            model, optimizer, cfg, file_named, run=run, socket_path=socket_path,
+            daemon=daemon, min_replicas=min_replicas, join_timeout_s=join_timeout_s,
+            seed=seed, checkpoint_dir=checkpoint_dir, handle_sigterm=handle_sigterm,
+            process_group=process_group,
+        )  # fmt: skip
     if process_group is not None:
         import torch.distributed as dist  # noqa: PLC0415
 
@@ -157,6 +169,7 @@ def _attach_replica(
     checkpoint_dir: str | Path | None,
     handle_sigterm: bool | None,
     sink: AddSink | None = None,
+    process_group: Any = None,
 ) -> MeshSync:
     """One replica's hook (``attach`` without a process group)."""
     ckpt_path = checkpoint_choice(checkpoint_dir, cfg.store.checkpoint_dir)
@@ -188,6 +201,7 @@ def _attach_replica(
             embedded=daemon,
             checkpoint_dir=ckpt_path,
             sink=sink,
+            process_group=process_group,
         )
         if handle_sigterm or (
             handle_sigterm is None

@@ -83,6 +83,7 @@ class DaemonChannel:
         self.away_s = 0.0
         """Time spent away, over every absence (s)."""
         self._run: str | None = None
+        self._hello: dict[str, Any] = {}
         self._closing = False
         self._pending: collections.deque[bytes | memoryview] = collections.deque()
         self._pending_bytes = 0
@@ -160,9 +161,13 @@ class DaemonChannel:
                     raise ChannelError(self.error or "closed") from None
                 raise DaemonAway(f"the daemon is away ({self.error})") from None
 
-    def hello(self, run: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    def hello(self, run: str, timeout_s: float = 10.0, **rank: int) -> dict[str, Any]:
+        """Say which run this trainer trains; the daemon's WELCOME. ``rank``: a
+        sharded trainer's first rank says ``ranks`` (how many it has), each other
+        rank its ``rank`` and the first rank's ``incarnation`` (daemon.rankwriters)."""
         self._run = run
-        self._send(json_frame(TrainerFrame.HELLO, {"run": run}))
+        self._hello = {"run": run, **rank}
+        self._send(json_frame(TrainerFrame.HELLO, self._hello))
         self.wait(lambda: self.welcome is not None, timeout_s)
         if self.welcome is None:
             raise ChannelError(self.error or "the daemon did not answer the trainer's hello")
@@ -451,7 +456,7 @@ class DaemonChannel:
                 self.welcome = None
             reader = self._start_reader(sock)
             try:
-                _send_all(sock, [json_frame(TrainerFrame.HELLO, {"run": self._run})])
+                _send_all(sock, [json_frame(TrainerFrame.HELLO, self._hello)])
             except OSError:
                 sock.close()
                 time.sleep(RECONNECT_INTERVAL_S)

@@ -33,9 +33,8 @@ def check_unsharded(model: torch.nn.Module) -> None:
         if p.requires_grad and hasattr(p, "placements") and hasattr(p, "to_local"):
             raise ValueError(
                 f"{canonical_name(name)} is a DTensor (sharded by FSDP2's fully_shard or "
-                "tensor parallelism): attach does not take sharded parameters yet; train "
-                "the node's ranks with DistributedDataParallel and pass process_group= "
-                "(docs/guides/frameworks.md), or run one rank per node"
+                "tensor parallelism): pass the node's ranks as process_group= (attach "
+                "takes FSDP2's row shards: docs/guides/frameworks.md)"
             )
 
 

@@ -61,6 +61,7 @@ from ciuic_p2p.train.channel import ChannelError, DaemonChannel, LocalDaemon
 from ciuic_p2p.train.checkpoint import DAEMON_NAMED, CheckpointChoice, daemon_named_dir
 from ciuic_p2p.train.encoder import Encoder, ThreadGate, flatten_parameters
 from ciuic_p2p.train.parallel import thread_parts
+from ciuic_p2p.train.sharded import Shard, shard_of
 from ciuic_p2p.train.statesync import StateKeeper
 from ciuic_p2p.train.stats import SyncStats
 
@@ -115,9 +116,11 @@ class MeshSync:
         embedded: LocalDaemon | None = None,
         checkpoint_dir: CheckpointChoice = None,
         sink: AddSink | None = None,
+        process_group: Any = None,
     ) -> None:
         """``sink``: told of every add to the parameters (core.replica.mirror: a node's
-        other local ranks replay them)."""
+        other local ranks replay them). ``process_group``: the node's ranks that shard
+        the model (FSDP2, train.sharded); this is one rank's replica of its shard."""
         self.model = model
         self.optimizer = optimizer
         self.channel = channel
@@ -126,8 +129,17 @@ class MeshSync:
         self.layout = BucketLayout.for_module(
             model, dense_below_numel=config.codec.dense_below_numel
         )
-        self.buckets = flatten_parameters(model, self.layout)
-        welcome = channel.hello(run)
+        self.shard: Shard | None = None
+        """This rank's shard of a sharded replica (None: a whole replica)."""
+        if process_group is None:
+            self.buckets = flatten_parameters(model, self.layout)
+        else:
+            self.shard = shard_of(model, self.layout, process_group)
+            self.buckets = self.shard.tensors
+            if checkpoint_dir is not None:
+                log.info("checkpoint_dir", path=None, why="a sharded replica writes none yet")
+                checkpoint_dir = None
+        welcome = self._hello(run)
         self.peer = str(welcome["peer"])
         source = ChunkSource(
             run_id=run_id_of(run),
@@ -146,6 +158,7 @@ class MeshSync:
             run_parts=thread_parts,
             gate=ThreadGate(self.buckets[0].device),
             sink=sink,
+            pieces=None if self.shard is None else self.shard.pieces,
         )
         if checkpoint_dir == DAEMON_NAMED:
             checkpoint_dir, why = daemon_named_dir(welcome.get("checkpoint_dir"), os.environ)
@@ -197,22 +210,49 @@ class MeshSync:
         self.replicas_heard_s: dict[str, float] = {}
         """When attach first saw each member alive, registered, and reported (s)."""
         t0 = time.monotonic()
-        self.state.load_checkpoint()
+        if self.shard is None:
+            self.state.load_checkpoint()
         self._await_replicas(min_replicas, join_timeout_s)
         self.replicas_wait_s = time.monotonic() - t0
         """How long attach waited for the run's other replicas to answer."""
-        self.restored = self.state.restore()
+        # A sharded replica starts from its own shard (fetching the run's state by
+        # ranges is not built yet).
+        fresh = {"source": "fresh", "step": 0}
+        self.restored = self.state.restore() if self.shard is None else fresh
         self._ready = True
         self._apply_early()
         self.start_step = self.replica.step
         """The step this replica begins at: 0, or where its state came from (a peer's
         state or this node's checkpoint); continue the loop's schedule from here."""
-        self.channel.publish(self._join())  # where it stands now
+        self._say_join()  # where it stands now
+
+    def _hello(self, run: str) -> dict[str, Any]:
+        """Say which run this replica trains (a sharded replica's first rank, then its
+        other ranks under the first's incarnation: daemon.rankwriters)."""
+        shard = self.shard
+        if shard is None:
+            return self.channel.hello(run)
+        if shard.rank == 0:
+            welcome = self.channel.hello(run, ranks=shard.ranks)
+            shard.broadcast(int(welcome["incarnation"]))
+            return welcome
+        incarnation = int(shard.broadcast(None))
+        return self.channel.hello(run, rank=shard.rank, incarnation=incarnation)
+
+    def _say_join(self, ask: bool = False) -> None:
+        """Publish this replica's JOIN (a sharded replica's first rank speaks for it)."""
+        if self.shard is None or self.shard.rank == 0:
+            self.channel.publish(self._join(ask))
 
     def _join(self, ask: bool = False) -> bytes:
         layout = LayoutSummary(self.layout.layout_id, len(self.layout.slots), self.layout.numel)
         return encode_presence(
-            PayloadKind.JOIN, self.replica.source.run_id, self.replica.step, ask, layout
+            PayloadKind.JOIN,
+            self.replica.source.run_id,
+            self.replica.step,
+            ask,
+            layout,
+            stateless=self.shard is not None,  # a sharded replica hands no state yet
         )
 
     def _await_replicas(self, count: int, timeout_s: float) -> None:
@@ -222,7 +262,7 @@ class MeshSync:
         count was reached: a member that died meanwhile does not hold us up)."""
         t0 = time.monotonic()
         deadline = t0 + timeout_s
-        self.channel.publish(self._join(ask=True))
+        self._say_join(ask=True)
         said = told = t0
         counted: float | None = None
         r = self.replica
@@ -248,7 +288,7 @@ class MeshSync:
                 if time.monotonic() - counted > JOIN_ANSWER_WAIT_S:
                     break
             if time.monotonic() - said >= 1.0:
-                self.channel.publish(self._join(ask=True))
+                self._say_join(ask=True)
                 said = time.monotonic()
             if time.monotonic() - told >= WAIT_REPORT_INTERVAL_S:
                 told = time.monotonic()
@@ -269,7 +309,7 @@ class MeshSync:
                 )
             self.channel.wait_any(0.1)
             self.poll()
-            if r.replicas >= count:
+            if r.replicas >= count and self.shard is None:
                 # Not before: the writers asked and the run's window are those of every
                 # replica asked for, not of the first to answer (a member's, maybe).
                 self.state.ask_state_if_behind()
@@ -335,7 +375,10 @@ class MeshSync:
             self._count_wait(time.perf_counter() - w0)
             self.round_waits += 1
         elif isinstance(action, HandState):
-            self.state.hand_state(write_checkpoint_too=action.checkpoint)
+            if self.shard is None:
+                self.state.hand_state(write_checkpoint_too=action.checkpoint)
+            else:  # a sharded replica hands no state yet: a joiner asks another
+                self.channel.snapshot_wanted.clear()
         elif isinstance(action, EncodeParams):
             alone = r.snapshot_params()
             enc.submit(lambda: self._publish(r.encode_params(alone)), enc.mark())
@@ -452,7 +495,7 @@ class MeshSync:
             self._alive_seen = ch.alive
             r.set_alive(ch.alive)
             if time.monotonic() < self._rejoin_until:
-                ch.publish(self._join(ask=True))
+                self._say_join(ask=True)
         n = 0
         for arrived in ch.take_deliveries():
             if not self._ready and _is_chunk(arrived):
@@ -491,7 +534,7 @@ class MeshSync:
             # The daemon that came back may not have rejoined the mesh yet: say JOIN,
             # asking for answers, each time its members change for a while.
             self._rejoin_until = time.monotonic() + REJOIN_WINDOW_S
-            ch.publish(self._join(ask=True))
+            self._say_join(ask=True)
         return False
 
     def _check_layout(self) -> None:
@@ -513,7 +556,7 @@ class MeshSync:
             self._carry_out(action)  # a joiner is waiting for the state
         if r.joined:  # a replica that just joined learns of this one, and where it is
             r.joined.clear()
-            self.channel.publish(self._join())
+            self._say_join()
 
     def _apply_one(self, arrived: Any) -> int:
         r = self.replica
@@ -529,7 +572,7 @@ class MeshSync:
                 now = time.monotonic()
                 if now - self._layout_said_at >= 1.0:  # at most once a second, whoever asks
                     self._layout_said_at = now
-                    self.channel.publish(self._join())
+                    self._say_join()
                 # Logged now, fatal only after LAYOUT_GRACE_S with no replica of this
                 # model heard (_check_layout): the claim is another member's.
                 self.layout_mismatch = str(exc)
@@ -601,8 +644,13 @@ class MeshSync:
                     raise ChannelError(f"the encoder did not finish within {limit:g} s")
             enc.check()
             # The trainer's own step (the daemon reports it): the last update's stamp
-            # may lie past it, and receivers settle by the chunks they apply.
-            ch.publish(encode_done(r.source.run_id, r.step, r.stats.chunks_sent))
+            # may lie past it, and receivers settle by the chunks they apply. A
+            # sharded replica's first rank says the chunks of all its ranks.
+            sent = r.stats.chunks_sent
+            if self.shard is not None:
+                sent = self.shard.total(sent)
+            if self.shard is None or self.shard.rank == 0:
+                ch.publish(encode_done(r.source.run_id, r.step, sent))
 
         def all_in() -> bool:
             self.poll()
@@ -630,7 +678,7 @@ class MeshSync:
         r.settle(everything=True)
         if not self._final_round(limit):
             complete = False
-        if self.encoder.idle.wait(limit):  # late joiners and a restart start from here
+        if self.shard is None and self.encoder.idle.wait(limit):  # joiners start from here
             self.state.hand_state(write_checkpoint_too=self.state.checkpoint_path is not None)
             self.encoder.idle.wait(limit)
         return complete
@@ -655,6 +703,8 @@ class MeshSync:
             and abs(p.done_at - r.step) <= bound
             and not r.intake.influence.set_aside(name, r.step)
         ]
+        if self.shard is not None:  # every rank averages the same copies: the first's
+            members = list(self.shard.broadcast(members))
         if not members:
             return True
         if not self.encoder.idle.wait(limit):
@@ -786,7 +836,7 @@ class MeshSync:
         if self.restored.get("source") == "fresh" and step > self.start_step:
             self.replica.start_at(step)
             self.start_step = step
-            self.channel.publish(self._join())  # where it stands now
+            self._say_join()  # where it stands now
         return self.start_step
 
     def install_sigterm(self) -> None:

@@ -103,7 +103,8 @@ class StateKeeper:
     def _writers(self) -> set[str]:
         """Whose state may be taken: the run's replicas (and this node: a state its
         daemon prefetched and holds as its own)."""
-        return {*self.replica.peers, self.replica.peer}
+        stateless = self.replica.roster.stateless  # sharded replicas hand none
+        return {*(p for p in self.replica.peers if p not in stateless), self.replica.peer}
 
     def _window(self) -> RunWindow | None:
         announced = {k: p.step for k, p in self.replica.peers.items()}
@@ -130,7 +131,8 @@ class StateKeeper:
     def _vouching(self) -> bool:
         """Whether a state must agree with other replicas' samples: where the run has
         two or more other replicas (with one, there is nobody else to ask)."""
-        return len(self.replica.peers) >= 2
+        stateless = self.replica.roster.stateless
+        return sum(1 for p in self.replica.peers if p not in stateless) >= 2
 
     def _vouch(
         self, data: bytes | bytearray | memoryview, whose: set[str], window: RunWindow | None
@@ -139,7 +141,12 @@ class StateKeeper:
         them with ``data`` (core.store.runstate.agreement_refusal); raises
         :class:`StateFormatError` when they do not vouch for it; what was measured."""
         s = self.config.store
-        others = [p for p in self.replica.peers if p not in whose and p != self.replica.peer]
+        stateless = self.replica.roster.stateless
+        others = [
+            p
+            for p in self.replica.peers
+            if p not in whose and p != self.replica.peer and p not in stateless
+        ]
         rng = random.Random(os.urandom(16))  # spans nobody can foresee
         rng.shuffle(others)
         vouchers = others[: s.state_vouchers]

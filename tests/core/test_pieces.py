@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ciuic_p2p.core.codec.layout import BucketLayout
-from ciuic_p2p.core.codec.pieces import Piece, PieceMap
+from ciuic_p2p.core.codec.pieces import Piece, PieceMap, RowEnds
 
 SHAPES = [("embed", (33, 8)), ("norm", (8,)), ("mlp.w", (64, 16)), ("mlp.b", (3,)), ("out", (5, 7))]
 
@@ -100,3 +100,44 @@ def test_pieces_outside_their_bucket_or_overlapping_are_refused() -> None:
     with pytest.raises(ValueError, match="rows"):
         PieceMap.of_rows(layout, {"embed": (30, 4)})
     assert PieceMap(layout, []).split(0, 0, n) == []
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_a_chunk_restricted_to_a_rank_keeps_exactly_its_elements(ranks: int) -> None:
+    """What a rank takes of a peer's chunk (dense or sparse), still in the chunk's
+    coordinates: the elements on its pieces, every rank's together the chunk's."""
+    layout = _layout()
+    maps = [PieceMap.of_rows(layout, rows) for rows in _fsdp_rows(ranks)]
+    gen = torch.Generator().manual_seed(1)
+    for b, info in enumerate(layout.buckets):
+        start, length = info.numel // 5, info.numel - info.numel // 5
+        values = torch.randn(length, generator=gen)
+        positions = torch.sort(torch.randperm(length, generator=gen)[: length // 3]).values
+        for pos, vals in ((None, values), (positions, values[: positions.numel()])):
+            taken = torch.zeros(length)
+            for m in maps:
+                got = m.restrict(b, start, length, pos, vals)
+                if got is None:
+                    continue
+                p, v = got
+                index = torch.arange(length) if p is None else p
+                assert p is None or bool((p[1:] > p[:-1]).all())
+                taken[index] += v
+                # Every position kept lies on one of this rank's pieces.
+                for q in index.tolist():
+                    assert m.split(b, start + q, 1)
+            expected = torch.zeros(length)
+            expected[torch.arange(length) if pos is None else pos] = vals
+            assert torch.equal(taken, expected)
+
+
+def test_rows_end_where_a_tensors_rows_do() -> None:
+    layout = _layout()
+    ends = RowEnds(layout)
+    for slot in layout.slots:
+        row = 1 if len(slot.shape) == 1 else slot.shape[1]
+        assert ends.at(slot.bucket, slot.offset + row)
+        assert ends.at(slot.bucket, slot.offset + slot.numel)
+        if row > 1:
+            assert not ends.at(slot.bucket, slot.offset + row - 1)
+    assert not ends.at(0, 0) and not ends.at(len(layout.buckets), 8)

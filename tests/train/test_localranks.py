@@ -212,7 +212,7 @@ model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Li
 fully_shard(model)
 try:
     where = sys.argv[1] + "/nowhere.sock"
-    attach(model, run="r", socket_path=where, process_group=dist.group.WORLD)
+    attach(model, run="r", socket_path=where)  # no process_group: its shard alone
 except ValueError as exc:
     print(f"rank {dist.get_rank()}: {exc}", flush=True)
 dist.barrier()
@@ -220,14 +220,14 @@ dist.destroy_process_group()
 """
 
 
-def test_a_model_sharded_with_fsdp2_is_refused_at_attach_with_what_to_do(tmp_path: Path) -> None:
-    """Until sharded replicas are built, a DTensor parameter is refused at once, on
-    every rank, naming the parameter and the way that works (before: a deep DTensor
-    error from the first copy)."""
+def test_a_model_sharded_with_fsdp2_needs_its_process_group(tmp_path: Path) -> None:
+    """A DTensor parameter without the node's process group (a rank's shard is not a
+    replica) is refused at once, on every rank, naming the parameter and what to pass
+    (before sharded replicas: a deep DTensor error from the first copy)."""
     script = tmp_path / "fsdp2.py"
     script.write_text(FSDP2_SCRIPT)
     done = _torchrun_two_ranks(script, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank}: 0.weight is a DTensor" in done.stdout, done.stdout
-    assert "DistributedDataParallel" in done.stdout
+    assert "pass the node's ranks as process_group=" in done.stdout

@@ -67,6 +67,13 @@ def test_a_join_states_its_layout_and_older_or_newer_joins_still_decode() -> Non
         decode_presence(memoryview(bytes(huge)))
     with pytest.raises(ValueError):
         encode_presence(PayloadKind.JOIN, run, MAX_STEP + 1)
+    # A sharded replica says it hands no state (flag bit 1); the ask bit stays apart.
+    both = encode_presence(PayloadKind.JOIN, run, 7, True, layout, stateless=True)
+    said = decode_presence(decode_payload(both).body)
+    assert said.stateless and said.ask and said.layout == layout
+    assert not decode_presence(
+        decode_payload(encode_presence(PayloadKind.JOIN, run, 7)).body
+    ).stateless
 
 
 @pytest.mark.parametrize(

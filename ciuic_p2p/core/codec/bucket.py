@@ -192,14 +192,21 @@ class BucketEncoder:
         *,
         keep_residual: bool = True,
         numpy_scan: bool | None = None,
+        offset: int = 0,
     ) -> None:
         """``run_parts``: how the CPU top-k scan runs its parts (codec.select).
         ``keep_residual=False``: this encoder serves :meth:`encode_progress` only, whose
         caller keeps the residual implicitly (no bucket-sized buffer here).
-        ``numpy_scan``: see :class:`ApproxTopK`."""
+        ``numpy_scan``: see :class:`ApproxTopK`. ``offset``: where this encoder's
+        ``numel`` elements start in bucket ``bucket`` (a sharded rank's piece of it,
+        core.codec.pieces): its chunks' ranges are the bucket's, so that every replica
+        reads them in the model's own coordinates."""
         if not 0 < numel <= MAX_RANGE_LEN:
             raise ValueError(f"bucket size must be in [1, {MAX_RANGE_LEN}]")
+        if not 0 <= offset <= MAX_RANGE_LEN - numel:
+            raise ValueError(f"offset must be in [0, {MAX_RANGE_LEN - numel}]")
         self.bucket = bucket
+        self.offset = offset
         self.numel = numel
         self.spec = spec
         self.source = source
@@ -314,7 +321,7 @@ class BucketEncoder:
             step=step,
             layout_id=src.layout_id,
             bucket=self.bucket,
-            range_start=start,
+            range_start=self.offset + start,
             range_len=length,
             count=count,
             replicas=self.replicas,
@@ -464,8 +471,8 @@ class BucketEncoder:
         chunks = []
         for payload in payloads:
             h, _ = parse_chunk(payload)
-            s = slice(h.range_start, h.range_start + h.range_len)
-            chunks.append(SentChunk(payload, h, None, sent[s]))
+            at = h.range_start - self.offset
+            chunks.append(SentChunk(payload, h, None, sent[at : at + h.range_len]))
         return chunks
 
     def _bound_progress(

@@ -24,7 +24,7 @@ import torch
 
 from ciuic_p2p.core.codec.layout import BucketLayout
 
-__all__ = ["Part", "Piece", "PieceMap"]
+__all__ = ["Part", "Piece", "PieceMap", "RowEnds"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +106,50 @@ class PieceMap:
     def numel(self) -> int:
         return sum(p.numel for p in self.pieces)
 
+    @property
+    def is_whole(self) -> bool:
+        """Each bucket is piece of the same index, whole (an unsharded replica's):
+        a chunk's range then falls on its bucket's piece as it is."""
+        buckets = self.layout.buckets
+        return len(self.pieces) == len(buckets) and all(
+            p.bucket == b.index and p.start == 0 and p.numel == b.numel
+            for p, b in zip(self.pieces, buckets, strict=True)
+        )
+
+    def restrict(
+        self,
+        bucket: int,
+        start: int,
+        length: int,
+        positions: torch.Tensor | None,
+        values: torch.Tensor,
+    ) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+        """The part of a chunk of ``bucket``'s ``[start, start + length)`` that falls
+        on this rank's pieces, still relative to ``start``: (positions, values), with
+        positions None when the chunk is dense and falls on one piece whole; None when
+        none of it does. ``positions`` (sorted, relative to ``start``) and ``values``
+        are the chunk's as decoded (a dense chunk's: ``length`` values)."""
+        if positions is None:
+            parts = self.split(bucket, start, length)
+            if not parts:
+                return None
+            if len(parts) == 1 and parts[0].length == length:
+                return None, values
+            index = torch.cat(
+                [
+                    torch.arange(p.range_offset, p.range_offset + p.length, device=values.device)
+                    for p in parts
+                ]
+            )
+            return index, values[index]
+        parts = self.split_sparse(bucket, start, length, positions)
+        if not parts:
+            return None
+        if len(parts) == 1 and parts[0].first == 0 and parts[0].last == positions.numel():
+            return positions, values
+        keep = torch.cat([torch.arange(p.first, p.last, device=positions.device) for p in parts])
+        return positions[keep], values[keep]
+
     def split(self, bucket: int, start: int, length: int) -> list[Part]:
         """The parts of ``bucket``'s ``[start, start + length)`` on this rank's
         pieces, in order (none where the range misses them all)."""
@@ -160,3 +204,29 @@ class PieceMap:
 
 def _key(p: Piece) -> tuple[int, int]:
     return p.bucket, p.start
+
+
+class RowEnds:
+    """Where rows end in a layout's buckets: a sharded rank's piece ends at one (it
+    holds whole rows of a tensor), so its last chunk may be short there."""
+
+    def __init__(self, layout: BucketLayout) -> None:
+        self._slots: dict[int, list[tuple[int, int, int]]] = {}
+        for slot in layout.slots:
+            row = math.prod(slot.shape[1:]) if slot.shape else 1
+            self._slots.setdefault(slot.bucket, []).append((slot.offset, slot.numel, row))
+        for slots in self._slots.values():
+            slots.sort()
+        self._starts = {b: [s[0] for s in slots] for b, slots in self._slots.items()}
+
+    def at(self, bucket: int, offset: int) -> bool:
+        """Whether ``offset`` of ``bucket`` is where a row of a tensor ends (a
+        tensor's end included)."""
+        starts = self._starts.get(bucket)
+        if not starts or offset <= 0:
+            return False
+        i = bisect.bisect_left(starts, offset) - 1  # the slot holding offset - 1
+        if i < 0:
+            return False
+        start, numel, row = self._slots[bucket][i]
+        return offset <= start + numel and (offset - start) % max(1, row) == 0

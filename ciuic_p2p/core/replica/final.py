@@ -68,13 +68,18 @@ def copy_dtype(bucket: torch.Tensor, wanted: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if wanted == torch.float16 and overflows else wanted
 
 
-def shape_error(bucket_numel: int, start: int, length: int) -> str | None:
+def shape_error(bucket_numel: int, start: int, length: int, row_end: bool = False) -> str | None:
     """Why a copy's chunk of ``[start, start + length)`` in a bucket of
-    ``bucket_numel`` elements is not one an honest replica sends, or None."""
+    ``bucket_numel`` elements is not one an honest replica sends, or None.
+    ``row_end``: the range ends where a tensor's row does (a sharded rank's piece
+    may end there, core.codec.pieces)."""
     if length < 1:
         return "an empty range"
-    if length < MIN_CHUNK_ELEMENTS and start + length != bucket_numel:
-        return f"{length} elements, fewer than {MIN_CHUNK_ELEMENTS} short of its bucket's end"
+    if length < MIN_CHUNK_ELEMENTS and start + length != bucket_numel and not row_end:
+        return (
+            f"{length} elements, fewer than {MIN_CHUNK_ELEMENTS}, ending neither at its "
+            "bucket's end nor at a row's"
+        )
     return None
 
 
@@ -130,8 +135,11 @@ class FinalRound:
         members: Iterable[str],
         max_distance_ratio: float,
     ) -> None:
-        """``own``: this replica's copy of each bucket, as sent (low-bit dtype);
-        ``members``: the peers whose copies are averaged (not this replica)."""
+        """``own``: this replica's copy of each bucket, as sent (low-bit dtype), or of
+        each piece of them a sharded rank holds (the ranges taken are then the parts
+        of the peers' chunks that fall on the pieces); ``members``: the peers whose
+        copies are averaged (not this replica). The caller checks a chunk's shape as
+        sent (:func:`shape_error`)."""
         self.own = list(own)
         self.members = frozenset(members)
         self.count = len(self.members) + 1
@@ -182,9 +190,6 @@ class FinalRound:
         end = start + values.numel()
         if not 0 <= bucket < len(self.own) or not 0 <= start < end <= self.own[bucket].numel():
             raise FinalRefusal("range", f"final copy from {origin} lies outside the model")
-        why = shape_error(self.own[bucket].numel(), start, end - start)
-        if why is not None:
-            raise FinalRefusal("malformed", f"final copy from {origin}: {why}")
         ranges = self._ranges.setdefault((origin, bucket), [])
         at = bisect.bisect_left(ranges, (start, end))
         if (at > 0 and ranges[at - 1][1] > start) or (at < len(ranges) and ranges[at][0] < end):

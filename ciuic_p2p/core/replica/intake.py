@@ -29,6 +29,7 @@ from ciuic_p2p.core.codec.bucket import ChunkSource, decode_chunk
 from ciuic_p2p.core.codec.chunk import ChunkHeader, parse_chunk
 from ciuic_p2p.core.codec.layout import BucketLayout, describe_layout
 from ciuic_p2p.core.codec.origin import ReplayWindow
+from ciuic_p2p.core.codec.pieces import RowEnds
 from ciuic_p2p.core.replica.consensus import MAX_HELD_CHUNKS, ConsensusMix
 from ciuic_p2p.core.replica.figures import STALENESS_BINS, OwnNorms, ReplicaStats
 from ciuic_p2p.core.replica.final import (
@@ -96,7 +97,7 @@ class Intake:
         self._updates = ReplayWindow(window_steps=1 << 16)
         self.influence = InfluenceBound(
             train,
-            len(parameters.buckets),
+            len(layout.buckets),
             parameters.device,
             roster.me,
             announced=lambda: ((name, p.step) for name, p in roster.peers.items()),
@@ -118,6 +119,7 @@ class Intake:
         self.final: FinalRound | None = None
         """The run's last round, once this replica started it (:meth:`start_final`)."""
         self.final_ended = False
+        self._row_ends = RowEnds(layout)
         self._final_early: list[Prepared] = []
         """Peers' copies that came before this replica started its last round (it
         was still applying their last updates); at most one model's worth each."""
@@ -253,7 +255,10 @@ class Intake:
                     origin,
                     msg.kind,
                 )
-            return Prepared(origin, msg.kind, None, None, None, 0.0, presence.step, 0, presence.ask)
+            return Prepared(
+                origin, msg.kind, None, None, None, 0.0, presence.step, 0, presence.ask,
+                stateless=presence.stateless,
+            )  # fmt: skip
         try:
             decoded = decode_chunk(msg.body, self.parameters.device)
         except CodecError as exc:
@@ -269,9 +274,21 @@ class Intake:
         rms = float(torch.linalg.vector_norm(decoded.values)) / math.sqrt(max(1, h.count))
         if msg.kind is not PayloadKind.FINAL:
             self.stats.chunk_bytes_received += len(msg.body)
-        return Prepared(
-            origin, msg.kind, h, decoded.positions, decoded.values, rms, h.step, 0, body=msg.body
-        )
+        positions, values = decoded.positions, decoded.values
+        pieces = self.parameters.pieces
+        if pieces is not None and msg.kind is PayloadKind.UPDATE:
+            # What falls on this rank's pieces, still in the chunk's coordinates: the
+            # bounds weigh what moves this rank's shard, against the updates this rank
+            # sent of it (a chunk's whole RMS held against one rank's rows refused
+            # honest chunks whose largest values lay on the other rank's).
+            part = pieces.restrict(h.bucket, h.range_start, h.range_len, positions, values)
+            if part is None:
+                positions, values = _NO_POSITIONS, values[:0]
+            else:
+                positions, values = part
+            norm = float(torch.linalg.vector_norm(values)) if values.numel() else 0.0
+            rms = norm / math.sqrt(max(1, values.numel()))
+        return Prepared(origin, msg.kind, h, positions, values, rms, h.step, 0, body=msg.body)
 
     def apply(self, item: Prepared | RefusedChunk, step: int) -> None:
         """Apply a prepared payload (training thread; ``step``: this replica's),
@@ -321,6 +338,7 @@ class Intake:
             return
         if item.kind is PayloadKind.JOIN:
             self.roster.join(origin, item.step, item.ask, step)
+            self.roster.note_stateless(origin, item.stateless)
             return
         state = self.roster.account(origin)
         if item.kind is not PayloadKind.DONE and self.influence.set_aside(origin, step):
@@ -388,9 +406,7 @@ class Intake:
                     origin,
                     item.kind,
                 )
-            why = shape_error(self.parameters.buckets[h.bucket].numel(), *_span(h))
-            if why is not None:
-                raise RefusedChunk("malformed", f"final copy from {origin}: {why}", origin)
+            self._check_copy_shape(origin, h)
             key = (origin, h.bucket, h.range_start)
             if key in self._final_early_keys:  # the mesh's at-least-once delivery
                 raise RefusedChunk(
@@ -410,12 +426,32 @@ class Intake:
             # them, and it records nothing of the last round.
             self._final_early.append(dataclasses.replace(item, values=held, body=None))
             return
-        try:
-            diff = self.final.take(origin, h.bucket, h.range_start, values, h.replicas)
-        except FinalRefusal as exc:
-            raise RefusedChunk(exc.reason, str(exc), origin, item.kind) from None
-        self.parameters.add_slice(h.bucket, h.range_start, diff)
+        # The copy's shape as its origin sent it (its parts on a sharded rank's pieces
+        # need not be whole chunks); then each part is taken on its piece.
+        self._check_copy_shape(origin, h)
+        pieces = self.parameters.pieces
+        if pieces is None:
+            parts = [(h.bucket, h.range_start, values)]
+        else:
+            parts = [
+                (p.piece, p.piece_offset, values[p.range_offset : p.range_offset + p.length])
+                for p in pieces.split(h.bucket, h.range_start, h.range_len)
+            ]
+        for piece, start, vals in parts:
+            try:
+                diff = self.final.take(origin, piece, start, vals, h.replicas)
+            except FinalRefusal as exc:
+                raise RefusedChunk(exc.reason, str(exc), origin, item.kind) from None
+            self.parameters.add_piece(piece, start, diff)
         self.stats.final_chunks += 1
+
+    def _check_copy_shape(self, origin: str, h: ChunkHeader) -> None:
+        end = h.range_start + h.range_len
+        why = shape_error(
+            self.layout.buckets[h.bucket].numel, *_span(h), self._row_ends.at(h.bucket, end)
+        )
+        if why is not None:
+            raise RefusedChunk("malformed", f"final copy from {origin}: {why}", origin)
 
     def rms_reference(self, bucket: int) -> float | None:
         """What a peer's update chunk's RMS is held against in ``bucket``: this
@@ -479,20 +515,22 @@ class Intake:
         if h.replicas and h.replicas < influence.replicas_seen(h.step) - 1:
             self.stats.weight_raised += 1
         w = self.chunk_weight(h)
-        factor = influence.scale(
-            origin,
-            h.step,
-            h.bucket,
-            item.positions,
-            h.range_start,
-            values,
-            self.roster.mesh_alive,
-            step,
-        )
+        factor = 1.0
+        if values.numel():  # none of it on a sharded rank's pieces: nothing to bound
+            factor = influence.scale(
+                origin,
+                h.step,
+                h.bucket,
+                item.positions,
+                h.range_start,
+                values,
+                self.roster.mesh_alive,
+                step,
+            )
         if factor < 1.0:
             self.stats.clipped += 1
         w *= factor
-        if w > 0.0:
+        if w > 0.0 and values.numel():
             source = None if item.body is None else AddedChunk(item.body)
             if self.outer is None:
                 self.parameters.add(h, item.positions, values, w, source)
@@ -521,8 +559,8 @@ class Intake:
                 f"chunk from {origin} is for parameter layout {h.layout_id:016x}; this "
                 f"model's is {self.layout.layout_id:016x} (another model shape?)",
             )
-        buckets = self.parameters.buckets
-        if h.bucket >= len(buckets) or h.range_start + h.range_len > buckets[h.bucket].numel():
+        buckets = self.layout.buckets
+        if h.bucket >= len(buckets) or h.range_start + h.range_len > buckets[h.bucket].numel:
             raise RefusedChunk(
                 "range",
                 f"chunk from {origin} addresses bucket {h.bucket} "
@@ -536,6 +574,11 @@ class Intake:
             raise RefusedChunk(
                 "duplicate", f"chunk from {origin}: {exc}", origin, PayloadKind.UPDATE
             ) from None
+
+
+_NO_POSITIONS = torch.zeros(0, dtype=torch.int64)
+"""A chunk none of which falls on a sharded rank's pieces: applied (counted), adds
+nothing."""
 
 
 def _span(h: ChunkHeader) -> tuple[int, int]:

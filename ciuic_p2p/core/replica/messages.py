@@ -70,6 +70,9 @@ class Presence:
     """Whether the sender asks for this replica's JOIN in answer."""
     layout: LayoutSummary | None
     """None from a sender that does not say it."""
+    stateless: bool = False
+    """The sender hands no state to joiners (a sharded replica, train.sharded): ask
+    another replica for the run's state, and for samples of it."""
 
 
 class TrainWireError(CiuicError):
@@ -123,16 +126,18 @@ def encode_presence(
     step: int | None = None,
     ask: bool = False,
     layout: LayoutSummary | None = None,
+    stateless: bool = False,
 ) -> bytes:
-    """A JOIN (with the sender's step; ``ask``: answer with yours; its ``layout``) or
-    GONE message."""
+    """A JOIN (with the sender's step; ``ask``: answer with yours; its ``layout``;
+    ``stateless``: it hands no state, flag bit 1, which older readers ignore) or GONE
+    message."""
     if kind not in (PayloadKind.JOIN, PayloadKind.GONE) or len(run_id) != RUN_ID_LEN:
         raise ValueError("JOIN or GONE, with a 16-byte run_id")
     if kind is PayloadKind.GONE or step is None:
         return envelope(kind) + run_id
     if not 0 <= step <= MAX_STEP:
         raise ValueError(f"step must be in [0, {MAX_STEP}], got {step}")
-    tail = _STEP_FLAGS.pack(step, int(ask))
+    tail = _STEP_FLAGS.pack(step, int(ask) | (2 if stateless else 0))
     if layout is not None:
         tail += _LAYOUT.pack(layout.layout_id, layout.tensors, layout.params)
     return envelope(kind) + run_id + tail
@@ -154,7 +159,7 @@ def decode_presence(body: memoryview) -> Presence:
     layout = None
     if n >= with_layout:
         layout = LayoutSummary(*_LAYOUT.unpack_from(body, with_step))
-    return Presence(run_id, int(step), bool(flags & 1), layout)
+    return Presence(run_id, int(step), bool(flags & 1), layout, bool(flags & 2))
 
 
 def decode_payload(data: bytes | bytearray | memoryview) -> TrainMessage:

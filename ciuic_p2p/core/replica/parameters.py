@@ -22,6 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from ciuic_p2p.core.codec.chunk import ChunkHeader
+from ciuic_p2p.core.codec.pieces import PieceMap
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,13 +133,27 @@ class AddSink(Protocol):
 
 
 class Parameters:
+    """``buckets``: the flat tensors this replica holds, one per piece of ``pieces``
+    (core.codec.pieces; None: the layout's whole buckets, an unsharded replica's).
+    :meth:`add` and :meth:`add_slice` take the model's own coordinates (a layout's
+    bucket and offset), as chunks say them, and add what falls on the pieces;
+    :meth:`add_piece` takes a piece's own."""
+
     def __init__(
         self,
         buckets: Sequence[torch.Tensor],
         gate: AccessGate | None = None,
         sink: AddSink | None = None,
+        pieces: PieceMap | None = None,
     ) -> None:
         self.buckets = list(buckets)
+        self.pieces = None if pieces is None or pieces.is_whole else pieces
+        if self.pieces is not None:
+            if sink is not None:
+                raise ValueError("a sharded replica's adds have no local ranks to mirror")
+            sizes = [p.numel for p in self.pieces.pieces]
+            if sizes != [b.numel() for b in self.buckets]:
+                raise ValueError(f"the buckets must be the pieces' sizes, {sizes}")
         self.sink = sink
         self.base = [b.detach().clone() for b in self.buckets]
         self.gate: AccessGate = gate or OneThread()
@@ -164,17 +179,39 @@ class Parameters:
         w: float,
         source: object = None,
     ) -> None:
-        """Queue ``w * values`` for the model and the base (``source``: for the sink)."""
-        if positions is None:
-            self._queued_dense.append(((h.bucket, None, h.range_start, values, w), source))
+        """Queue ``w * values`` for the model and the base (``source``: for the sink);
+        ``positions`` relative to ``h.range_start``, None for a dense range."""
+        pieces = self.pieces
+        if pieces is None:
+            if positions is None:
+                self._queued_dense.append(((h.bucket, None, h.range_start, values, w), source))
+                return
+            if h.range_start:
+                positions = positions + h.range_start
+            self._queued.setdefault((h.bucket, w), []).append((positions, values, source))
             return
-        if h.range_start:
-            positions = positions + h.range_start
-        self._queued.setdefault((h.bucket, w), []).append((positions, values, source))
+        if positions is None:
+            for part in pieces.split(h.bucket, h.range_start, h.range_len):
+                at = part.range_offset
+                vals = values[at : at + part.length]
+                self._queued_dense.append(((part.piece, None, part.piece_offset, vals, w), None))
+            return
+        for part in pieces.split_sparse(h.bucket, h.range_start, h.range_len, positions):
+            assert part.positions is not None
+            parts = self._queued.setdefault((part.piece, w), [])
+            parts.append((part.positions, values[part.first : part.last], None))
 
     def add_slice(self, bucket: int, start: int, diff: torch.Tensor, source: object = None) -> None:
         """Queue ``diff`` for a slice of a bucket and of the base (the consensus mix)."""
-        self._queued_dense.append(((bucket, None, start, diff, 1.0), source))
+        if self.pieces is None:
+            self._queued_dense.append(((bucket, None, start, diff, 1.0), source))
+            return
+        self.add(Range(bucket, start, diff.numel()), None, diff, 1.0)
+
+    def add_piece(self, piece: int, start: int, diff: torch.Tensor) -> None:
+        """Queue ``diff`` for ``buckets[piece][start : start + len(diff)]`` and the
+        base's (in the piece's own coordinates)."""
+        self._queued_dense.append(((piece, None, start, diff, 1.0), None))
 
     def queued(self) -> bool:
         return bool(self._queued or self._queued_dense)

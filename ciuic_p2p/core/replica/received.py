@@ -48,3 +48,5 @@ class Prepared:
     """JOIN: the origin wants this replica's JOIN in answer."""
     body: memoryview | None = None
     """A chunk's bytes as they came (core.replica.mirror replays them elsewhere)."""
+    stateless: bool = False
+    """JOIN: the origin hands no state (core.replica.messages ``Presence``)."""

@@ -42,6 +42,10 @@ class PeerState:
     and not waited for by settlement, until its chunks are back within the bound."""
 
 
+MAX_STATELESS = 4096
+"""Origins remembered as handing no state (one entry a member)."""
+
+
 class Roster:
     """The other replicas of this one's run."""
 
@@ -50,6 +54,8 @@ class Roster:
         self.staleness_bound_steps = staleness_bound_steps
         self.peers: dict[str, PeerState] = {}
         self.mesh_alive: set[str] = set()
+        self.stateless: set[str] = set()
+        """Origins whose JOIN said they hand no state (sharded replicas)."""
         self.joined: list[str] = []
         """Replicas registered since the caller last cleared this (it answers JOIN)."""
         self.early_joins: dict[str, tuple[int, bool]] = {}
@@ -163,6 +169,14 @@ class Roster:
             # The daemon's word that it is alive can come after its JOIN (a replica
             # that has attached may not say JOIN again for a long while).
             self.early_joins[origin] = (origin_step, ask)
+
+    def note_stateless(self, origin: str, stateless: bool) -> None:
+        """Whether ``origin`` said (its JOIN) that it hands no state to joiners."""
+        if stateless:
+            if len(self.stateless) < MAX_STATELESS:
+                self.stateless.add(origin)
+        else:
+            self.stateless.discard(origin)
 
     def gone(self, origin: str) -> None:
         """Its trainer went away (GONE): no longer a replica, until it joins again."""

@@ -75,6 +75,7 @@ from ciuic_p2p.config.sections import CodecSection, TrainSection
 from ciuic_p2p.core.codec.bucket import BucketEncoder, BucketSpec, ChunkSource, SentChunk
 from ciuic_p2p.core.codec.chunk import ChunkHeader, Codec
 from ciuic_p2p.core.codec.layout import BucketLayout
+from ciuic_p2p.core.codec.pieces import PieceMap
 from ciuic_p2p.core.codec.select import RunParts, sequential
 from ciuic_p2p.core.replica.final import (
     FINAL_DTYPES,
@@ -83,6 +84,7 @@ from ciuic_p2p.core.replica.final import (
     copy_dtype,
     own_copy,
 )
+from ciuic_p2p.core.replica.influence import final_covered_steps
 from ciuic_p2p.core.replica.intake import (
     STALENESS_BINS,
     Intake,
@@ -114,14 +116,6 @@ class TakenUpdate:
 
     step: int
     replicas: int
-
-
-FINAL_COVERED_STEPS = 16
-"""The steps the run's last update (:meth:`Replica.take_final`) is stamped past the
-last send: receivers hold an update to ``influence_clip_ratio`` times one step's norm
-per step it covers, and what error feedback held back spans many steps. At most
-``max_send_interval_steps`` and a quarter of the staleness bound (receivers take a
-step that far ahead of the run)."""
 
 
 __all__ = [
@@ -157,14 +151,25 @@ class Replica:
         gate: AccessGate | None = None,
         numpy_scan: bool | None = None,
         sink: AddSink | None = None,
+        pieces: PieceMap | None = None,
     ) -> None:
         """``run_parts``: how the encoders' CPU scans run their parts (codec.select);
         ``gate``: keeps the encoder thread's reads and the training thread's adds apart
         (core.replica.parameters; none needed when both run on one thread);
         ``numpy_scan``: see codec.select.ApproxTopK; ``sink``: told of every add to
-        the parameters (core.replica.mirror, for a node's other local ranks)."""
+        the parameters (core.replica.mirror, for a node's other local ranks).
+        ``pieces``: the parts of the layout's buckets this replica holds (a rank of a
+        node that shards the model: core.codec.pieces), one tensor of ``buckets``
+        each; None: the whole buckets. A sharded replica encodes its pieces, applies
+        what falls on them, and ends in the last round; it runs in ``step`` mode and
+        takes no part in the consensus mix (yet)."""
         self.layout = layout
-        self.parameters = Parameters(buckets, gate, sink)
+        if pieces is not None and pieces.is_whole:
+            pieces = None
+        if pieces is not None and train.mode == "outer":
+            raise ValueError("a sharded replica runs in train.mode = 'step' (outer: not yet)")
+        self.pieces = pieces
+        self.parameters = Parameters(buckets, gate, sink, pieces)
         self.buckets = self.parameters.buckets
         self.base = self.parameters.base
         self.source = source
@@ -197,19 +202,21 @@ class Replica:
             stats=self.stats,
             outer=self.outer,
         )
+        held = pieces.pieces if pieces is not None else PieceMap.whole(layout).pieces
         self.encoders = [
             BucketEncoder(
-                info.index,
-                info.numel,
-                BucketSpec.from_config(codec, info.numel, info.sparse),
+                piece.bucket,
+                piece.numel,
+                BucketSpec.from_config(codec, piece.numel, layout.buckets[piece.bucket].sparse),
                 source,
                 device,
-                seed=seed + info.index,
+                seed=seed + i,
                 run_parts=run_parts,
                 keep_residual=False,
                 numpy_scan=numpy_scan,
+                offset=piece.start,
             )
-            for info in layout.buckets
+            for i, piece in enumerate(held)
         ]
         self.mean_send_bytes = 0.0
         """Running mean of the bytes one update send publishes (the backlog marks are
@@ -332,12 +339,10 @@ class Replica:
 
     def take_final(self) -> TakenUpdate:
         """Take the run's last update (:meth:`finish`'s): everything not sent yet,
-        stamped :data:`FINAL_COVERED_STEPS` past the last send (a receiver takes each
+        stamped ``final_covered_steps`` past the last send (a receiver takes each
         step of an origin once per bucket and range, and holds an update to the steps
         it covers)."""
-        t = self.train
-        covered = max(1, min(FINAL_COVERED_STEPS, t.max_send_interval_steps,
-                             t.staleness_bound_steps // 4))  # fmt: skip
+        covered = final_covered_steps(self.train)
         # Never below this step: steps merged since the last send are in it.
         step = max(self.step, self.last_send_step + covered)
         self.last_send_step = step
@@ -453,11 +458,10 @@ class Replica:
                 sent += len(payload)
                 publish(payload)
             with torch.no_grad():
-                self.parameters.add_slice(enc.bucket, 0, copy.float() - bucket)
+                self.parameters.add_piece(len(own) - 1, 0, copy.float() - bucket)
             self.fold_final()  # one bucket's difference at a time
-        self.intake.start_final(
-            FinalRound(own, names, self.train.finish_average_distance_max_ratio), self.step
-        )
+        final = FinalRound(own, names, self.train.finish_average_distance_max_ratio)
+        self.intake.start_final(final, self.step)
         self.fold_final()
         self.stats.bytes_published += sent
         return sent
@@ -488,7 +492,7 @@ class Replica:
                 with torch.no_grad():
                     moved = self.buckets[b].float() - final.own[b].float()  # a new tensor
                     moved.mul_(final.count / counts - 1.0)
-                self.parameters.add_slice(b, 0, moved)
+                self.parameters.add_piece(b, 0, moved)
                 self.fold_final()
         return self.intake.end_final()
 
@@ -542,7 +546,7 @@ class Replica:
 
     def wants_params(self) -> bool:
         n = self._consensus_interval()
-        return n > 0 and self.replicas > 1 and self.step % n == 0
+        return n > 0 and self.pieces is None and self.replicas > 1 and self.step % n == 0
 
     def backlog_marks(self) -> tuple[float, float]:
         """The high and low backlog marks in bytes: multiples of one send (what a
@@ -619,12 +623,13 @@ class Replica:
             if outer is not None:  # the kick every replica adds at the next completion
                 for b, kick in zip(out, outer.held, strict=False):
                     b.add_(kick)
-            for step, claimed, bucket, start, _length, positions, values, _ in self._debts:
+            for step, claimed, bucket, start, length, positions, values, _ in self._debts:
                 weight = w = self._own_weight(step, claimed)
                 if outer is not None:
                     weight = w * (outer.coefficient(step) + outer.early_correction(step)[0])
                 if weight != 1.0:
-                    _add_into(out[bucket], start, positions, values, weight - 1.0)
+                    piece, at = self._own_piece(bucket, start, length)
+                    _add_into(out[piece], at, positions, values, weight - 1.0)
             if outer is not None:  # peers' rounds ahead, their momentum part waiting
                 for d in outer.deferred:
                     extra = d.w * outer.early_correction(d.round * outer.inner_steps)[0]
@@ -702,6 +707,14 @@ class Replica:
         updates of the gap at 1 (it had heard no one within the bound) where the
         others took them at 1/2, and stayed apart from them for good."""
         return self.intake.weight_of(step, claimed)
+
+    def _own_piece(self, bucket: int, start: int, length: int) -> tuple[int, int]:
+        """The piece an own chunk of ``bucket``'s ``[start, start + length)`` came
+        from (each encoder's chunks lie in its piece), and where in it."""
+        if self.pieces is None:
+            return bucket, start
+        part = self.pieces.split(bucket, start, length)[0]
+        return part.piece, part.piece_offset
 
     def _record_own(self, sent: SentChunk) -> None:
         h = sent.header
