@@ -459,7 +459,8 @@ class TrainerServer:
     ) -> None:
         """Another rank of the attached sharded trainer (daemon.rankwriters): its HELLO
         names its rank and the first rank's incarnation; then it publishes its shard's
-        chunks and asks for statistics, and gets every delivery of the run."""
+        chunks (updates, consensus fragments, its last-round copy) and asks for
+        statistics, and gets every delivery of the run."""
         rank = 0
         counters = self.daemon.counters
         try:
@@ -489,7 +490,7 @@ class TrainerServer:
             return self._rank_hello(ftype, body, writer)
         if ftype is TrainerFrame.PUBLISH:
             kind = decode_payload(body).kind
-            if kind not in (PayloadKind.UPDATE, PayloadKind.FINAL):
+            if kind not in (PayloadKind.UPDATE, PayloadKind.PARAMS, PayloadKind.FINAL):
                 raise TrainWireError(f"rank {rank} publishes no {kind.name}")
             self._publish(body)
         elif ftype is TrainerFrame.STATS_REQUEST:

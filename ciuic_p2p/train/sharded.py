@@ -23,8 +23,8 @@ Only the first rank speaks for the replica (JOIN, DONE with the chunks of all ra
     ...                                         # the same loop on every rank
     sync.finish()                               # on every rank
 
-Not yet for a sharded replica: ``outer`` mode, the consensus mix (the last round
-still ends the run as one model), checkpoints and handing its state to a joiner.
+Not yet for a sharded replica: ``outer`` mode, checkpoints and handing its state to
+a joiner (its JOIN says so, and joiners ask the other replicas).
 """
 
 from __future__ import annotations

@@ -217,6 +217,29 @@ def test_a_round_counts_its_members_once() -> None:
     assert final.missing() == ["p1", "p2"]
 
 
+def test_a_sharded_ranks_parts_of_a_chunk_are_held_as_one_range_and_taken_together() -> None:
+    """A sharded rank's pieces of one bucket: a big one of weights and a small one of
+    biases. A peer's chunk over both is held against the own copy as one range: its
+    bias part alone is 50% away (its weights part 1%), the chunk 5%: taken. A chunk of
+    which one part overlaps a range taken is refused whole, nothing recorded."""
+    weights = torch.ones(1000, dtype=torch.float16)
+    biases = torch.ones(10, dtype=torch.float16)
+    final = FinalRound([weights, biases], ["p"], 0.2, buckets=[0, 0])
+    theirs = [(0, 0, torch.full((500,), 1.01)), (1, 0, torch.full((5,), 1.5))]
+    diffs = final.take_parts("p", theirs)
+    assert [d.numel() for d in diffs] == [500, 5] and final.distance_max < 0.2
+    again = [(0, 500, torch.full((500,), 1.01)), (1, 4, torch.full((6,), 1.0))]
+    with pytest.raises(final_module.FinalRefusal) as refused:
+        final.take_parts("p", again)  # biases [4, 5) taken already
+    assert refused.value.reason == "duplicate" and final.received["p"] == 505
+    final.take_parts("p", [(0, 500, torch.full((500,), 1.0)), (1, 5, torch.full((5,), 1.0))])
+    assert final.complete
+    # Part by part, the bias part would have been refused: 50% of its own RMS.
+    alone = FinalRound([biases], ["p"], 0.2)
+    with pytest.raises(final_module.FinalRefusal):
+        alone.take("p", 0, 0, torch.full((10,), 1.5))
+
+
 def _copy_chunk(r: Replica, bucket: int, start: int, length: int, base: bytes) -> bytes:
     """A FINAL payload of ``r``'s copy of ``bucket[start : start + length]`` (a
     member's own chunking), its header built like an honest one's."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -16,7 +17,7 @@ import torch
 
 from ciuic_p2p.core.codec.layout import BucketLayout
 from ciuic_p2p.core.replica.rule import consensus_distance
-from ciuic_p2p.lab.cluster import LocalCluster, free_port_block, spread_nodes
+from ciuic_p2p.lab.cluster import LocalCluster, spread_nodes
 from tests.train.test_localranks import _torchrun_two_ranks, json_objects
 
 pytestmark = pytest.mark.processes
@@ -118,6 +119,8 @@ print(json.dumps({"rank": rank, "node": int(node), "kind": kind, "peer": s.get("
                   "complete": complete, "chunks_sent": s.get("chunks_sent"),
                   "applied_from": s.get("applied_from"),
                   "sent_by_origin": s.get("sent_by_origin"), "refused": s.get("refused"),
+                  "clipped": s.get("clipped"),
+                  "reconnects": getattr(getattr(sync, "channel", None), "reconnects", None),
                   "final_round": s.get("final_round"),
                   "shard": sum(t.numel() for t in getattr(sync, "buckets", [])),
                   "model": sum(p.numel() for p in net.parameters()),
@@ -177,11 +180,11 @@ def test_a_sharded_node_and_a_node_of_another_model_both_stop_at_attach(
     out.mkdir()
     with LocalCluster("cities11", names, tmp_path / "c", CONFIG, rate_scale=0.1) as cluster:
         cluster.start()
-        port = free_port_block(2)
         runs = [
-            _start(script, "fsdp2", port, cluster.trainer_socket(names[0]), cluster, out, 0, 2),
-            _start(script, "plain", port + 1, cluster.trainer_socket(names[1]), cluster, out, 1,
-                   2, width=2050),
+            _start(script, "fsdp2", _tcp_port(), cluster.trainer_socket(names[0]), cluster, out,
+                   0, 2),
+            _start(script, "plain", 0, cluster.trainer_socket(names[1]), cluster, out, 1, 2,
+                   width=2050),
         ]  # fmt: skip
         outputs = _wait_all(runs, 120)
     lines = []
@@ -207,11 +210,10 @@ def _train(tmp_path: Path, kinds: list[str]) -> list[dict[str, Any]]:
     out.mkdir()
     with LocalCluster("cities11", names, tmp_path / "c", CONFIG, rate_scale=0.1) as cluster:
         cluster.start()
-        port = free_port_block(len(kinds))
         runs = []
         for node, kind in enumerate(kinds):
-            socket = cluster.trainer_socket(names[node])
-            runs.append(_start(script, kind, port + node, socket, cluster, out, node, len(kinds)))
+            path = cluster.trainer_socket(names[node])
+            runs.append(_start(script, kind, _tcp_port(), path, cluster, out, node, len(kinds)))
         outputs = _wait_all(runs, 300)
     lines = []
     for node, (p, (stdout, stderr)) in enumerate(zip(runs, outputs, strict=True)):
@@ -227,6 +229,9 @@ def _train(tmp_path: Path, kinds: list[str]) -> list[dict[str, Any]]:
     sent = {n: sum(x["chunks_sent"] for x in speaking if x["node"] == n) for n in peer}
     for x in speaking:
         assert x["complete"] and not x["refused"], x
+        # Every rank's session lasted the run (a rank's publish the daemon refused
+        # ended its session: the channel reconnected, again and again).
+        assert not x["reconnects"], x
         assert x["final_round"]["complete"], x["final_round"]
         for other in peer:
             if other != x["node"]:
@@ -243,7 +248,7 @@ def _start(
     script: Path,
     kind: str,
     port: int,
-    socket: Path,
+    trainer_socket: Path,
     cluster: LocalCluster,
     out: Path,
     node: int,
@@ -251,9 +256,17 @@ def _start(
     width: int = 2049,
 ) -> subprocess.Popen[str]:
     """Node ``node``'s trainer: two ranks under torchrun (fsdp2, ddp), or one process."""
-    args = [str(script), str(socket), str(cluster.config_path), str(out), str(node), kind,
+    args = [str(script), str(trainer_socket), str(cluster.config_path), str(out), str(node), kind,
             str(nodes), str(width)]  # fmt: skip
     return _torchrun(args, port) if kind != "plain" else _process([sys.executable, *args])
+
+
+def _tcp_port() -> int:
+    """A TCP port free now on loopback, for torchrun's rendezvous (the UDP blocks the
+    cluster picks say nothing of TCP: one collided, EADDRINUSE)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _torchrun(args: list[str], port: int) -> subprocess.Popen[str]:

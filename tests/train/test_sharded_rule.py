@@ -22,10 +22,9 @@ from ciuic_p2p.core.replica.messages import (
     decode_payload,
     encode_done,
     encode_presence,
-    envelope,
     run_id_of,
 )
-from ciuic_p2p.core.replica.rule import RefusedChunk, Replica, consensus_distance
+from ciuic_p2p.core.replica.rule import Replica, consensus_distance
 from ciuic_p2p.train.hook import flatten_parameters
 from tests.train.test_replica import TRAIN, model
 
@@ -197,9 +196,7 @@ def test_a_sharded_node_and_a_plain_one_train_one_run_and_end_as_one_model(
     assert after < 1e-5, (before, after)
 
 
-def test_a_sharded_replica_refuses_what_it_cannot_run_and_takes_no_fragment() -> None:
-    """Outer mode is refused at construction; it sends no consensus fragment, and a
-    peer's is counted unmatched (not mixed, not refused)."""
+def test_a_sharded_replica_refuses_outer_mode() -> None:
     m, layout = _layout()
     whole = flatten_parameters(m, layout)
     pieces = PieceMap.of_rows(layout, _rows(layout, 0, 2))
@@ -208,24 +205,56 @@ def test_a_sharded_replica_refuses_what_it_cannot_run_and_takes_no_fragment() ->
     outer = dataclasses.replace(TRAIN, mode="outer")
     with pytest.raises(ValueError, match="step"):
         Replica(layout, held, source, "node", CODEC, outer, pieces=pieces)
+
+
+def test_sharded_ranks_mix_a_peers_fragment_as_an_unsharded_twin_does() -> None:
+    """The consensus mix: a sharded node's ranks send their parts of each fragment, an
+    unsharded peer takes them as a whole replica's; the peer's fragment moves the ranks
+    as it moves an unsharded twin of the node, element for element (up to fp32
+    rounding of the parts' own bounds)."""
     mixing = dataclasses.replace(TRAIN, consensus_interval_steps=1)
-    rank = Replica(layout, held, source, "node", CODEC, mixing, pieces=pieces)
+    m, layout = _layout()
+    whole = flatten_parameters(m, layout)
+    with torch.no_grad():  # the peer apart from the node, as replicas drift
+        for b in whole:
+            b.mul_(1.0 + 0.01 * torch.randn(b.shape, generator=torch.Generator().manual_seed(1)))
+
+    def make(name: str, pieces: PieceMap | None, seed: int) -> Replica:
+        source = ChunkSource(run_id_of("run"), name.encode().ljust(32, b"."), 0, layout.layout_id)
+        if pieces is None:
+            held = flatten_parameters(_layout()[0], layout)
+        else:
+            base = flatten_parameters(_layout()[0], layout)
+            held = [base[p.bucket][p.start : p.end].clone() for p in pieces.pieces]
+        return Replica(layout, held, source, name, CODEC, mixing, seed=seed, pieces=pieces)
+
     peer = Replica(
-        layout,
-        flatten_parameters(_layout()[0], layout),
-        ChunkSource(run_id_of("run"), b"p".ljust(32, b"."), 0, layout.layout_id),
-        "peer",
-        CODEC,
-        mixing,
-    )
-    _introduce([rank, peer])
-    rank.local_step()
-    peer.local_step()
-    assert not rank.wants_params() and peer.wants_params()
-    fragment = peer.encode_params(peer.snapshot_params())
-    for p in fragment:
-        assert decode_payload(p).kind is PayloadKind.PARAMS
-        rank.receive("peer", p)
-    assert rank.stats.params_unmatched == len(fragment) and not rank.stats.refused
-    with pytest.raises(RefusedChunk):
-        rank.receive("peer", envelope(PayloadKind.UPDATE) + b"\x00" * 8)
+        layout, whole,
+        ChunkSource(run_id_of("run"), b"peer".ljust(32, b"."), 0, layout.layout_id),
+        "peer", CODEC, mixing,
+    )  # fmt: skip
+    ranks = [make("node", PieceMap.of_rows(layout, _rows(layout, r, 2)), 10 + r) for r in range(2)]
+    twin = make("node", None, 1)
+    _introduce([peer, *ranks])
+    _introduce([peer, twin])
+    # Fragments 1 to 40 of 64 (a round a step): both ranks' rows are in some.
+    for _ in range(40):
+        for r in [peer, twin, *ranks]:
+            r.local_step()
+            assert r.wants_params()
+        fragments = {r: r.encode_params(r.snapshot_params()) for r in [peer, twin, *ranks]}
+        for p in fragments[peer]:
+            for r in [twin, *ranks]:
+                r.receive("peer", p)
+        # The ranks' parts of the node's fragment are a whole replica's to the peer.
+        for r in ranks:
+            for p in fragments[r]:
+                peer.receive("node", p)
+    for r in [twin, *ranks]:
+        r.flush(wait=True)
+        assert r.stats.params_mixed > 0 and not r.stats.refused
+    gathered = _gather(ranks)
+    for mine, theirs in zip(twin.buckets, gathered, strict=True):
+        assert torch.allclose(mine, theirs, atol=1e-7)
+    assert peer.stats.params_mixed > 0 and not peer.stats.refused
+    assert peer.stats.params_unmatched == 0

@@ -11,6 +11,7 @@ A peer's fragment of step s is compared with this replica's own fragment of step
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -85,6 +86,9 @@ class ConsensusMix:
         self, origin: str, h: ChunkHeader, values: torch.Tensor, body: memoryview | None
     ) -> None:
         self._drop_expired_held()
+        if self.parameters.pieces is not None:
+            self._apply_parts(origin, h, values, body)
+            return
         mine = self._own_fragment(h)
         if mine is None:
             # We sent none at that step (joined since, skipped, or the peer's is
@@ -97,6 +101,35 @@ class ConsensusMix:
         self._check_params(origin, h, values, mine)
         self._check_once(origin, h)
         self._mix(origin, h, values, mine, body)
+
+    def _apply_parts(
+        self, origin: str, h: ChunkHeader, values: torch.Tensor, body: memoryview | None
+    ) -> None:
+        """A sharded rank (core.codec.pieces): each part of the peer's fragment chunk
+        that falls on one of its pieces is held against its own fragment of that piece
+        and mixed as a chunk of its own; every part is checked before any is mixed."""
+        pieces = self.parameters.pieces
+        assert pieces is not None
+        fragment = self.own_params.get(h.step)
+        parts = []
+        for part in pieces.split(h.bucket, h.range_start, h.range_len):
+            mine = None if fragment is None else fragment.piece_slice(part.piece, part)
+            if mine is None:
+                continue
+            at = part.range_offset
+            sub = dataclasses.replace(
+                h, range_start=h.range_start + at, range_len=part.length, count=part.length
+            )
+            parts.append((sub, values[at : at + part.length], mine))
+        if not parts:
+            self._check_once(origin, h)
+            self.stats.params_unmatched += 1
+            return
+        for sub, theirs, mine in parts:
+            self._check_params(origin, sub, theirs, mine)
+        self._check_once(origin, h)
+        for sub, theirs, mine in parts:
+            self._mix(origin, sub, theirs, mine, None)
 
     def _check_once(self, origin: str, h: ChunkHeader) -> None:
         try:

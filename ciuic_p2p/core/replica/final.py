@@ -95,6 +95,10 @@ def own_copy(bucket: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return copy.clone() if copy.data_ptr() == bucket.data_ptr() else copy
 
 
+Part = tuple[int, int, torch.Tensor]
+"""A copy's part on one bucket (or piece): (its index, start, values)."""
+
+
 class FinalRefusal(CiuicError):
     """A peer's final copy chunk not taken (reason in ``reason``)."""
 
@@ -134,21 +138,28 @@ class FinalRound:
         own: Sequence[torch.Tensor],
         members: Iterable[str],
         max_distance_ratio: float,
+        buckets: Sequence[int] | None = None,
     ) -> None:
         """``own``: this replica's copy of each bucket, as sent (low-bit dtype), or of
         each piece of them a sharded rank holds (the ranges taken are then the parts
-        of the peers' chunks that fall on the pieces); ``members``: the peers whose
-        copies are averaged (not this replica). The caller checks a chunk's shape as
-        sent (:func:`shape_error`)."""
+        of the peers' chunks that fall on the pieces; ``buckets``: each piece's
+        bucket, whose RMS over the rank's pieces is the scale a part is held against,
+        as a whole bucket's is: a piece of a few elements alone was a scale no honest
+        copy kept to); ``members``: the peers whose copies are averaged (not this
+        replica). The caller checks a chunk's shape as sent (:func:`shape_error`)."""
         self.own = list(own)
         self.members = frozenset(members)
         self.count = len(self.members) + 1
         self.max_distance_ratio = max_distance_ratio
         self.numel = sum(o.numel() for o in self.own)
-        self.bucket_rms = [
-            float(torch.linalg.vector_norm(o.float())) / math.sqrt(max(1, o.numel()))
-            for o in self.own
-        ]
+        groups = list(range(len(self.own))) if buckets is None else list(buckets)
+        sq: dict[int, float] = {}
+        count: Counter[int] = Counter()
+        for group, o in zip(groups, self.own, strict=True):
+            sq[group] = sq.get(group, 0.0) + float(torch.linalg.vector_norm(o.float())) ** 2
+            count[group] += o.numel()
+        self.bucket_rms = [math.sqrt(sq[g] / max(1, count[g])) for g in groups]
+        """Per bucket (or piece: its bucket's over the pieces held), the own copy's RMS."""
         self.received: Counter[str] = Counter()
         """Elements taken per member."""
         self._ranges: dict[tuple[str, int], list[tuple[int, int]]] = {}
@@ -171,26 +182,63 @@ class FinalRound:
         moves this replica by (fp32, to add to that slice); raises
         :class:`FinalRefusal`, counted, with nothing recorded. ``claimed``: the number
         of copies the origin averages, as its chunk says (0: not said)."""
+        return self.take_parts(origin, [(bucket, start, values)], claimed)[0]
+
+    def take_parts(
+        self, origin: str, parts: Sequence[Part], claimed: int = 0
+    ) -> list[torch.Tensor]:
+        """:meth:`take` for the parts of one chunk (a sharded rank's pieces it falls
+        on: each (piece, start, values)): held against the own copy as one range, all
+        taken or none."""
         try:
-            diff = self._take(origin, bucket, start, values)
+            diffs = self._take(origin, parts)
         except FinalRefusal as exc:
             self.refused[exc.reason] += 1
             raise
         if claimed and claimed != self.count:
             self.counted_otherwise.add(origin)
-        return diff
+        return diffs
 
-    def _take(self, origin: str, bucket: int, start: int, values: torch.Tensor) -> torch.Tensor:
+    def _take(self, origin: str, parts: Sequence[Part]) -> list[torch.Tensor]:
         if origin not in self.members:
             raise FinalRefusal(
                 "final_member",
                 f"final copy from {origin}, which is not among this replica's "
                 f"{self.count - 1} peers of the last round (no DONE heard from it)",
             )
+        places = [self._place(origin, bucket, start, values) for bucket, start, values in parts]
+        if len({p[0] for p in places}) != len(places):
+            raise FinalRefusal("malformed", f"final copy from {origin} names a piece twice")
+        with torch.no_grad():
+            mine = [self.own[b][s:e].float() for b, s, e, _ in places]
+            diffs = [values.float() - m for (_, _, values), m in zip(parts, mine, strict=True)]
+        n = math.sqrt(max(1, sum(d.numel() for d in diffs)))
+        dist = math.sqrt(sum(float(torch.dot(d, d)) for d in diffs)) / n
+        own_rms = math.sqrt(sum(float(torch.dot(m, m)) for m in mine)) / n
+        scale = max(own_rms, *(self.bucket_rms[p[0]] for p in places))
+        allowed = self.max_distance_ratio * scale
+        if not math.isfinite(dist) or dist > allowed:
+            b, s, e, _ = places[0]
+            raise FinalRefusal(
+                "norm",
+                f"final copy from {origin} of bucket {b} [{s}, {e}) is "
+                f"{dist:.3g} RMS away from this replica's ({scale:.3g} RMS), over the "
+                f"{allowed:.3g} allowed (train.finish_average_distance_max_ratio)",
+            )
+        if scale > 0.0:
+            self.distance_max = max(self.distance_max, dist / scale)
+        for bucket, start, end, at in places:
+            self._record(origin, bucket, start, end, at)
+        return [d.div_(self.count) for d in diffs]
+
+    def _place(
+        self, origin: str, bucket: int, start: int, values: torch.Tensor
+    ) -> tuple[int, int, int, int]:
+        """(bucket, start, end, where among the ranges taken) of a range not taken yet."""
         end = start + values.numel()
         if not 0 <= bucket < len(self.own) or not 0 <= start < end <= self.own[bucket].numel():
             raise FinalRefusal("range", f"final copy from {origin} lies outside the model")
-        ranges = self._ranges.setdefault((origin, bucket), [])
+        ranges = self._ranges.get((origin, bucket), [])
         at = bisect.bisect_left(ranges, (start, end))
         if (at > 0 and ranges[at - 1][1] > start) or (at < len(ranges) and ranges[at][0] < end):
             raise FinalRefusal(
@@ -198,29 +246,20 @@ class FinalRound:
                 f"final copy from {origin} of bucket {bucket} [{start}, {end}) overlaps "
                 "a range already taken",
             )
-        joins_before = at > 0 and ranges[at - 1][1] == start
-        joins_after = at < len(ranges) and ranges[at][0] == end
-        if not joins_before and not joins_after and len(ranges) >= MAX_PIECES:
+        joins = (at > 0 and ranges[at - 1][1] == start) or (
+            at < len(ranges) and ranges[at][0] == end
+        )
+        if not joins and len(ranges) >= MAX_PIECES:
             raise FinalRefusal(
                 "range", f"final copy from {origin} of bucket {bucket} in too many pieces"
             )
-        mine = self.own[bucket][start:end].float()
-        with torch.no_grad():
-            diff = values.float() - mine
-        n = math.sqrt(max(1, diff.numel()))
-        dist = float(torch.linalg.vector_norm(diff)) / n
-        scale = max(float(torch.linalg.vector_norm(mine)) / n, self.bucket_rms[bucket])
-        allowed = self.max_distance_ratio * scale
-        if not math.isfinite(dist) or dist > allowed:
-            raise FinalRefusal(
-                "norm",
-                f"final copy from {origin} of bucket {bucket} [{start}, {end}) is "
-                f"{dist:.3g} RMS away from this replica's ({scale:.3g} RMS), over the "
-                f"{allowed:.3g} allowed (train.finish_average_distance_max_ratio)",
-            )
-        if scale > 0.0:
-            self.distance_max = max(self.distance_max, dist / scale)
+        return bucket, start, end, at
+
+    def _record(self, origin: str, bucket: int, start: int, end: int, at: int) -> None:
         # Kept merged: an honest copy, in order or nearly, stays one range or a few.
+        ranges = self._ranges.setdefault((origin, bucket), [])
+        joins_before = at > 0 and ranges[at - 1][1] == start
+        joins_after = at < len(ranges) and ranges[at][0] == end
         if joins_before and joins_after:
             ranges[at - 1] = (ranges[at - 1][0], ranges.pop(at)[1])
         elif joins_before:
@@ -230,7 +269,6 @@ class FinalRound:
         else:
             ranges.insert(at, (start, end))
         self.received[origin] += end - start
-        return diff.div_(self.count)
 
     def coverage(self) -> Iterator[tuple[int, torch.Tensor]]:
         """For each bucket some element of which not every member's copy reached: the

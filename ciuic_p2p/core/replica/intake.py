@@ -437,11 +437,16 @@ class Intake:
                 (p.piece, p.piece_offset, values[p.range_offset : p.range_offset + p.length])
                 for p in pieces.split(h.bucket, h.range_start, h.range_len)
             ]
-        for piece, start, vals in parts:
-            try:
-                diff = self.final.take(origin, piece, start, vals, h.replicas)
-            except FinalRefusal as exc:
-                raise RefusedChunk(exc.reason, str(exc), origin, item.kind) from None
+        if not parts:  # none of it on this rank's pieces
+            self.stats.final_chunks += 1
+            return
+        try:
+            # One chunk, held against the own copy as one range (a few bias elements
+            # alone, a part, drifted further than their bucket and were refused).
+            diffs = self.final.take_parts(origin, parts, h.replicas)
+        except FinalRefusal as exc:
+            raise RefusedChunk(exc.reason, str(exc), origin, item.kind) from None
+        for (piece, start, _), diff in zip(parts, diffs, strict=True):
             self.parameters.add_piece(piece, start, diff)
         self.stats.final_chunks += 1
 

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import torch
 
 from ciuic_p2p.core.codec.chunk import ChunkHeader
-from ciuic_p2p.core.codec.pieces import PieceMap
+from ciuic_p2p.core.codec.pieces import Part, PieceMap
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +43,18 @@ class Fragment:
     step: int
     starts: tuple[int, ...]
     values: tuple[torch.Tensor, ...]
+
+    def piece_slice(self, piece: int, part: Part) -> torch.Tensor | None:
+        """A sharded rank's (``starts`` and ``values`` per piece, in the piece's own
+        coordinates): our values of a part of a peer's chunk on ``piece``, when this
+        fragment holds all of it."""
+        if not 0 <= piece < len(self.starts):
+            return None
+        lo = part.piece_offset - self.starts[piece]
+        vals = self.values[piece]
+        if lo < 0 or lo + part.length > vals.numel():
+            return None
+        return vals[lo : lo + part.length]
 
     def slice_of(self, bucket: int, start: int, length: int) -> torch.Tensor | None:
         """Our values of that range, when this fragment holds all of it."""

@@ -161,8 +161,8 @@ class Replica:
         ``pieces``: the parts of the layout's buckets this replica holds (a rank of a
         node that shards the model: core.codec.pieces), one tensor of ``buckets``
         each; None: the whole buckets. A sharded replica encodes its pieces, applies
-        what falls on them, and ends in the last round; it runs in ``step`` mode and
-        takes no part in the consensus mix (yet)."""
+        what falls on them, mixes the parts of the consensus fragments on them, and
+        ends in the last round; it runs in ``step`` mode (``outer``: not yet)."""
         self.layout = layout
         if pieces is not None and pieces.is_whole:
             pieces = None
@@ -460,7 +460,12 @@ class Replica:
             with torch.no_grad():
                 self.parameters.add_piece(len(own) - 1, 0, copy.float() - bucket)
             self.fold_final()  # one bucket's difference at a time
-        final = FinalRound(own, names, self.train.finish_average_distance_max_ratio)
+        final = FinalRound(
+            own,
+            names,
+            self.train.finish_average_distance_max_ratio,
+            buckets=[enc.bucket for enc in self.encoders],
+        )
         self.intake.start_final(final, self.step)
         self.fold_final()
         self.stats.bytes_published += sent
@@ -506,10 +511,16 @@ class Replica:
         starts = []
         values = []
         with torch.no_grad():
-            for bucket in self.buckets:
-                start, length = fragment_range(bucket.numel(), index, fragments)
-                starts.append(start)
-                values.append(bucket[start : start + length].clone())
+            for enc, bucket in zip(self.encoders, self.buckets, strict=True):
+                # The fragment's range of the layout's bucket, where it falls on this
+                # piece (a whole bucket's: all of it), in the piece's coordinates.
+                first, length = fragment_range(
+                    self.layout.buckets[enc.bucket].numel, index, fragments
+                )
+                lo = min(max(first, enc.offset), enc.offset + enc.numel)
+                hi = max(lo, min(first + length, enc.offset + enc.numel))
+                starts.append(lo - enc.offset)
+                values.append(bucket[lo - enc.offset : hi - enc.offset].clone())
         fragment = Fragment(index, self.step, tuple(starts), tuple(values))
         if self.parameters.sink is not None:
             self.parameters.sink.snapshot(index, self.step, fragments)
@@ -546,7 +557,7 @@ class Replica:
 
     def wants_params(self) -> bool:
         n = self._consensus_interval()
-        return n > 0 and self.pieces is None and self.replicas > 1 and self.step % n == 0
+        return n > 0 and self.replicas > 1 and self.step % n == 0
 
     def backlog_marks(self) -> tuple[float, float]:
         """The high and low backlog marks in bytes: multiples of one send (what a
