@@ -85,7 +85,7 @@ def run(layout: list[int], args: argparse.Namespace, work: Path) -> dict[str, An
                 "--config", str(cluster.config_path), "--params", repr(args.params),
                 "--step-s", repr(args.step_s), "--steps", str(args.steps),
                 "--warmup", str(args.warmup), "--replicas", str(len(layout)),
-                "--node", str(node), "--out", str(work),
+                "--node-index", str(node), "--out", str(work),
             ]  # fmt: skip
             if ranks == 1:
                 cmd = [sys.executable, *trainer, "--plain"]
@@ -182,12 +182,14 @@ def main() -> int:
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--warmup", type=int, default=10)
+    ap.add_argument("--work", default=None, help="keep the runs' logs here (default: a temp dir)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     layout = [int(x) for x in args.layout.split(",")]
     if len(layout) < 2 or min(layout) < 1 or max(layout) < 2:
         raise SystemExit("--layout names two nodes or more, one of them sharded (2 ranks+)")
-    with tempfile.TemporaryDirectory(prefix="ciuic-sharded-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="ciuic-sharded-") as scratch:
+        tmp = args.work or scratch
         result = run(layout, args, Path(tmp) / "sharded")
         plain = [n for n, r in enumerate(layout) if r == 1]
         if plain:  # the same run's unsharded node is the baseline

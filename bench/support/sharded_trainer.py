@@ -46,7 +46,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--replicas", type=int, required=True)
-    ap.add_argument("--node", type=int, required=True)
+    ap.add_argument("--node-index", type=int, required=True, dest="node")
     ap.add_argument("--out", required=True, help="where the node's first rank writes its model")
     ap.add_argument("--plain", action="store_true", help="one process, the model unsharded")
     args = ap.parse_args()

@@ -11,7 +11,9 @@ what came since the first rank did (bounded as the first rank's own held deliver
 are), so that no rank misses a chunk its peers applied.
 
 Only the first rank speaks for the replica (JOIN, DONE, its state, checkpoints);
-another rank's session ending says nothing to the mesh.
+another rank's session ending says nothing to the mesh. The first rank's session
+ending mid-run ends the others' (their chunks are its replica's); after its DONE, they
+keep theirs until they leave: a rank may still be in the last round.
 """
 
 from __future__ import annotations
@@ -19,12 +21,14 @@ from __future__ import annotations
 import asyncio
 import collections
 
+from ciuic_p2p.core.codec.pieces import MAX_NODE_RANKS
 from ciuic_p2p.logsetup import get_logger
 
 __all__ = ["MAX_RANKS", "RankWriters"]
 
-MAX_RANKS = 1024
-"""Ranks a trainer may say it has (a node of 8 GPUs has 8)."""
+MAX_RANKS = MAX_NODE_RANKS
+"""Ranks a trainer may say it has: each is held up to the bounds below while it is not
+attached."""
 log = get_logger("ciuic.trainer")
 
 Parts = tuple[bytes | memoryview, ...]
@@ -34,7 +38,15 @@ class RankWriters:
     """Writers of a sharded trainer's ranks 1..R-1, and what is held for those not
     attached yet."""
 
-    def __init__(self, max_write_buffer: int, max_held: int, max_held_bytes: int) -> None:
+    def __init__(
+        self,
+        max_write_buffer: int,
+        max_held: int,
+        max_held_bytes: int,
+        counters: collections.Counter[str],
+    ) -> None:
+        """``counters``: the daemon's (``rank_deliveries_dropped``)."""
+        self.counters = counters
         self.max_write_buffer = max_write_buffer
         self.max_held = max_held
         self.max_held_bytes = max_held_bytes
@@ -65,7 +77,7 @@ class RankWriters:
         ``incarnation`` cannot attach, or None."""
         if type(rank) is not int or not 1 <= rank < self.ranks:
             return f"rank must be in [1, {self.ranks - 1}] (the first rank said {self.ranks})"
-        if incarnation != self.incarnation:
+        if type(incarnation) is not int or incarnation != self.incarnation:
             return "not the incarnation of the first rank attached here (it restarted?)"
         if rank in self.writers and not self.writers[rank].is_closing():
             return f"rank {rank} is attached already"
@@ -94,6 +106,7 @@ class RankWriters:
                 continue
             elif droppable and writer.transport.get_write_buffer_size() > self.max_write_buffer:
                 self.dropped += 1
+                self.counters["rank_deliveries_dropped"] += 1
             else:
                 writer.writelines(parts)
 
@@ -107,6 +120,7 @@ class RankWriters:
             _, dropped = held.popleft()
             self._held_bytes[rank] -= sum(len(p) for p in dropped)
             self.dropped += 1
+            self.counters["rank_deliveries_dropped"] += 1
 
     def close(self) -> None:
         """The first rank's session ended: the others' go with it (their chunks are

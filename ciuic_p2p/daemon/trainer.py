@@ -81,6 +81,11 @@ from ciuic_p2p.errors import CiuicError, CodecError
 from ciuic_p2p.identity import PEER_ID_PREFIX, peer_id_of
 from ciuic_p2p.logsetup import get_logger
 
+FIRST_FRAME_WAIT_S = 10.0
+"""How long a connection may take to say its first frame (HELLO): which session it
+is, the trainer's or another rank's, is decided by it."""
+MAX_UNDECIDED = 16
+"""Connections waiting for their first frame at a time; past it, one is closed at once."""
 MAX_WRITE_BUFFER = 64 * 1024 * 1024
 MAX_HELD = 4096
 MAX_HELD_BYTES = 256 * 1024 * 1024
@@ -175,8 +180,10 @@ class TrainerServer:
         only its deliveries are held (others' cannot push them out)."""
         self._done = False
         self._tasks: list[asyncio.Task[None]] = []
-        self.ranks = RankWriters(MAX_WRITE_BUFFER, MAX_HELD, MAX_HELD_BYTES)
+        self.ranks = RankWriters(MAX_WRITE_BUFFER, MAX_HELD, MAX_HELD_BYTES, self.daemon.counters)
         """A sharded trainer's other ranks (daemon.rankwriters)."""
+        self._undecided = 0
+        """Connections whose first frame has not come yet."""
         self._replicas: dict[str, tuple[bytes, str]] = {}
         """Each origin whose run chunks or announcements were delivered here: (its run,
         ``live``, ``ended`` after its DONE or ``gone`` after its GONE), for ``runs``."""
@@ -341,9 +348,19 @@ class TrainerServer:
         sharded trainer attached (daemon.rankwriters); its first frames decide."""
         frames = TrainerFrameReader()
         first: list[tuple[TrainerFrame, memoryview]] = []
-        with contextlib.suppress(TrainWireError, ConnectionError, asyncio.IncompleteReadError):
-            while not first and (data := await reader.read(1 << 20)):
-                first = list(frames.feed(data))
+        if self._undecided >= MAX_UNDECIDED:
+            self.daemon.counters["trainer_connections_refused"] += 1
+            writer.close()
+            return
+        self._undecided += 1
+        try:
+            async with asyncio.timeout(FIRST_FRAME_WAIT_S):
+                while not first and (data := await reader.read(1 << 20)):
+                    first = list(frames.feed(data))
+        except (TrainWireError, ConnectionError, asyncio.IncompleteReadError, TimeoutError):
+            first = []
+        finally:
+            self._undecided -= 1
         if not first:
             writer.close()
             return
@@ -387,7 +404,11 @@ class TrainerServer:
                 log.info("trainer_detached", run=self.progress.run, done=self._done)
             writer.close()
             if self.writer is writer:
-                self.ranks.close()  # its other ranks' sessions are its replica's
+                if not self._done:  # gone mid-run: its other ranks' sessions with it
+                    self.ranks.close()
+                # Done, the other ranks may still be in their last round: they keep
+                # their sessions, and their deliveries, until they leave (or the next
+                # trainer attaches).
                 self._parts.clear()  # half-sent objects go with their session
                 self._objects.clear()
                 self.writer = None
@@ -437,6 +458,11 @@ class TrainerServer:
                 d.counters["deliveries_other_run"] += 1  # an ended or other run's
                 continue
             self._write(*parts, droppable=droppable)
+            # The other ranks are owed them as much (held until each attaches): a JOIN
+            # held here reached the first rank alone, and the others never counted
+            # that replica.
+            if _is_delivery(parts):
+                self.ranks.write(*parts, droppable=droppable)
         self._held_bytes = 0
 
     def _welcome(self, incarnation: int, rank: int = 0) -> dict[str, Any]:
@@ -488,6 +514,10 @@ class TrainerServer:
         """One frame of another rank's session (``rank`` 0: before its HELLO); its rank."""
         if rank == 0:
             return self._rank_hello(ftype, body, writer)
+        if self.ranks.writers.get(rank) is not writer or writer.is_closing():
+            # Its first rank's session ended (or another took its place): what it
+            # had buffered is not this node's to sign any more.
+            raise TrainWireError(f"rank {rank}'s session ended with its first rank's")
         if ftype is TrainerFrame.PUBLISH:
             kind = decode_payload(body).kind
             if kind not in (PayloadKind.UPDATE, PayloadKind.PARAMS, PayloadKind.FINAL):
@@ -847,7 +877,7 @@ class TrainerServer:
         )
         droppable = msg.kind in (PayloadKind.UPDATE, PayloadKind.PARAMS)
         self._write(*parts, droppable=droppable, run=run)
-        if self._attached():
+        if self._attached() or self.ranks.writers:
             self.ranks.write(*parts, droppable=droppable)
 
     def direct(self, peer: str, payload: bytes) -> None:
@@ -928,6 +958,12 @@ class TrainerServer:
                 frame = json_frame(TrainerFrame.MEMBERS, {"alive": view})
                 self._write(frame)
                 self.ranks.write(frame)
+
+
+def _is_delivery(parts: tuple[bytes | memoryview, ...]) -> bool:
+    """A held frame is a DELIVER (what the other ranks of a sharded trainer are owed;
+    not a request or a DIRECT frame of the first rank's)."""
+    return bool(parts) and bytes(parts[0][4:5]) == bytes((TrainerFrame.DELIVER,))
 
 
 def _names_rank(ftype: TrainerFrame, body: memoryview) -> bool:

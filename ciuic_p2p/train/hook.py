@@ -678,6 +678,10 @@ class MeshSync:
         r.settle(everything=True)
         if not self._final_round(limit):
             complete = False
+        if self.shard is not None:
+            # Every rank leaves finish() together: the first rank's session ending
+            # must not cut a rank still waiting for the last round's copies.
+            complete = bool(self.shard.total(int(not complete)) == 0)
         if self.shard is None and self.encoder.idle.wait(limit):  # joiners start from here
             self.state.hand_state(write_checkpoint_too=self.state.checkpoint_path is not None)
             self.encoder.idle.wait(limit)

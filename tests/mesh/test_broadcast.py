@@ -316,6 +316,32 @@ def test_an_origin_that_left_and_came_back_is_expected_whole() -> None:
     assert d.lost == 0
 
 
+def test_a_departed_origins_chunks_are_not_delivered_again_after_its_log_expired() -> None:
+    """Once nobody keeps a departed origin's chunks its log goes, and where it stopped
+    is kept: a slow holder's copy of a chunk delivered before is not delivered again,
+    and the next one of that life is (review: the log reopened with a window of 4096
+    asked for and delivered them all again)."""
+    settings = MeshSection(heads_interval_s=0.05, repair_after_s=0.1, chunk_retain_s=30.0)
+    live = ["me", "holder"]
+    d = Disseminator(
+        "me",
+        settings,
+        children=lambda origin, route, size: [],
+        live=lambda: live,
+        identities=identities("me", "origin"),
+    )
+    for seq in range(1, 21):
+        d.handle(Message("origin", chunk("origin", seq)), now=0.0)
+    d.forget("origin", now=0.0)
+    d.handle_timer(1.0)
+    d.handle_timer(40.0)  # past chunk_retain_s: the ended log goes
+    assert "origin" not in d.ended
+    assert len(d.take_deliveries()) == 20
+    d.handle(Message("holder", chunk("origin", 15, hops=255)), now=41.0)
+    d.handle(Message("holder", chunk("origin", 21, hops=255)), now=41.0)
+    assert [x.seq for x in d.take_deliveries()] == [21]
+
+
 @pytest.mark.parametrize(
     ("resumed", "gap"),
     [(False, 150), (True, 150), (True, 10)],

@@ -369,6 +369,11 @@ class Disseminator:
         session = seq >> SESSION_SHIFT
         ended = self._ended_log(origin, session)
         if ended is not None:
+            if origin not in self.logs and origin in self.live():
+                # Back in the mesh in the same session (it left, or was taken for
+                # gone, without a restart): its log is current again.
+                del self.ended[origin]
+                self.logs[origin] = ended
             return ended
         if self._is_stale(origin, session):
             self.stale += 1
@@ -490,6 +495,9 @@ class Disseminator:
             return
         log = self._log(chunk.origin, chunk.seq, now)
         if log is None:
+            return
+        if log.has(chunk.seq):  # a log just resumed where this node had delivered it
+            self.duplicates += 1
             return
         self._note_arrival(log, sender, chunk, now)
         log.add(chunk.seq)
@@ -715,7 +723,13 @@ class Disseminator:
             # The origin's new life holds none of these: asked of the holders alone.
             self._repair(origin, log, now, s.chunk_retain_s, origin_holds=False)
             if now - ended_at > s.chunk_retain_s and not _missing(log):
-                del self.ended[origin]  # nobody keeps that life's chunks any longer
+                # Nobody keeps that life's chunks any longer. Where it stopped is kept
+                # (as a previous life's is, ``resume``): a chunk of that session that
+                # comes again later (a slow holder's, or the member back without a
+                # restart) resumes there, and nothing delivered comes again.
+                del self.ended[origin]
+                if len(self._resume) < MAX_ORIGINS:
+                    self._resume[origin] = (log.contiguous, tuple(sorted(log.above)[:MAX_ABOVE]))
         self.chunks.evict(now)
 
     def _repair(

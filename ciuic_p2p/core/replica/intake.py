@@ -29,10 +29,11 @@ from ciuic_p2p.core.codec.bucket import ChunkSource, decode_chunk
 from ciuic_p2p.core.codec.chunk import ChunkHeader, parse_chunk
 from ciuic_p2p.core.codec.layout import BucketLayout, describe_layout
 from ciuic_p2p.core.codec.origin import ReplayWindow
-from ciuic_p2p.core.codec.pieces import RowEnds
+from ciuic_p2p.core.codec.pieces import MAX_NODE_RANKS, RowEnds
 from ciuic_p2p.core.replica.consensus import MAX_HELD_CHUNKS, ConsensusMix
 from ciuic_p2p.core.replica.figures import STALENESS_BINS, OwnNorms, ReplicaStats
 from ciuic_p2p.core.replica.final import (
+    MIN_CHUNK_ELEMENTS,
     FinalRefusal,
     FinalRound,
     FinalSummary,
@@ -124,6 +125,14 @@ class Intake:
         """Peers' copies that came before this replica started its last round (it
         was still applying their last updates); at most one model's worth each."""
         self._final_early_elements: collections.Counter[str] = collections.Counter()
+        self._final_early_counts: collections.Counter[str] = collections.Counter()
+        self._final_early_limit = (
+            layout.numel // MIN_CHUNK_ELEMENTS
+            + len(layout.buckets)
+            + len(layout.slots) * MAX_NODE_RANKS
+        )
+        """Early copy chunks held per member: an honest copy's full-size chunks, its
+        buckets' last, and a sharded sender's short ones at its pieces' ends."""
         self._final_early_keys: set[tuple[str, int, int]] = set()
 
     @property
@@ -375,6 +384,7 @@ class Intake:
         self.final = final
         early, self._final_early = self._final_early, []
         self._final_early_elements.clear()
+        self._final_early_counts.clear()
         self._final_early_keys.clear()
         for item in early:
             with contextlib.suppress(RefusedChunk):
@@ -419,7 +429,17 @@ class Intake:
                     origin,
                     item.kind,
                 )
+            if self._final_early_counts[origin] >= self._final_early_limit:
+                # Short chunks are an honest sharded sender's at its rows' ends only:
+                # one per piece of each of its ranks, beside the full-size ones.
+                raise RefusedChunk(
+                    "range",
+                    f"final copy from {origin} in more chunks than a copy has",
+                    origin,
+                    item.kind,
+                )
             self._final_early_keys.add(key)
+            self._final_early_counts[origin] += 1
             self._final_early_elements[origin] += h.range_len
             held = values.to(held_dtype(h.codec))
             # Its bytes are not kept: only the mirror of a node's local ranks reads
