@@ -162,6 +162,12 @@ def summarize(layout: list[int], result: dict[str, Any], base: float, args: argp
         "step_frac_p99": round(quantile(fracs, 0.99), 4),
         "merged_steps": sum(x["merged_steps"] for x in lines),
         "hook_extra_bytes_per_shard_param": round(extra, 2),
+        "hook_held_bytes_per_shard_param": round(
+            max((x["held_bytes"] / x["shard"] for x in sharded), default=0.0), 2
+        ),
+        "rss_extra_bytes_per_shard_param": round(
+            max((x["rss_extra_bytes"] / x["shard"] for x in sharded), default=0.0), 2
+        ),
         "full_model_tensors": sum(x["full_model_tensors"] for x in sharded),
         "node_bytes_per_step": round(node_bytes),
         "unsharded_bytes_per_step": round(base),
