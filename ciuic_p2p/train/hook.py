@@ -217,7 +217,7 @@ class MeshSync:
         """How long attach waited for the run's other replicas to answer."""
         # A sharded replica starts from its own shard (fetching the run's state by
         # ranges is not built yet).
-        fresh = {"source": "fresh", "step": 0}
+        fresh: dict[str, Any] = {"source": "fresh", "step": 0}
         self.restored = self.state.restore() if self.shard is None else fresh
         self._ready = True
         self._apply_early()
