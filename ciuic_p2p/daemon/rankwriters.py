@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import collections
 
-from ciuic_p2p.core.codec.pieces import MAX_NODE_RANKS
+from ciuic_p2p.core.replica.messages import MAX_NODE_RANKS
 from ciuic_p2p.logsetup import get_logger
 
 __all__ = ["MAX_RANKS", "RankWriters"]

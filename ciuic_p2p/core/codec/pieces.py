@@ -24,11 +24,7 @@ import torch
 
 from ciuic_p2p.core.codec.layout import BucketLayout
 
-__all__ = ["MAX_NODE_RANKS", "Part", "Piece", "PieceMap", "RowEnds"]
-
-MAX_NODE_RANKS = 64
-"""Ranks a node may shard its model over (a node of 8 GPUs has 8): what a receiver
-allows a sharded sender's short chunks, one per piece of each of its ranks."""
+__all__ = ["Part", "Piece", "PieceMap", "RowEnds"]
 
 
 @dataclass(frozen=True, slots=True)

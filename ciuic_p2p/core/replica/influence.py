@@ -154,22 +154,6 @@ class OriginRecord:
     (this replica's vouched step) when that was last topped up."""
 
 
-FINAL_COVERED_STEPS = 16
-"""The most steps the run's last update (core.replica.rule ``take_final``) is stamped
-past the last send: receivers hold an update to ``influence_clip_ratio`` times one
-step's norm per step it covers, and what error feedback held back spans many steps."""
-
-
-def final_covered_steps(train: TrainSection) -> int:
-    """The steps a replica's last update is stamped past its last send: at most
-    ``FINAL_COVERED_STEPS``, ``max_send_interval_steps`` and a quarter of the staleness
-    bound; receivers take a step that far ahead of the run's window."""
-    return max(
-        1,
-        min(FINAL_COVERED_STEPS, train.max_send_interval_steps, train.staleness_bound_steps // 4),
-    )
-
-
 class DirectionSketch:
     """This replica's recent updates, summed, in a count sketch per bucket: the
     current window and the one before (each spans ``window`` own sends)."""
@@ -386,13 +370,10 @@ class InfluenceBound:
         if step in rec.steps:
             return  # another chunk of an update already taken
         rec.claimed = max(rec.claimed, step)
-        t = self.train
-        # An origin's last update is stamped past its last step (final_covered_steps),
-        # and an origin may be the bound ahead of the median: without that allowance
-        # an honest last update was refused now and then (tests/train/test_training.py,
-        # step 166 past a window up to 162).
-        ahead = t.staleness_bound_steps + final_covered_steps(t)
-        front = self.run_front(own_step) + ahead + (self.min_gap if t.mode == "outer" else 0)
+        bound = self.train.staleness_bound_steps
+        front = (
+            self.run_front(own_step) + bound + (self.min_gap if self.train.mode == "outer" else 0)
+        )
         if step > front:
             raise PaceRefusal(f"step {step} is past the run's window (up to {front})")
         # No floor behind the origin's newest: repair brings honest chunks dozens of

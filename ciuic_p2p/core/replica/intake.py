@@ -29,7 +29,7 @@ from ciuic_p2p.core.codec.bucket import ChunkSource, decode_chunk
 from ciuic_p2p.core.codec.chunk import ChunkHeader, parse_chunk
 from ciuic_p2p.core.codec.layout import BucketLayout, describe_layout
 from ciuic_p2p.core.codec.origin import ReplayWindow
-from ciuic_p2p.core.codec.pieces import MAX_NODE_RANKS, RowEnds
+from ciuic_p2p.core.codec.pieces import RowEnds
 from ciuic_p2p.core.replica.consensus import MAX_HELD_CHUNKS, ConsensusMix
 from ciuic_p2p.core.replica.figures import STALENESS_BINS, OwnNorms, ReplicaStats
 from ciuic_p2p.core.replica.final import (
@@ -42,6 +42,7 @@ from ciuic_p2p.core.replica.final import (
 )
 from ciuic_p2p.core.replica.influence import InfluenceBound, PaceRefusal
 from ciuic_p2p.core.replica.messages import (
+    MAX_NODE_RANKS,
     PayloadKind,
     TrainWireError,
     decode_done,

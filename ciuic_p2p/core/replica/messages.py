@@ -115,6 +115,12 @@ def decode_done(body: memoryview) -> tuple[bytes, int, int]:
     return bytes(run_id), int(step), int(chunks)
 
 
+MAX_NODE_RANKS = 64
+"""Ranks a node may shard its model over (a node of 8 GPUs has 8): the most sessions
+its daemon takes for one trainer (daemon.rankwriters), and what a receiver allows a
+sharded sender's short copy chunks, one per piece of each of its ranks."""
+
+
 def run_id_of(run: str) -> bytes:
     """The 16-byte run ID every chunk of a run carries (two runs never mix)."""
     return hashlib.blake2b(run.encode(), digest_size=16).digest()

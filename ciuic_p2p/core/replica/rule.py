@@ -84,7 +84,6 @@ from ciuic_p2p.core.replica.final import (
     copy_dtype,
     own_copy,
 )
-from ciuic_p2p.core.replica.influence import final_covered_steps
 from ciuic_p2p.core.replica.intake import (
     STALENESS_BINS,
     Intake,
@@ -116,6 +115,15 @@ class TakenUpdate:
 
     step: int
     replicas: int
+
+
+FINAL_COVERED_STEPS = 16
+"""The steps the run's last update (:meth:`Replica.take_final`) is stamped past the
+last send: receivers hold an update to ``influence_clip_ratio`` times one step's norm
+per step it covers, and what error feedback held back spans many steps. At most
+``max_send_interval_steps`` and a quarter of the staleness bound, and never past the
+window of the slowest replica known (receivers take a step at most the bound ahead of
+the run's front)."""
 
 
 __all__ = [
@@ -339,12 +347,23 @@ class Replica:
 
     def take_final(self) -> TakenUpdate:
         """Take the run's last update (:meth:`finish`'s): everything not sent yet,
-        stamped ``final_covered_steps`` past the last send (a receiver takes each
+        stamped :data:`FINAL_COVERED_STEPS` past the last send (a receiver takes each
         step of an origin once per bucket and range, and holds an update to the steps
         it covers)."""
-        covered = final_covered_steps(self.train)
+        t = self.train
+        covered = max(1, min(FINAL_COVERED_STEPS, t.max_send_interval_steps,
+                             t.staleness_bound_steps // 4))  # fmt: skip
         # Never below this step: steps merged since the last send are in it.
         step = max(self.step, self.last_send_step + covered)
+        # Nor past the window of the slowest replica known: a replica the staleness
+        # bound ahead of the others stamped its last update past what they take
+        # (refused as pace now and then in tests/train/test_training.py: step 166
+        # past a window up to 162). A fresh step all the same: the last send's chunks
+        # have its step.
+        slowest = min((p.step for p in self.peers.values() if not p.lagging), default=None)
+        if slowest is not None:
+            ceiling = slowest + t.staleness_bound_steps
+            step = max(self.step, self.last_send_step + 1, min(step, ceiling))
         self.last_send_step = step
         return TakenUpdate(step, self.replicas)
 
