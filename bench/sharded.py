@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from datapath import quantile
 
 from ciuic_p2p.core.replica.rule import consensus_distance
 from ciuic_p2p.daemon.control import ControlError, request
@@ -59,13 +60,6 @@ stall_grace_s = 60.0
 [log]
 level = "warning"
 """
-
-
-def quantile(xs: list[float], q: float) -> float:
-    if not xs:
-        return 0.0
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(q * len(s)))]
 
 
 def run(layout: list[int], args: argparse.Namespace, work: Path) -> dict[str, Any]:

@@ -41,7 +41,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -386,11 +386,8 @@ class TrainerServer:
         # This task's own context: every event it logs names the trainer session.
         structlog.contextvars.bind_contextvars(trainer_session=counters["trainer_sessions"] + 1)
         try:
-            for ftype, body in first:
+            async for ftype, body in _frames_of(reader, frames, first):
                 self._on_frame(ftype, body)
-            while data := await reader.read(1 << 20):
-                for ftype, body in frames.feed(data):
-                    self._on_frame(ftype, body)
         except TrainWireError as exc:
             counters["trainer_protocol_errors"] += 1
             log.warning("trainer_refused", reason=str(exc))
@@ -490,11 +487,8 @@ class TrainerServer:
         rank = 0
         counters = self.daemon.counters
         try:
-            for ftype, body in first:
+            async for ftype, body in _frames_of(reader, frames, first):
                 rank = self._rank_frame(rank, ftype, body, writer)
-            while data := await reader.read(1 << 20):
-                for ftype, body in frames.feed(data):
-                    rank = self._rank_frame(rank, ftype, body, writer)
         except TrainWireError as exc:
             counters["trainer_protocol_errors"] += 1
             log.warning("trainer_rank_refused", rank=rank, reason=str(exc))
@@ -958,6 +952,19 @@ class TrainerServer:
                 frame = json_frame(TrainerFrame.MEMBERS, {"alive": view})
                 self._write(frame)
                 self.ranks.write(frame)
+
+
+async def _frames_of(
+    reader: asyncio.StreamReader,
+    frames: TrainerFrameReader,
+    first: list[tuple[TrainerFrame, memoryview]],
+) -> AsyncIterator[tuple[TrainerFrame, memoryview]]:
+    """A session's frames: those read to decide whose it is, then the rest as they come."""
+    for frame in first:
+        yield frame
+    while data := await reader.read(1 << 20):
+        for frame in frames.feed(data):
+            yield frame
 
 
 def _is_delivery(parts: tuple[bytes | memoryview, ...]) -> bool:
