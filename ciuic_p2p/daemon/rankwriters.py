@@ -92,9 +92,12 @@ class RankWriters:
             writer.writelines(parts)
         self._held_bytes[rank] = 0
 
-    def detach(self, rank: int, writer: asyncio.StreamWriter) -> None:
+    def detach(self, rank: int, writer: asyncio.StreamWriter) -> bool:
+        """``rank``'s session ended; whether it was that rank's attached one."""
         if self.writers.get(rank) is writer:
             del self.writers[rank]
+            return True
+        return False
 
     def write(self, *parts: bytes | memoryview, droppable: bool = False) -> None:
         """To every other rank: attached, or held for it."""

@@ -41,7 +41,7 @@ import contextlib
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -71,6 +71,7 @@ from ciuic_p2p.core.replica.trainersocket import (
     peer_prefix,
     split_peer,
 )
+from ciuic_p2p.core.store.fetch import MAX_SPANS
 from ciuic_p2p.core.store.messages import ANY_VERSION
 from ciuic_p2p.daemon.control import serve_unix
 from ciuic_p2p.daemon.metrics import TrainingProgress
@@ -103,6 +104,8 @@ asked for a new one first)."""
 MAX_SAMPLE_WRITERS = 8
 MAX_SAMPLE_BYTES = 64 * 1024
 """A sample request's bounds: its answer (base64, per writer) fits one JSON frame."""
+MAX_RANK_GETS = 2
+"""Fetches of its rows of the state a rank may have under way at once."""
 MAX_PENDING_OBJECTS = 4
 """Objects a trainer may have in transfer, and sent but not put, at once (each at most
 ``store.max_object_bytes``)."""
@@ -141,6 +144,8 @@ class TrainerServer:
         """Objects the trainer is sending: name -> (version, compat, bytes so far,
         total)."""
         self._objects: dict[str, tuple[int, bytes, bytes]] = {}
+        self._rank_gets: dict[int, int] = {}
+        """Each rank's fetches under way (MAX_RANK_GETS)."""
         """Complete objects waiting for the trainer's PUT_REQUEST."""
         self.server: asyncio.AbstractServer | None = None
         self.writer: asyncio.StreamWriter | None = None
@@ -497,9 +502,19 @@ class TrainerServer:
         except (ConnectionError, asyncio.IncompleteReadError):
             pass
         finally:
-            self.ranks.detach(rank, writer)
+            held = self.ranks.detach(rank, writer)
             writer.close()
-            if rank:
+            if rank and held and not self._done:
+                # One rank gone mid-run: the node's replica is its ranks together, and
+                # FSDP2's next collective fails on the others (torchrun ends them).
+                log.warning(
+                    "trainer_rank_lost",
+                    rank=rank,
+                    of=self.ranks.ranks,
+                    hint="the node's sharded replica cannot go on without this rank; "
+                    "start its torchrun again: it resumes from its checkpoint or the mesh",
+                )
+            elif rank:
                 log.info("trainer_rank_detached", rank=rank)
 
     def _rank_frame(
@@ -519,9 +534,32 @@ class TrainerServer:
             self._publish(body)
         elif ftype is TrainerFrame.STATS_REQUEST:
             writer.write(self._stats_reply())
+        elif ftype is TrainerFrame.GET_REQUEST:
+            self._rank_get(rank, parse_json(body), writer)
         else:
             raise TrainWireError(f"rank {rank} does not send {ftype.name}")
         return rank
+
+    def _rank_get(self, rank: int, request: dict[str, Any], writer: asyncio.StreamWriter) -> None:
+        """A rank fetches its rows of the run's state (train.shardfetch): ranges of one
+        writer's version, never a whole object or another name."""
+        if request.get("name") != self.state_name or not request.get("spans"):
+            raise TrainWireError(f"rank {rank} fetches only ranges of its run's state")
+        if self._rank_gets.get(rank, 0) >= MAX_RANK_GETS:
+            raise TrainWireError(f"rank {rank} has {MAX_RANK_GETS} fetches under way")
+        self._rank_gets[rank] = self._rank_gets.get(rank, 0) + 1
+
+        def write(*parts: bytes | memoryview) -> None:
+            if not writer.is_closing():
+                writer.writelines(parts)
+
+        async def get() -> None:
+            try:
+                await self._get(request, write)
+            finally:
+                self._rank_gets[rank] -= 1
+
+        self._spawn(get())
 
     def _rank_hello(
         self, ftype: TrainerFrame, body: memoryview, writer: asyncio.StreamWriter
@@ -701,16 +739,25 @@ class TrainerServer:
         self._write(frame_header(TrainerFrame.SNAPSHOT_REQUEST, 0))
         await self._fresh.wait()
 
-    def _result(self, rid: object, ok: bool, **fields: object) -> None:
-        self._write(json_frame(TrainerFrame.STORE_RESULT, {"id": rid, "ok": ok, **fields}))
+    def _result(
+        self, rid: object, ok: bool, write: Callable[..., None] | None = None, **fields: object
+    ) -> None:
+        frame = json_frame(TrainerFrame.STORE_RESULT, {"id": rid, "ok": ok, **fields})
+        (write or self._write)(frame)
 
-    async def _get(self, request: dict[str, object]) -> None:
+    async def _get(
+        self, request: dict[str, object], write: Callable[..., None] | None = None
+    ) -> None:
+        """A GET: the object (or, with ``spans``, those ranges of it, end to end) to the
+        trainer, or to the rank whose ``write`` this is."""
         rid = request.get("id")
         name = request.get("name")
         t0 = self.daemon.clock()
+        write = write or self._write
         try:
             if not isinstance(name, str):
                 raise StoreError("GET names no object")
+            spans = _spans_of(request.get("spans"))
             prefetch = self._prefetch
             if prefetch is not None and name == self.state_name and not prefetch.done():
                 await asyncio.shield(prefetch)  # the state it gets is what we want
@@ -738,16 +785,18 @@ class TrainerServer:
                     writers=allowed,
                     max_version=int(request.get("max_version", ANY_VERSION)),  # type: ignore[call-overload]
                     one_writer=bool(request.get("one_writer")),
+                    spans=spans,
                 )
         except (StoreError, ValueError, TypeError) as exc:
-            self._result(rid, False, error=str(exc))
+            self._result(rid, False, write, error=str(exc))
             return
         compat = fetch.manifest.compat if fetch.manifest else bytes(32)
         for parts in part_frames(TrainerFrame.GOT_PART, name, fetch.version, data, compat):
-            self._write(*parts)
+            write(*parts)
         self._result(
             rid,
             True,
+            write,
             version=fetch.version,
             writer=fetch.writer,
             writers=sorted(set(fetch.writers_used.values()) | {fetch.writer} - {""}),
@@ -981,6 +1030,23 @@ def _names_rank(ftype: TrainerFrame, body: memoryview) -> bool:
         return parse_json(body).get("rank") is not None
     except TrainWireError:
         return False
+
+
+def _spans_of(raw: object) -> tuple[tuple[int, int], ...]:
+    """A GET's ``spans`` (absent: the whole object), each checked: [offset, bytes]
+    pairs of ints, at most MAX_SPANS (the fetch bounds their bytes)."""
+    if raw is None:
+        return ()
+    if (
+        not isinstance(raw, list)
+        or len(raw) > MAX_SPANS
+        or not all(
+            isinstance(s, list) and len(s) == 2 and all(type(x) is int and x >= 0 for x in s)
+            for s in raw
+        )
+    ):
+        raise StoreError(f"a GET's spans are at most {MAX_SPANS} [offset, bytes] pairs")
+    return tuple((int(at), int(n)) for at, n in raw)
 
 
 def _sample_request(

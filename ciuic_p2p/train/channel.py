@@ -279,6 +279,7 @@ class DaemonChannel:
         writers: list[str] | None = None,
         max_version: int | None = None,
         one_writer: bool = False,
+        spans: list[tuple[int, int]] | None = None,
     ) -> int:
         """Start fetching ``name`` (see :meth:`get_object`; ``held_ok``: a version of at
         least ``min_version`` that the daemon holds will do; ``writers``: only versions
@@ -300,6 +301,8 @@ class DaemonChannel:
             body["max_version"] = max_version
         if one_writer:
             body["one_writer"] = True
+        if spans:  # only these (offset, bytes) ranges of it, end to end
+            body["spans"] = [list(s) for s in spans]
         return self._ask(TrainerFrame.GET_REQUEST, body)
 
     def sample_state(

@@ -61,7 +61,9 @@ from ciuic_p2p.train.channel import ChannelError, DaemonChannel, LocalDaemon
 from ciuic_p2p.train.checkpoint import DAEMON_NAMED, CheckpointChoice, daemon_named_dir
 from ciuic_p2p.train.encoder import Encoder, ThreadGate, flatten_parameters
 from ciuic_p2p.train.parallel import thread_parts
+from ciuic_p2p.train.shardckpt import ShardCheckpoints, ShardKeeper
 from ciuic_p2p.train.sharded import Shard, shard_of
+from ciuic_p2p.train.shardfetch import RangeFetch, start_from_mesh
 from ciuic_p2p.train.statesync import StateKeeper
 from ciuic_p2p.train.stats import SyncStats
 
@@ -136,9 +138,6 @@ class MeshSync:
         else:
             self.shard = shard_of(model, self.layout, process_group)
             self.buckets = self.shard.tensors
-            if checkpoint_dir is not None:
-                log.info("checkpoint_dir", path=None, why="a sharded replica writes none yet")
-                checkpoint_dir = None
         welcome = self._hello(run)
         self.peer = str(welcome["peer"])
         source = ChunkSource(
@@ -160,10 +159,15 @@ class MeshSync:
             sink=sink,
             pieces=None if self.shard is None else self.shard.pieces,
         )
+        ckpt_dir: Path | None = None
         if checkpoint_dir == DAEMON_NAMED:
-            checkpoint_dir, why = daemon_named_dir(welcome.get("checkpoint_dir"), os.environ)
-            where = str(checkpoint_dir) if checkpoint_dir else None
-            log.info("checkpoint_dir", path=where, why=why)
+            named, why = daemon_named_dir(welcome.get("checkpoint_dir"), os.environ)
+            if self.shard is not None:  # the first rank's: every rank writes in one place
+                named, why = self.shard.broadcast((named, why))
+            ckpt_dir = named
+            log.info("checkpoint_dir", path=str(ckpt_dir) if ckpt_dir else None, why=why)
+        elif isinstance(checkpoint_dir, Path):
+            ckpt_dir = checkpoint_dir
         channel.prepare_deliveries(self.replica.prepare)
         self.encoder = Encoder(self.buckets[0].device)
         self.schedule = ReplicaSchedule(
@@ -178,8 +182,26 @@ class MeshSync:
             optimizer=optimizer,
             encoder=self.encoder,
             schedule=self.schedule,
-            checkpoint_dir=checkpoint_dir,
+            checkpoint_dir=ckpt_dir if self.shard is None else None,
         )
+        self.shard_state = ShardKeeper(
+            None
+            if self.shard is None or ckpt_dir is None
+            else ShardCheckpoints(
+                ckpt_dir,
+                source.run_id.hex(),
+                self.shard,
+                model,
+                self.layout,
+                optimizer if config.store.sync_optimizer_state else None,
+            ),
+            self.replica,
+            self.encoder,
+            interval_s=config.store.checkpoint_interval_s,
+            wait_s=config.train.finish_timeout_s,
+            now=time.monotonic(),
+        )
+        """A sharded replica's checkpoints (train.shardckpt: DCP, every rank its shard)."""
         self._alive_seen: list[str] | None = None
         self.wait_s = 0.0
         self.max_wait_s = 0.0
@@ -212,19 +234,35 @@ class MeshSync:
         t0 = time.monotonic()
         if self.shard is None:
             self.state.load_checkpoint()
+        else:
+            self.shard_state.find()
         self._await_replicas(min_replicas, join_timeout_s)
         self.replicas_wait_s = time.monotonic() - t0
         """How long attach waited for the run's other replicas to answer."""
-        # A sharded replica starts from its own shard (fetching the run's state by
-        # ranges is not built yet).
-        fresh: dict[str, Any] = {"source": "fresh", "step": 0}
-        self.restored = self.state.restore() if self.shard is None else fresh
+        self.restored = self.state.restore() if self.shard is None else self._restore_shard()
         self._ready = True
         self._apply_early()
         self.start_step = self.replica.step
         """The step this replica begins at: 0, or where its state came from (a peer's
         state or this node's checkpoint); continue the loop's schedule from here."""
         self._say_join()  # where it stands now
+
+    def _restore_shard(self) -> dict[str, Any]:
+        """A sharded replica starts from the run's state, each rank fetching its rows
+        (train.shardfetch), when a replica is past its newest checkpoint; else from that
+        checkpoint; else from the model as it is (collective)."""
+        assert self.shard is not None
+        fetch = RangeFetch(
+            self.channel, self.state.state_name, self.shard, self.layout, self.model,
+            self.optimizer if self.config.store.sync_optimizer_state else None,
+            self.config.store.fetch_timeout_s + 30.0,
+        )  # fmt: skip
+        found = self.shard_state.found_step
+        return (
+            start_from_mesh(fetch, self.state, found, self.buckets)
+            or self.shard_state.restore()
+            or {"source": "fresh", "step": 0}
+        )
 
     def _hello(self, run: str) -> dict[str, Any]:
         """Say which run this replica trains (a sharded replica's first rank, then its
@@ -348,6 +386,8 @@ class MeshSync:
         facts = self._facts(update_due=update_due, params_due=params_due)
         for action in self.schedule.after_step(facts, time.monotonic()):
             self._carry_out(action)
+        if self.shard is not None:
+            self.shard_state.after_step(time.monotonic())
         self._between_steps()  # after the update: a snapshot never delays it
         self._answer_stop()
         if not self.channel.away:  # away, the others cannot be heard: never wait for them
@@ -662,6 +702,19 @@ class MeshSync:
         while not all_in() and time.monotonic() < deadline and not ch.closed:
             ch.wait_any(0.05)
         complete = all_in()
+        if not complete:
+            short = {
+                k: [p.applied + p.held_by_state + p.refused, p.chunks_sent, p.done_at]
+                for k, p in r.peers.items()
+                if p.done_at is None or p.applied + p.held_by_state + p.refused < p.chunks_sent
+            }
+            log.warning(
+                "finish_incomplete",
+                step=r.step,
+                short=dict(list(short.items())[:16]),  # origin: [reached, its DONE's, at]
+                hint="these replicas' chunks did not all reach this one within the timeout "
+                "(DONE not heard: at None); see the daemon's log and its counters",
+            )
         reached = r.stats.applied + sum(p.held_by_state for p in r.peers.values())
         if reached == 0 and (r.peers or self.layout_mismatch is not None):
             # Replicas of this run were there, and nothing of theirs reached the model:
@@ -685,6 +738,8 @@ class MeshSync:
         if self.shard is None and self.encoder.idle.wait(limit):  # joiners start from here
             self.state.hand_state(write_checkpoint_too=self.state.checkpoint_path is not None)
             self.encoder.idle.wait(limit)
+        elif self.shard is not None:
+            self.shard_state.write(time.monotonic())
         return complete
 
     def _final_round(self, limit: float) -> bool:
@@ -771,10 +826,8 @@ class MeshSync:
             "start_step": self.start_step,
             "restored": self.restored,
             "snapshots_sent": self.state.snapshots_sent,
-            "checkpoints_written": self.state.checkpoints_written,
-            "checkpoint_path": None
-            if self.state.checkpoint_path is None
-            else str(self.state.checkpoint_path),
+            "checkpoints_written": self.state.checkpoints_written + self.shard_state.written,
+            "checkpoint_path": None if self.checkpoint_path is None else str(self.checkpoint_path),
             "other_runs": s.other_runs,
             "refused": dict(s.refused),
             "clipped": s.clipped,
@@ -823,9 +876,20 @@ class MeshSync:
 
     # -- the state and the store --------------------------------------------------------------
 
+    @property
+    def checkpoint_path(self) -> Path | None:
+        """Where this replica's checkpoints go (a sharded replica's: a directory of
+        DCP checkpoints, train.shardckpt); None when nowhere."""
+        if self.shard is not None:
+            return self.shard_state.path
+        return self.state.checkpoint_path
+
     def checkpoint(self) -> Path | None:
         """Write a checkpoint now (this thread, atomically); its path, or None when no
-        checkpoint directory is set."""
+        checkpoint directory is set. A sharded replica's ranks call it together (each
+        writes its shard)."""
+        if self.shard is not None:
+            return self.shard_state.write(time.monotonic())
         return self.state.checkpoint()
 
     def begin_at(self, step: int) -> int:

@@ -23,8 +23,10 @@ Only the first rank speaks for the replica (JOIN, DONE with the chunks of all ra
     ...                                         # the same loop on every rank
     sync.finish()                               # on every rank
 
-Not yet for a sharded replica: ``outer`` mode, checkpoints and handing its state to
-a joiner (its JOIN says so, and joiners ask the other replicas).
+Its checkpoints are DCP's (train.shardckpt); joining or coming back mid-run, each rank
+fetches its rows of another replica's state (train.shardfetch). Not yet for a sharded
+replica: ``outer`` mode and handing its own state to a joiner (its JOIN says so, and
+joiners ask the other replicas).
 """
 
 from __future__ import annotations

@@ -98,25 +98,36 @@ class StateKeeper:
         if max((p.step for p in self.replica.peers.values()), default=0) > ckpt_step:
             # A state the daemon prefetched after a restart will do: it holds the
             # chunks since, and this replica drops those the state holds.
-            self._state_ask = (self._ask_state(self._writers(), held_ok=True), time.monotonic())
+            self._state_ask = (self._ask_state(self.writers(), held_ok=True), time.monotonic())
 
-    def _writers(self) -> set[str]:
+    def writers(self) -> set[str]:
         """Whose state may be taken: the run's replicas (and this node: a state its
         daemon prefetched and holds as its own)."""
         stateless = self.replica.roster.stateless  # sharded replicas hand none
         return {*(p for p in self.replica.peers if p not in stateless), self.replica.peer}
 
-    def _window(self) -> RunWindow | None:
+    def window(self) -> RunWindow | None:
         announced = {k: p.step for k, p in self.replica.peers.items()}
         bound = self.config.train.staleness_bound_steps
         behind = max(bound, self.config.store.state_version_slack_steps)
         return run_window(announced, bound, behind)
 
+    def start_of(self, version: int) -> int:
+        """Where a replica starts from a state of ``version``: its own step, or the
+        run's (the replicas' lower median) where it is a little further on (their
+        chunks since are held for this trainer); a claim beyond the staleness bound is
+        no replica's word to start from."""
+        window = self.window()
+        peer_step = max((p.step for p in self.replica.peers.values()), default=0)
+        run_step = peer_step if window is None else window.step
+        ahead = min(run_step, version + self.config.train.staleness_bound_steps)
+        return max(version, ahead)
+
     def _ask_state(self, writers: set[str], held_ok: bool) -> int:
         """Ask the daemon for a state of the run written by one of ``writers``, no
         further on than the run's window (core.store.runstate)."""
         ckpt_step = self._ckpt.step if self._ckpt else 0
-        window = self._window()
+        window = self.window()
         return self.channel.ask_object(
             self.state_name,
             min_version=ckpt_step + 1,
@@ -183,7 +194,7 @@ class StateKeeper:
         assert self._state_ask is not None
         rid, _ = self._state_ask
         s = self.config.store
-        writers = self._writers()
+        writers = self.writers()
         refused: list[dict[str, Any]] = []
         while True:
             try:
@@ -192,7 +203,7 @@ class StateKeeper:
                 if not refused:
                     raise
                 return {}, {}, refused
-            window = self._window()
+            window = self.window()
             version = int(got["version"])
 
             whose = {str(w) for w in got.get("writers") or [got.get("writer")] if w}
@@ -244,7 +255,6 @@ class StateKeeper:
         t0 = time.monotonic()
         r = self.replica
         ckpt = self._ckpt
-        peer_step = max((p.step for p in r.peers.values()), default=0)
         opt = self.optimizer if self.config.store.sync_optimizer_state else None
         info: dict[str, Any] = {"source": "fresh", "step": 0}
         self.ask_state_if_behind()
@@ -256,14 +266,8 @@ class StateKeeper:
             info["while_waiting_s"] = round(t0 - asked_at, 3)  # fetched during attach's wait
             t0 = asked_at
         if got:
-            # The state's own step, or the run's (the replicas' lower median) where it
-            # is a little further on (their chunks since are held for this trainer); a
-            # claim beyond the staleness bound is no replica's word to start from.
-            window = self._window()
-            run_step = peer_step if window is None else window.step
             version = int(got["version"])
-            ahead = min(run_step, version + self.config.train.staleness_bound_steps)
-            start = max(version, ahead)
+            start = self.start_of(version)
             applied = meta.get("applied", {})
             info = {**info, "source": "mesh", "step": start, "state_version": got["version"]}
             info.update(got)
@@ -291,7 +295,8 @@ class StateKeeper:
             start,
             applied if isinstance(applied, dict) else {},
             next_round if isinstance(next_round, int) else None,
-            _finals(meta.get("finals"), self.config.train.staleness_bound_steps),
+            finals_of(meta.get("finals"), self.config.train.staleness_bound_steps),
+            reached_of(meta.get("reached")),
         )
         info["seconds"] = round(time.monotonic() - t0, 3)
         if info["source"] != "fresh":
@@ -442,7 +447,7 @@ MAX_FINALS = 4096
 """Origins a state's ``finals`` may name (as many as accounts are kept for)."""
 
 
-def _finals(raw: object, bound: int) -> dict[str, tuple[int, int]]:
+def finals_of(raw: object, bound: int) -> dict[str, tuple[int, int]]:
     """A state's ``finals`` (core.replica.rule ``final_stamps``), each checked: a last
     step and a stamp at most the staleness bound past it; anything else is dropped
     (a state's meta is a peer's word)."""
@@ -459,3 +464,26 @@ def _finals(raw: object, bound: int) -> dict[str, tuple[int, int]]:
         ):
             finals[origin] = (pair[0], pair[1])
     return finals
+
+
+MAX_REACHED = 1 << 40
+"""The most chunks of one origin a state may say it holds."""
+
+
+def reached_of(raw: object) -> dict[str, tuple[int, int]] | None:
+    """A state's ``reached`` (core.replica.rule ``reached_counts``), each pair
+    checked; None for a state without one (an older writer's), and entries out of
+    range are dropped (a state's meta is a peer's word)."""
+    if not isinstance(raw, dict):
+        return None
+    reached: dict[str, tuple[int, int]] = {}
+    for origin, pair in list(raw.items())[:MAX_FINALS]:
+        if (
+            isinstance(origin, str)
+            and isinstance(pair, list)
+            and len(pair) == 2
+            and all(type(n) is int for n in pair)
+            and 0 <= pair[1] <= pair[0] <= MAX_REACHED
+        ):
+            reached[origin] = (pair[0], pair[1])
+    return reached

@@ -161,3 +161,41 @@ async def test_a_rank_before_its_first_rank_and_a_second_trainer_are_refused(
         second = await connect(server)
         assert "a trainer is attached" in (await second.hello())["error"]
         assert "error" in await (await connect(server)).hello(ranks=2_000_000)
+
+
+STATE = "state/" + run_id_of(RUN).hex()
+
+
+@pytest.mark.parametrize(
+    ("request_body", "refused"),
+    [
+        ({"name": "model/weights", "spans": [[0, 16]]}, True),  # not its run's state
+        ({"name": STATE}, True),  # the whole state: the first rank's to fetch
+        ({"name": STATE, "spans": [[0, 16]] * 5000}, False),  # too many: answered no
+        ({"name": STATE, "spans": [["0", 16]]}, False),
+        ({"name": STATE, "spans": [[0, 1 << 60]]}, False),  # past any object's size
+    ],
+    ids=["other-name", "whole", "spans-many", "span-text", "span-huge"],
+)
+async def test_a_rank_fetches_only_ranges_of_its_runs_state(
+    tmp_path: Path, request_body: dict[str, Any], refused: bool
+) -> None:
+    """Another rank may fetch ranges of its run's state (its rows, train.shardfetch),
+    nothing else; spans out of range are answered with an error, and the session and
+    its first rank's go on."""
+    async with daemon(tmp_path) as (mesh, server):
+        a = mesh.daemons["a"]
+        first = await connect(server)
+        welcome = await first.hello(ranks=2)
+        rank = await connect(server)
+        assert "error" not in await rank.hello(rank=1, incarnation=welcome["incarnation"])
+        rank.writer.write(json_frame(TrainerFrame.GET_REQUEST, {"id": 7, **request_body}))
+        if refused:
+            await until(lambda: a.counters["trainer_protocol_errors"] == 1, 10, "refused")
+        else:
+            result = parse_json(memoryview(await rank.next(TrainerFrame.STORE_RESULT)))
+            assert result["id"] == 7 and not result["ok"] and "span" in result["error"], result
+            assert a.counters["trainer_protocol_errors"] == 0
+        server.deliver(join_of("ciuic" + "c" * 32))
+        await first.next(TrainerFrame.DELIVER)
+        assert server._attached()

@@ -28,7 +28,7 @@ from ciuic_p2p.core.replica.messages import (
 from ciuic_p2p.core.replica.rule import RefusedChunk, Replica, consensus_distance
 from ciuic_p2p.lab.tasks import DigitsTask
 from ciuic_p2p.train.hook import flatten_parameters
-from ciuic_p2p.train.statesync import _finals
+from ciuic_p2p.train.statesync import finals_of, reached_of
 
 CODEC = CodecSection(density=0.05, dense_below_numel=0)
 TRAIN = TrainSection(consensus_interval_steps=0, norm_warmup_chunks=3, influence_disagreement=0.0)
@@ -649,7 +649,7 @@ def test_a_run_resumed_after_its_last_dense_update_takes_every_later_update() ->
     assert metas[0]["finals"] == {"p0": [30, 46], "p1": [30, 46]}
     resumed = [replica(i) for i in range(2)]
     for r, old, meta in zip(resumed, reps, metas, strict=True):
-        r.start_at(old.step, meta["applied"], None, _finals(meta["finals"], 64))
+        r.start_at(old.step, meta["applied"], None, finals_of(meta["finals"], 64))
     _introduce(resumed)
     a, b = resumed
     for p in finals["p1"]:  # the old last update, delivered again (a repair)
@@ -735,3 +735,37 @@ def test_the_last_update_of_a_replica_the_bound_ahead_is_taken() -> None:
     with pytest.raises(RefusedChunk) as refused:
         slow.receive(fast.peer, far[0])
     assert refused.value.reason == "pace"
+
+
+def test_a_replica_restored_under_a_daemon_that_stayed_counts_what_its_state_holds() -> None:
+    """A trainer restarted under a daemon that stayed never gets again the chunks that
+    daemon delivered to its earlier life: counted on arrival, an origin's chunks in the
+    state fell short of its DONE, and finish() returned False for good. The state says
+    how many of each origin's chunks it holds, and how many of its newest step (the
+    writer had 1 of that step's chunks: the others, arriving later, are counted)."""
+    codec = dataclasses.replace(CODEC, chunk_payload_bytes=4096, density=0.5)
+    writer, me, origin = (replica(i, width=1024, codec=codec) for i in range(3))
+    _introduce([writer, me, origin])
+    gen = torch.Generator().manual_seed(5)
+    sends = [local_update(origin, gen) for _ in range(6)]
+    assert all(len(s) >= 2 for s in sends)  # several chunks a step: a step can be partial
+    for payloads in sends[:5]:
+        for payload in payloads:
+            writer.receive("p2", payload)
+    writer.receive("p2", sends[5][0])
+    meta = json.loads(json.dumps(writer.state_meta()))  # as a state carries it
+    assert meta["reached"]["p2"] == [sum(map(len, sends[:5])) + 1, 1]
+    me.start_at(
+        writer.step, meta["applied"], None, finals_of(meta["finals"], 64),
+        reached_of(meta["reached"]),
+    )  # fmt: skip
+    for payloads in sends[3:]:  # what came after its earlier life: steps 4 to 6
+        for payload in payloads:
+            me.receive("p2", payload)
+    for _ in range(3):
+        for payload in local_update(origin, gen):
+            me.receive("p2", payload)
+    me.receive("p2", encode_done(run_id_of("run"), origin.step, origin.stats.chunks_sent))
+    p2 = me.peers["p2"]
+    assert p2.applied + p2.held_by_state == origin.stats.chunks_sent
+    assert p2.held_by_state == sum(map(len, sends[:6]))

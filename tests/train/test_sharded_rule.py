@@ -15,7 +15,7 @@ import torch
 from ciuic_p2p.config import CodecSection
 from ciuic_p2p.core.codec.bucket import ChunkSource
 from ciuic_p2p.core.codec.chunk import parse_chunk
-from ciuic_p2p.core.codec.layout import BucketLayout
+from ciuic_p2p.core.codec.layout import BucketLayout, canonical_name
 from ciuic_p2p.core.codec.pieces import PieceMap
 from ciuic_p2p.core.replica.messages import (
     PayloadKind,
@@ -25,7 +25,9 @@ from ciuic_p2p.core.replica.messages import (
     run_id_of,
 )
 from ciuic_p2p.core.replica.rule import Replica, consensus_distance
+from ciuic_p2p.core.store.statefile import StateFormatError, pack_state, read_header
 from ciuic_p2p.train.hook import flatten_parameters
+from ciuic_p2p.train.shardfetch import rank_ranges
 from tests.train.test_replica import TRAIN, model
 
 CODEC = CodecSection(density=0.05, dense_below_numel=100)
@@ -258,3 +260,48 @@ def test_sharded_ranks_mix_a_peers_fragment_as_an_unsharded_twin_does() -> None:
         assert torch.allclose(mine, theirs, atol=1e-7)
     assert peer.stats.params_mixed > 0 and not peer.stats.refused
     assert peer.stats.params_unmatched == 0
+
+
+def test_a_ranks_ranges_of_a_state_are_its_rows_of_every_tensor() -> None:
+    """A sharded rank fetches of a whole replica's state only its rows: of every
+    bucket its pieces, of every optimizer tensor shaped as a parameter the same rows,
+    a scalar one whole, then the meta area (train.shardfetch.rank_ranges); a header
+    of another model or naming an optimizer parameter that is not there is refused."""
+    net = model(width=33)
+    layout = BucketLayout.for_module(net, dense_below_numel=100)
+    buckets = flatten_parameters(net, layout)
+    opt = torch.optim.Adam(net.parameters())
+    net(torch.randn(4, 32)).sum().backward()
+    opt.step()
+    blob, _ = pack_state(layout.layout_id, buckets, opt, {"applied": {"p1": 3}})
+    header, start = read_header(blob)
+    rows = {s.name: (s.shape[0] // 2, s.shape[0] - s.shape[0] // 2) for s in layout.slots}
+    pieces = PieceMap.of_rows(layout, rows)
+    params = dict(net.named_parameters())
+    names = [canonical_name(n) for n in params]
+    wanted = rank_ranges(header, start, layout, pieces, names)
+    seen = set()
+    for w in wanted:
+        raw = bytes(blob[w.at : w.at + w.nbytes])
+        if w.key == "meta":
+            assert b'"applied":{"p1":3}' in raw
+            continue
+        got = torch.frombuffer(bytearray(raw), dtype=w.dtype)
+        if w.piece >= 0:
+            p = pieces.pieces[w.piece]
+            assert torch.equal(got, buckets[p.bucket][p.start : p.end])
+        else:
+            index, _, name = w.key.removeprefix("opt/").partition("/")
+            param = list(params.values())[int(index)]
+            value = opt.state[param][name]
+            r0, n = rows[names[int(index)]]
+            expected = value.flatten() if value.dim() == 0 else value[r0 : r0 + n].flatten()
+            assert torch.equal(got, expected.reshape(-1)), w.key
+        seen.add(w.key)
+    assert {f"opt/{i}/exp_avg" for i in range(len(names))} <= seen
+    shard_bytes = sum(p.numel * 4 for p in pieces.pieces)
+    assert sum(w.nbytes for w in wanted if w.piece >= 0) == shard_bytes
+    with pytest.raises(StateFormatError, match="another model"):
+        rank_ranges({**header, "layout": "0" * 16}, start, layout, pieces, names)
+    with pytest.raises(StateFormatError, match="out of range"):
+        rank_ranges(header, start, layout, pieces, names[:1])

@@ -118,6 +118,9 @@ class Intake:
         """Per origin: update steps at or below this are in the restored state."""
         self.held_finals: dict[str, int] = {}
         """Origins' last updates' stamps a restored state holds (:meth:`set_finals`)."""
+        self.counted_by_state: dict[str, list[int]] = {}
+        """Origins whose chunks in the restored state its writer counted: [the writer's
+        count of the floor's step, the arrivals of that step here] (set_floors)."""
         self.final: FinalRound | None = None
         """The run's last round, once this replica started it (:meth:`start_final`)."""
         self.final_ended = False
@@ -162,11 +165,40 @@ class Intake:
             return self.weight
         return 1.0 / max(claimed, self.influence.replicas_seen(step) - 1)
 
-    def set_floors(self, applied: dict[str, int]) -> None:
+    def set_floors(
+        self, applied: dict[str, int], reached: dict[str, tuple[int, int]] | None = None
+    ) -> None:
         """Each origin's newest step in a restored state: its chunks up to there are
-        held by the state and dropped when they arrive."""
+        held by the state and dropped when they arrive. ``reached``: per origin, how
+        many of its chunks the state holds and how many of those are of the floor's
+        step, as its writer counted them. Those origins' accounts start there; of their
+        chunks that arrive here up to the floor, only those of the floor's step past
+        that many are counted (a trainer restarted under a daemon that stayed never
+        gets again what that daemon delivered to its earlier life: a count of arrivals
+        fell short of the origin's DONE for good)."""
         self.floors = {k: int(v) for k, v in applied.items() if k != self.roster.me}
         self.held_finals = {}
+        self.counted_by_state = {}
+        for origin, (count, at_floor) in (reached or {}).items():
+            state = self.roster.account(origin) if origin in self.floors else None
+            if state is not None:
+                state.held_by_state = count
+                state.at_step, state.at_step_count = self.floors[origin], at_floor
+                self.counted_by_state[origin] = [at_floor, 0]
+
+    def _count_held(self, origin: str, h: ChunkHeader, state: PeerState | None) -> None:
+        """Count an arrival that the restored state holds (see :meth:`set_floors`)."""
+        if state is None:
+            return
+        counted = self.counted_by_state.get(origin)
+        if counted is None:
+            state.held_by_state += 1
+            state.reached(h.step)
+        elif h.step == self.floors.get(origin):
+            counted[1] += 1  # of the floor's step: those past the writer's count are new
+            if counted[1] > counted[0]:
+                state.held_by_state += 1
+                state.at_step_count += 1
 
     def set_finals(self, finals: dict[str, tuple[int, int]]) -> None:
         """Origins whose run's last update (stamped past their last step, core.replica.
@@ -217,9 +249,7 @@ class Intake:
         if h.run_id != self.source.run_id or not self._state_holds(origin, h):
             return False
         self.stats.before_state += 1
-        state = self.roster.account(origin)
-        if state is not None:
-            state.held_by_state += 1
+        self._count_held(origin, h, self.roster.account(origin))
         return True
 
     def prepare(self, origin: str, payload: bytes | memoryview) -> Prepared | RefusedChunk:
@@ -526,8 +556,7 @@ class Intake:
         # update's step (sparse, at the stamp) is not that update again.
         if self._state_holds(origin, h):
             self.stats.before_state += 1
-            if state is not None:
-                state.held_by_state += 1
+            self._count_held(origin, h, state)
             return
         self._check_once(self._updates, origin, h)
         influence = self.influence
@@ -568,6 +597,7 @@ class Intake:
             state.step = max(state.step, h.step)
             state.applied_step = max(state.applied_step, h.step)
             state.applied += 1
+            state.reached(h.step)
             if state.lagging and state.step > step - self.train.staleness_bound_steps:
                 state.lagging = False
         self.stats.applied += 1

@@ -33,6 +33,11 @@ class PeerState:
     held_by_state: int = 0
     """Chunks of this origin dropped because the state restored here already held them:
     accounted for like applied ones (a late joiner waited for them forever at finish)."""
+    at_step: int = 0
+    at_step_count: int = 0
+    """How many of this origin's chunks of step :attr:`at_step` (its newest applied or
+    held) reached the parameters: a state snapshot says it, so that a replica restored
+    from it counts the rest of that step's chunks when they arrive."""
     reported: bool = False
     """It told its step (a JOIN) since it was registered here."""
     excusals: int = 0
@@ -40,6 +45,13 @@ class PeerState:
     lagging: bool = False
     """Excused: past the staleness bound for longer than the grace; not waited for,
     and not waited for by settlement, until its chunks are back within the bound."""
+
+    def reached(self, step: int) -> None:
+        """One chunk of ``step`` reached the parameters (applied, or held by a state)."""
+        if step > self.at_step:
+            self.at_step, self.at_step_count = step, 0
+        if step == self.at_step:
+            self.at_step_count += 1
 
 
 MAX_STATELESS = 4096

@@ -689,16 +689,19 @@ class Replica:
         applied: dict[str, int] | None = None,
         next_round: int | None = None,
         finals: dict[str, tuple[int, int]] | None = None,
+        reached: dict[str, tuple[int, int]] | None = None,
     ) -> None:
         """Begin at ``step`` from the parameters now in the buckets (after a state
         sync or a checkpoint): the next update is measured from here. ``applied``
         (the state's :meth:`applied_steps`): each origin's chunks up to that step are
         in the state already and are dropped when they arrive. ``next_round`` (the
         state's :meth:`next_round`, outer mode): where its rounds stood. ``finals``
-        (the state's :meth:`final_stamps`): the run's last updates it holds."""
+        (the state's :meth:`final_stamps`): the run's last updates it holds.
+        ``reached`` (the state's :meth:`reached_counts`): how many chunks of each origin
+        it holds."""
         self.parameters.flush(wait=True)
         self.parameters.discard_queued()
-        self.intake.set_floors(applied or {})
+        self.intake.set_floors(applied or {}, reached)
         self.intake.set_finals(finals or {})
         self.step = self.last_send_step = step
         self.parameters.rebase()
@@ -720,10 +723,28 @@ class Replica:
             finals[self.peer] = [self.step, self.last_send_step]
         return finals
 
+    def reached_counts(self) -> dict[str, list[int]]:
+        """For each origin, how many of its chunks :meth:`shared_params` holds (those
+        applied or held by the state this replica started from: each origin's are
+        delivered in its order, so they are its first ones), and how many of those are
+        of its newest step there (the rest of that step may come later); this replica's
+        own: all it sent. Travels with a state snapshot: a replica restored from it
+        counts them towards the origin's DONE."""
+        floors = self.applied_steps()
+        counts = {
+            k: [p.applied + p.held_by_state, p.at_step_count if p.at_step == floors[k] else 0]
+            for k, p in self.peers.items()
+        }
+        return {**counts, self.peer: [self.stats.chunks_sent, 0]}
+
     def state_meta(self) -> dict[str, Any]:
         """What travels with a state snapshot beside the tensors (statefile's meta):
         :meth:`applied_steps`, and in outer mode :meth:`next_round`."""
-        meta: dict[str, Any] = {"applied": self.applied_steps(), "finals": self.final_stamps()}
+        meta: dict[str, Any] = {
+            "applied": self.applied_steps(),
+            "finals": self.final_stamps(),
+            "reached": self.reached_counts(),
+        }
         if self.outer is not None:
             meta["next_round"] = self.outer.next_round
         return meta

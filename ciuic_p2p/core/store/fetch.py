@@ -51,9 +51,11 @@ from ciuic_p2p.core.store.messages import (
     Query,
 )
 
-MAX_SPANS = 64
-MAX_SPAN_BYTES = 64 * 1024
-"""A sample is small: its spans' pieces, not the object, travel."""
+MAX_SPANS = 4096
+"""Spans one fetch may ask for: a sharded rank's rows of every tensor of a state
+(train.shardfetch), or a joiner's samples of another replica's (train.statesync).
+Their bytes together are at most ``store.max_object_bytes``; only the pieces that
+cover them travel."""
 
 
 class FetchState(enum.Enum):
@@ -112,13 +114,18 @@ class Fetch:
         """``writers``: only versions written by these peers (None: any; one writer is
         also asked for in the query); ``max_version``: none above; ``root``: exactly
         this object; ``verify``: a manifest's signature check (None: none, core
-        tests); ``spans``: (offset, bytes) ranges, at most ``MAX_SPANS`` of at most
-        ``MAX_SPAN_BYTES``, to fetch instead of the whole object; ``one_writer``: no
-        striping over several writers' compatible contents."""
-        if len(spans) > MAX_SPANS or any(
-            not (at >= 0 and 0 < n <= MAX_SPAN_BYTES) for at, n in spans
+        tests); ``spans``: (offset, bytes) ranges, at most ``MAX_SPANS``, to fetch
+        instead of the whole object; ``one_writer``: no striping over several
+        writers' compatible contents."""
+        if (
+            len(spans) > MAX_SPANS
+            or any(not (at >= 0 and n > 0) for at, n in spans)
+            or sum(n for _, n in spans) > settings.max_object_bytes
         ):
-            raise ValueError(f"at most {MAX_SPANS} spans of 1..{MAX_SPAN_BYTES} bytes each")
+            raise ValueError(
+                f"at most {MAX_SPANS} spans of at least a byte, "
+                f"{settings.max_object_bytes} bytes in all"
+            )
         self.spans = spans
         self.one_writer = one_writer
         self.name = name
